@@ -1,0 +1,51 @@
+"""metrale-model-engine: the ``ModelEp`` head/worker command protocol of Metrale, typed.
+
+Importing this package never imports torch; the torch.distributed backend lives in
+:mod:`metrale_model_engine.torch` (extra ``torch``).
+"""
+
+from ._errors import (
+    EpCommandFailed,
+    EpLinkError,
+    EpReceiveError,
+    EpRoleError,
+    EpSendError,
+    EpSetupError,
+)
+from ._model import ModelEp, TokenArray
+from ._protocol import PROTOCOL_ENV_VAR, EpProtocol
+from ._state import SequenceState
+from ._tokens import U32_TYPECODE, as_u32_buffer
+from ._transport import Broadcast, EpTransport
+from ._wire import DEFAULT_COMMAND_TIMEOUT, WIRE_VERSION, WireEp
+from ._words import CMD_SHUTDOWN, U32_MAX, U32_MIN, check_u32
+from ._worker import WorkerSummary, run_worker
+
+__all__ = [
+    "CMD_SHUTDOWN",
+    "DEFAULT_COMMAND_TIMEOUT",
+    "PROTOCOL_ENV_VAR",
+    "U32_MAX",
+    "U32_MIN",
+    "U32_TYPECODE",
+    "WIRE_VERSION",
+    "Broadcast",
+    "EpCommandFailed",
+    "EpLinkError",
+    "EpProtocol",
+    "EpReceiveError",
+    "EpRoleError",
+    "EpSendError",
+    "EpSetupError",
+    "EpTransport",
+    "ModelEp",
+    "SequenceState",
+    "TokenArray",
+    "WireEp",
+    "WorkerSummary",
+    "as_u32_buffer",
+    "check_u32",
+    "run_worker",
+]
+
+__version__ = "0.1.0"

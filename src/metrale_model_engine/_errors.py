@@ -1,0 +1,67 @@
+"""The exceptions of the protocol, each classified where it is raised.
+
+The classification is what keeps head and workers in step: a worker that sees
+:class:`EpCommandFailed` received the whole header and stays in its loop for the
+next command (the head raises the same error for the same request); a worker that
+sees an :class:`EpLinkError` lost the link and must exit, since the next word it
+would read is no longer known to be a header.
+"""
+
+from __future__ import annotations
+
+
+class EpCommandFailed(Exception):
+    """A command was received and then failed; the worker stays up.
+
+    The underlying error is both :attr:`cause` and ``__cause__``; ``str()`` shows its
+    type and message.  Instances pickle with their cause, so they cross process
+    boundaries.  Only this class (and subclasses) carries the tag: no other
+    exception is ever treated as "received and failed".
+    """
+
+    cause: BaseException
+
+    def __init__(self, cause: BaseException) -> None:
+        if not isinstance(cause, BaseException):
+            raise TypeError(
+                f"EpCommandFailed(cause) needs an exception, got {type(cause).__name__} {cause!r}"
+            )
+        super().__init__(cause)
+        self.cause = cause
+        self.__cause__ = cause
+
+    def __str__(self) -> str:
+        message = str(self.cause)
+        name = type(self.cause).__name__
+        return f"{name}: {message}" if message else name
+
+    def __reduce__(self) -> tuple[type[EpCommandFailed], tuple[BaseException]]:
+        return (type(self), (self.cause,))
+
+
+class EpLinkError(ConnectionError):
+    """The link between head and workers failed: a worker receiving it must exit.
+
+    Never tagged as :class:`EpCommandFailed`.  The original transport error, if any,
+    is ``__cause__``.
+    """
+
+
+class EpReceiveError(EpLinkError):
+    """A receive failed (peer gone, timeout, transport error); the worker exits."""
+
+
+class EpSendError(EpLinkError):
+    """A head-side broadcast failed (a worker gone, timeout, transport error)."""
+
+
+class EpSetupError(RuntimeError):
+    """The ranks disagree at setup (protocol, slot count or wire version).
+
+    Raised on every rank, before any command is sent, so a mismatch is never a
+    silent misread of a later word.
+    """
+
+
+class EpRoleError(RuntimeError):
+    """A head-only call was made on a worker rank, or a worker-only call on the head."""

@@ -1,0 +1,71 @@
+"""``run_worker``: the loop a worker rank runs until the head shuts it down."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableSequence
+from dataclasses import dataclass
+
+from ._errors import EpCommandFailed
+from ._model import ModelEp, S
+
+_LOGGER = logging.getLogger("metrale_model_engine.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    """What a worker loop did: commands that ran to the end, and ones that failed.
+
+    The shutdown header is not counted.
+    """
+
+    commands_run: int
+    commands_failed: int
+
+
+def run_worker(
+    model: ModelEp[S],
+    slots: MutableSequence[S | None],
+    *,
+    logger: logging.Logger | None = None,
+) -> WorkerSummary:
+    """Run ``model.ep_worker_step(slots)`` until it returns ``False`` (shutdown).
+
+    For ranks above 0.  An :class:`EpCommandFailed` is logged at error level with
+    its cause and the loop goes on (the command was received; the head raised the
+    same error).  Any other exception is logged and re-raised: the receive failed,
+    so the process should exit.  ``KeyboardInterrupt`` and ``SystemExit`` pass
+    through untouched.
+
+    Args:
+        model: the worker's model; its ``is_ep()`` must be ``True``.
+        slots: the worker's slot array, passed to every step.
+        logger: where to log; default ``logging.getLogger("metrale_model_engine.worker")``.
+
+    Returns:
+        The counts of commands run and failed.
+
+    Raises:
+        ValueError: ``model.is_ep()`` is ``False``: its default ``ep_worker_step``
+            would return ``True`` forever.
+        Exception: whatever a step raised other than :class:`EpCommandFailed`.
+    """
+    if not model.is_ep():
+        raise ValueError(
+            f"run_worker() needs a multi-rank model, but {type(model).__name__}.is_ep() "
+            "is False: its ep_worker_step would never receive a shutdown"
+        )
+    log = _LOGGER if logger is None else logger
+    run = failed = 0
+    while True:
+        try:
+            if not model.ep_worker_step(slots):
+                return WorkerSummary(commands_run=run, commands_failed=failed)
+        except EpCommandFailed as error:
+            failed += 1
+            log.error("command failed, worker stays up: %s", error, exc_info=error)
+            continue
+        except Exception:
+            log.exception("worker receive failed, leaving the loop after %d commands", run + failed)
+            raise
+        run += 1
