@@ -17,7 +17,7 @@ from ._protocol import PROTOCOL_ENV_VAR, EpProtocol
 from ._state import SequenceState
 from ._tokens import U32_TYPECODE, as_u32_buffer
 from ._transport import Broadcast, EpTransport
-from ._wire import DEFAULT_COMMAND_TIMEOUT, WIRE_VERSION, WireEp
+from ._wire import DEFAULT_COMMAND_TIMEOUT, WIRE_VERSION, WireEp, check_slot
 from ._words import CMD_SHUTDOWN, U32_MAX, U32_MIN, check_u32
 from ._worker import WorkerSummary, run_worker
 
@@ -44,6 +44,7 @@ __all__ = [
     "WireEp",
     "WorkerSummary",
     "as_u32_buffer",
+    "check_slot",
     "check_u32",
     "run_worker",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import MutableSequence
+from collections.abc import MutableSequence, Sized
 from typing import Final, NoReturn
 
 from ._errors import (
@@ -263,10 +263,7 @@ class WireEp(ModelEp[S]):
         if cmd == CMD_SHUTDOWN:
             return False
         try:
-            if seq_id >= len(slots):
-                raise IndexError(
-                    f"seq_id={seq_id} is out of range for {len(slots)} slots (cmd={cmd})"
-                )
+            check_slot(seq_id, slots)
             self.ep_run_command(seq_id, cmd, slots)
         except (EpLinkError, EpCommandFailed):
             raise
@@ -309,6 +306,16 @@ class WireEp(ModelEp[S]):
             raise EpReceiveError(
                 f"worker rank {self._rank}: receive from the head failed: {error}"
             ) from error
+
+
+def check_slot(seq_id: int, slots: Sized) -> None:
+    """Raise ``IndexError`` unless ``seq_id`` indexes ``slots`` (``0 <= seq_id < len(slots)``).
+
+    The worker-side bound of every command; a v1 model that carries the slot in a
+    follow-up word checks it with this too.
+    """
+    if not 0 <= seq_id < len(slots):
+        raise IndexError(f"seq_id={seq_id} is out of range for {len(slots)} slots")
 
 
 def _bad_argument(name: str, value: object, expected: str) -> NoReturn:

@@ -1,9 +1,12 @@
 """Test doubles: assert what a scheduler broadcasts, and replay it into a worker.
 
-``RecordingEp`` is a head (rank 0) that goes through the same checks as a real
-backend but sends over no process: every broadcast call is recorded as an
-:class:`EpEvent`, and the words that would have gone on the wire are kept so that
-:meth:`RecordingEp.replay` can feed them to a worker-side model.
+* :class:`RecordingEp`: a head (rank 0) that goes through the same checks as a real
+  backend but sends over no process; every broadcast call is recorded as an
+  :class:`EpEvent`, and :meth:`RecordingEp.replay` feeds the words that would have
+  gone on the wire to a worker-side model.
+* :class:`RecordingTransport` and :class:`ReplayTransport`: the in-memory transports
+  underneath, for running any ``WireEp`` model's head and worker sides in one
+  process.
 """
 
 from __future__ import annotations
@@ -38,8 +41,13 @@ class EpEvent:
     args: tuple[int, ...]
 
 
-class _RecordingTransport:
-    """Rank 0 of a pretend group: keeps each broadcast's words in order."""
+class RecordingTransport:
+    """Rank 0 of a pretend group of ``world_size`` ranks: keeps each broadcast's words.
+
+    Give it to any :class:`~metrale_model_engine.WireEp` model to run its head side
+    without processes; :attr:`broadcasts` is then exactly what went on the wire, one
+    tuple of words per broadcast.  The setup exchange sees every rank agree.
+    """
 
     rank = 0
 
@@ -59,8 +67,13 @@ class _RecordingTransport:
         return [list(words)] * self.world_size
 
 
-class _ReplayTransport:
-    """Rank 1 of a pretend group: receives the recorded broadcasts in order."""
+class ReplayTransport:
+    """Rank 1 of a pretend two-rank group: receives ``broadcasts`` in order.
+
+    Each receive must ask for exactly the length that was sent, else it fails
+    (``ValueError``, which a model reports as a receive error: out of step).  Past
+    the last broadcast a receive fails with ``EOFError``.
+    """
 
     rank = 1
     world_size = 2
@@ -104,7 +117,7 @@ class RecordingEp(WireEp[S]):
     """
 
     def __init__(self, *, is_ep: bool = True, protocol_v2: bool = False, num_slots: int = 8) -> None:
-        self._recording = _RecordingTransport(world_size=2 if is_ep else 1)
+        self._recording = RecordingTransport(world_size=2 if is_ep else 1)
         self.events: list[EpEvent] = []
         """The recorded calls, oldest first."""
         super().__init__(
@@ -165,7 +178,7 @@ class RecordingEp(WireEp[S]):
         if not self._shut_down:
             broadcasts.append(self.protocol.encode_header(0, CMD_SHUTDOWN))
         own_transport = worker._transport
-        worker._attach(_ReplayTransport(broadcasts))
+        worker._attach(ReplayTransport(broadcasts))
         try:
             return run_worker(worker, slots, logger=logger)
         finally:

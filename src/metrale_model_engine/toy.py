@@ -1,0 +1,164 @@
+"""A toy multi-rank model with real commands, for the demo, the tests and the benchmarks.
+
+``ToyModel`` serves sequences in slots with four commands (alloc, prefill with a
+prompt, decode, free).  Its "forward" is a rolling checksum over the tokens, so that
+every rank's slot state can be compared by digest.  It runs over any
+:class:`~metrale_model_engine.EpTransport`: torch.distributed in the demo, the
+in-memory doubles of :mod:`metrale_model_engine.testing` in unit tests.
+
+Each head method first checks everything that could fail, then broadcasts the
+command, then applies it locally; the worker hook reads the whole command before
+applying it.  A failure therefore never leaves a worker half way through a command.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterable, MutableSequence, Sequence
+from typing import Final
+
+from ._model import TokenArray
+from ._state import SequenceState
+from ._tokens import as_u32_buffer
+from ._wire import WireEp, check_slot
+
+VOCAB_SIZE: Final[int] = 32_000
+_CHECKSUM_MOD: Final[int] = (1 << 61) - 1
+
+
+class ToyCommand(enum.IntEnum):
+    """The toy model's command words (the shutdown word is the protocol's own)."""
+
+    ALLOC = 1
+    PREFILL = 2
+    DECODE = 3
+    FREE = 4
+
+
+class ToyState(SequenceState):
+    """A sequence's tokens plus the toy "KV state": a rolling checksum of them."""
+
+    __slots__ = ("checksum",)
+
+    def __init__(self, seq_id: int) -> None:
+        super().__init__(seq_id)
+        self.checksum = 0
+
+    def consume(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` and fold them into :attr:`checksum`."""
+        tokens = list(tokens)
+        self.extend(tokens)
+        checksum = self.checksum
+        for token in tokens:
+            checksum = (checksum * 1_000_003 + token + 1) % _CHECKSUM_MOD
+        self.checksum = checksum
+
+    def next_token(self) -> int:
+        """The token this state's greedy "forward" picks next."""
+        return (self.checksum >> 11) % VOCAB_SIZE
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ToyState):
+            return NotImplemented
+        return super().__eq__(other) and self.checksum == other.checksum
+
+
+ToySlots = MutableSequence[ToyState | None]
+
+
+class ToyModel(WireEp[ToyState]):
+    """The toy model: head methods drive a command; workers run it in :meth:`ep_run_command`.
+
+    Wire layout of each command after its header: under v1 the slot comes first as
+    a follow-up word (v1 headers do not carry it); then ``PREFILL`` sends the prompt
+    length and the prompt in one token broadcast, ``DECODE`` the chosen token.
+    """
+
+    # -- head ----------------------------------------------------------------
+
+    def alloc(self, slots: ToySlots, seq_id: int) -> None:
+        """Start a sequence in the free slot ``seq_id`` on every rank."""
+        self._check(slots, seq_id, ToyCommand.ALLOC)
+        self._start(seq_id, ToyCommand.ALLOC)
+        self._apply(slots, seq_id, ToyCommand.ALLOC, ())
+
+    def prefill(self, slots: ToySlots, seq_id: int, prompt: TokenArray) -> None:
+        """Feed ``prompt`` to the live sequence ``seq_id`` on every rank.
+
+        The prompt is checked before anything is sent.
+        """
+        self._check(slots, seq_id, ToyCommand.PREFILL)
+        tokens = as_u32_buffer("prompt", prompt)
+        self._start(seq_id, ToyCommand.PREFILL)
+        self.ep_broadcast_cmd(len(memoryview(tokens)))
+        self._apply(slots, seq_id, ToyCommand.PREFILL, self.ep_broadcast_tokens(tokens))
+
+    def decode(self, slots: ToySlots, seq_id: int) -> int:
+        """One decode step of ``seq_id``: the head picks the token, every rank appends it."""
+        state = self._check(slots, seq_id, ToyCommand.DECODE)
+        assert state is not None
+        token = state.next_token()
+        self._start(seq_id, ToyCommand.DECODE)
+        self.ep_broadcast_cmd(token)
+        self._apply(slots, seq_id, ToyCommand.DECODE, (token,))
+        return token
+
+    def free(self, slots: ToySlots, seq_id: int) -> None:
+        """End the sequence in slot ``seq_id`` on every rank."""
+        self._check(slots, seq_id, ToyCommand.FREE)
+        self._start(seq_id, ToyCommand.FREE)
+        self._apply(slots, seq_id, ToyCommand.FREE, ())
+
+    def _start(self, seq_id: int, cmd: ToyCommand) -> None:
+        self.ep_broadcast_cmd_for_seq(seq_id, cmd)
+        if not self.ep_protocol_v2():
+            self.ep_broadcast_cmd(seq_id)
+
+    # -- worker --------------------------------------------------------------
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
+        """Read the whole command, then apply it to ``slots``."""
+        if not self.ep_protocol_v2():
+            seq_id = self.ep_recv_cmd()
+        payload: Sequence[int] = ()
+        if cmd == ToyCommand.PREFILL:
+            payload = self.ep_broadcast_tokens(range(self.ep_recv_cmd()))
+        elif cmd == ToyCommand.DECODE:
+            payload = (self.ep_recv_cmd(),)
+        elif cmd not in (ToyCommand.ALLOC, ToyCommand.FREE):
+            raise ValueError(f"unknown command word {cmd} for ToyModel (seq_id={seq_id})")
+        self._apply(slots, seq_id, ToyCommand(cmd), payload)
+
+    # -- every rank -----------------------------------------------------------
+
+    def _check(self, slots: ToySlots, seq_id: int, cmd: ToyCommand) -> ToyState | None:
+        check_slot(seq_id, slots)
+        state = slots[seq_id]
+        if cmd is ToyCommand.ALLOC:
+            if state is not None:
+                raise ValueError(f"alloc: slot {seq_id} is already in use")
+        elif state is None:
+            raise KeyError(f"{cmd.name.lower()}: slot {seq_id} is free")
+        return state
+
+    def _apply(self, slots: ToySlots, seq_id: int, cmd: ToyCommand, payload: Sequence[int]) -> None:
+        state = self._check(slots, seq_id, cmd)
+        if cmd is ToyCommand.ALLOC:
+            slots[seq_id] = ToyState(seq_id)
+        elif cmd is ToyCommand.FREE:
+            slots[seq_id] = None
+        else:
+            assert state is not None
+            state.consume(payload)
+
+
+def slots_digest(slots: Sequence[ToyState | None]) -> str:
+    """A short hex digest of every slot's state; equal on ranks that agree."""
+    hasher = hashlib.sha256()
+    for state in slots:
+        if state is None:
+            hasher.update(b"-;")
+        else:
+            hasher.update(repr((state.seq_id, state.checksum, list(state.tokens))).encode())
+    return hasher.hexdigest()[:16]

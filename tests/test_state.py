@@ -1,0 +1,61 @@
+import pickle
+
+import pytest
+
+from metrale_model_engine import SequenceState
+
+
+class KvState(SequenceState):
+    __slots__ = ("kv_blocks",)
+
+    def __init__(self, seq_id: int, kv_blocks: int) -> None:
+        super().__init__(seq_id)
+        self.kv_blocks = kv_blocks
+
+
+def test_fields_and_growth() -> None:
+    state = SequenceState(2, [5, 6])
+    state.append(7)
+    state.extend((8, 9))
+    assert state.seq_id == 2
+    assert list(state.tokens) == [5, 6, 7, 8, 9]
+    assert repr(state) == "SequenceState(seq_id=2, tokens=[5, 6, 7, 8, 9])"
+
+
+def test_equality_is_by_class_seq_id_and_tokens() -> None:
+    assert SequenceState(1, [3]) == SequenceState(1, [3])
+    assert SequenceState(1, [3]) != SequenceState(1, [4])
+    assert SequenceState(1, [3]) != SequenceState(2, [3])
+    assert SequenceState(1) != KvState(1, kv_blocks=0)
+
+
+@pytest.mark.parametrize("seq_id", [True, 1.0, None])
+def test_seq_id_type_checked(seq_id: object) -> None:
+    with pytest.raises(TypeError, match="seq_id must be an int"):
+        SequenceState(seq_id)  # type: ignore[arg-type]
+
+
+def test_seq_id_range_checked() -> None:
+    with pytest.raises(ValueError, match=r"seq_id=-1 is outside the u32 range"):
+        SequenceState(-1)
+
+
+def test_bad_token_names_its_index_and_records_nothing() -> None:
+    state = SequenceState(0, [1])
+    with pytest.raises(ValueError, match=r"tokens\[2\]=4294967296 is outside"):
+        state.extend([2, 3, 2**32])
+    with pytest.raises(TypeError, match=r"token must be an int.*got float 1.5"):
+        state.append(1.5)  # type: ignore[arg-type]
+    assert list(state.tokens) == [1]
+
+
+def test_subclass_adds_device_state_and_stays_slotted() -> None:
+    state = KvState(4, kv_blocks=3)
+    state.append(11)
+    assert (state.seq_id, list(state.tokens), state.kv_blocks) == (4, [11], 3)
+    assert not hasattr(state, "__dict__")
+
+
+def test_pickles() -> None:
+    state = SequenceState(3, [1, 2])
+    assert pickle.loads(pickle.dumps(state)) == state

@@ -1,0 +1,118 @@
+"""RecordingEp: exact event sequences, real checks, replay into a worker."""
+
+import logging
+from collections.abc import MutableSequence
+
+import pytest
+
+from metrale_model_engine import (
+    CMD_SHUTDOWN,
+    EpProtocol,
+    EpReceiveError,
+    EpSetupError,
+    SequenceState,
+    WireEp,
+    WorkerSummary,
+)
+from metrale_model_engine.testing import EpEvent, RecordingEp, RecordingTransport, ReplayTransport
+
+
+def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:
+    """What a scheduler does before one prefill: header, length word, tokens."""
+    model.ep_broadcast_cmd_for_seq(seq_id, 2)
+    model.ep_broadcast_cmd(len(prompt))
+    model.ep_broadcast_tokens(prompt)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_records_events_and_wire(v2: bool) -> None:
+    model: RecordingEp[SequenceState] = RecordingEp(protocol_v2=v2, num_slots=4)
+    assert model.is_ep() is True and model.ep_protocol_v2() is v2
+    schedule_step(model, 3, [10, 11])
+    model.ep_shutdown_workers()
+    assert model.events == [
+        EpEvent("cmd_for_seq", (3, 2)),
+        EpEvent("cmd", (2,)),
+        EpEvent("tokens", (10, 11)),
+        EpEvent("shutdown", ()),
+    ]
+    header = [(3, 2)] if v2 else [(2,)]
+    shutdown = [(0, CMD_SHUTDOWN)] if v2 else [(CMD_SHUTDOWN,)]
+    assert model.wire == [*header, (2,), (10, 11), *shutdown]
+
+
+def test_single_gpu_recorder_records_calls_but_nothing_on_the_wire() -> None:
+    model: RecordingEp[SequenceState] = RecordingEp(is_ep=False)
+    assert model.is_ep() is False
+    schedule_step(model, 0, [1])
+    assert [e.kind for e in model.events] == ["cmd_for_seq", "cmd", "tokens"]
+    assert model.wire == []
+
+
+def test_invalid_calls_raise_like_the_real_thing_and_are_not_recorded() -> None:
+    model: RecordingEp[SequenceState] = RecordingEp(num_slots=2)
+    with pytest.raises(ValueError, match=r"seq_id=2 is out of range for 2 slots"):
+        model.ep_broadcast_cmd_for_seq(2, 1)
+    with pytest.raises(TypeError, match="cmd must be an int"):
+        model.ep_broadcast_cmd(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tokens\[0\]=-3 is outside"):
+        model.ep_broadcast_tokens([-3])
+    assert model.events == [] and model.wire == []
+
+
+class EchoWorker(WireEp[SequenceState]):
+    """A worker that applies the prefill that schedule_step sends."""
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+        if cmd != 2:
+            super().ep_run_command(seq_id, cmd, slots)
+        count = self.ep_recv_cmd()
+        tokens = self.ep_broadcast_tokens(range(count))
+        slots[seq_id] = SequenceState(seq_id, tokens)
+
+
+def test_replay_into_a_worker(caplog: pytest.LogCaptureFixture) -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=3)
+    schedule_step(head, 1, [5, 6, 7])
+    head.ep_broadcast_cmd_for_seq(0, 99)  # unknown to the worker: fails, the loop goes on
+    schedule_step(head, 2, [8])
+    transport = RecordingTransport(world_size=2)
+    worker = EchoWorker(transport, num_slots=3, protocol=EpProtocol.V2)
+    slots: list[SequenceState | None] = [None, None, None]
+    with caplog.at_level(logging.ERROR):
+        summary = head.replay(worker, slots)
+    assert summary == WorkerSummary(commands_run=2, commands_failed=1)
+    assert slots == [None, SequenceState(1, [5, 6, 7]), SequenceState(2, [8])]
+    assert "unknown command word 99" in caplog.text
+    assert worker._transport is transport
+    assert head.replay(worker, [None, None, None]) == summary
+
+
+def test_replay_refuses_a_mismatched_worker() -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=3)
+    worker = EchoWorker(RecordingTransport(2), num_slots=3, protocol=EpProtocol.V1)
+    with pytest.raises(EpSetupError, match=r"the worker \(v1, 3 slots\) does not match the recording \(v2, 3 slots\)"):
+        head.replay(worker, [None] * 3)
+
+
+def test_replay_needs_a_multi_rank_recording() -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(is_ep=False)
+    worker = EchoWorker(RecordingTransport(2), num_slots=8, protocol=EpProtocol.V1)
+    with pytest.raises(ValueError, match="replay\\(\\) needs a recording made with is_ep=True"):
+        head.replay(worker, [None] * 8)
+
+
+def test_replay_out_of_step_is_a_receive_error() -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=2)
+    head.ep_broadcast_cmd_for_seq(0, 2)
+    head.ep_broadcast_cmd(3)
+    head.ep_broadcast_tokens([1, 2])  # says 3, sends 2
+    worker = EchoWorker(RecordingTransport(2), num_slots=2, protocol=EpProtocol.V2)
+    with pytest.raises(EpReceiveError, match="out of step with the head: the worker expects 3 words, the head sent 2"):
+        head.replay(worker, [None, None])
+
+
+def test_replay_transport_past_the_end() -> None:
+    worker = EchoWorker(ReplayTransport([]), num_slots=1, protocol=EpProtocol.V1)
+    with pytest.raises(EpReceiveError, match="the recording has no more broadcasts"):
+        worker.ep_worker_step([None])
