@@ -201,7 +201,8 @@ class WireEp(ModelEp[S]):
         """
         if self._rank != 0:
             received = array(U32_TYPECODE, bytes(4 * token_count(tokens)))
-            self._receive(self._transport.bind(received), self._command_timeout)
+            if received:  # the head sends nothing for an empty array
+                self._receive(self._transport.bind(received), self._command_timeout)
             return received.tolist()
         buffer = as_u32_buffer("tokens", tokens)
         if self._world_size > 1 and token_count(buffer):

@@ -1,0 +1,298 @@
+"""The protocol over torch.distributed: gloo on CPU, NCCL on CUDA (extra ``torch``).
+
+* :class:`TorchEp` is a :class:`~metrale_model_engine.WireEp` over a process group:
+  inherit it and the model has the whole protocol; override ``ep_run_command``.
+* :class:`TorchTransport` is the transport underneath, for models written against
+  any transport (``ToyModel(TorchTransport(), num_slots=8)``).
+* :func:`init_local_group` and :func:`run_local` start a group of N ranks on
+  loopback for scripts and tests; under ``torchrun`` the caller's own
+  ``init_process_group`` is used as it is.
+
+Timeouts.  A worker waits for the next header as long as the group's own timeout
+allows; that is the idle limit, which :func:`init_local_group` sets to
+:data:`DEFAULT_IDLE_TIMEOUT` (pass ``timeout=`` to ``init_process_group`` under
+torchrun).  Follow-up words and payloads of a command in flight are bounded by the
+model's ``command_timeout``.  A dead peer closes its sockets, which gloo reports at
+once: the other ranks' next receive or send fails with an ``EpLinkError``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import multiprocessing
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as error:  # pragma: no cover - exercised in a torch-less venv
+    raise ImportError(
+        "metrale_model_engine.torch needs PyTorch: install the 'torch' extra, "
+        "pip install 'metrale-model-engine[torch]' (CPU build: pip install torch==2.13.0 first)"
+    ) from error
+
+from typing_extensions import Buffer
+
+from ._model import S, TokenArray
+from ._protocol import EpProtocol
+from ._transport import Broadcast
+from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp
+from ._words import U32_MAX
+
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
+    "TorchEp",
+    "TorchTransport",
+    "free_port",
+    "init_local_group",
+    "run_local",
+]
+
+DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
+"""Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header."""
+
+
+@functools.lru_cache(maxsize=8)
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class TorchTransport:
+    """An :class:`~metrale_model_engine.EpTransport` over a torch.distributed group.
+
+    Words travel as ``int32`` tensors holding the u32 bits (gloo and NCCL have no
+    u32 type); they wrap the caller's buffer without copying.  Under NCCL a device
+    tensor of the same size is kept per bound buffer and copied to and from.
+
+    Args:
+        group: the process group; default the world group.  Its rank 0 is the head.
+        device: where collective tensors live; default CPU for gloo and the current
+            CUDA device for NCCL.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or this process is not
+            in ``group``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "(torchrun) or metrale_model_engine.torch.init_local_group first"
+            )
+        self._group = dist.group.WORLD if group is None else group
+        rank = dist.get_rank(self._group)
+        if rank < 0:
+            raise RuntimeError("this process is not a member of the given process group")
+        self._rank = rank
+        self._world_size = dist.get_world_size(self._group)
+        if device is None:
+            uses_nccl = dist.get_backend(self._group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl else torch.device("cpu")
+        self._device = device
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collective tensors live."""
+        return self._device
+
+    def bind(self, words: Buffer) -> Broadcast:
+        host = torch.frombuffer(words, dtype=torch.int32)
+        group = self._group
+        if self._device.type == "cpu":
+
+            def broadcast(timeout: float | None) -> None:
+                work = dist.broadcast(host, group=group, group_src=0, async_op=True)
+                assert work is not None
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(_timedelta(timeout))
+
+            return broadcast
+
+        device_words = torch.empty_like(host, device=self._device)
+        is_head = self._rank == 0
+
+        def broadcast_on_device(timeout: float | None) -> None:
+            if is_head:
+                device_words.copy_(host)
+            work = dist.broadcast(device_words, group=group, group_src=0, async_op=True)
+            assert work is not None
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(_timedelta(timeout))
+            if not is_head:
+                host.copy_(device_words)
+
+        return broadcast_on_device
+
+    def gather(self, words: Sequence[int]) -> list[list[int]]:
+        mine = torch.tensor(list(words), dtype=torch.int64, device=self._device)
+        everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
+        dist.all_gather(everyone, mine, group=self._group)
+        return [tensor.tolist() for tensor in everyone]
+
+
+class TorchEp(WireEp[S]):
+    """A model with the whole protocol over a torch.distributed process group.
+
+    Inherit it (beside ``torch.nn.Module`` if the model is one) and override
+    ``ep_run_command``; the head side of each command calls the broadcast methods.
+    Construction is collective over the group and checks that all ranks agree (see
+    :class:`~metrale_model_engine.WireEp`).  Besides the core's token arrays,
+    ``ep_broadcast_tokens`` takes a 1-D integer tensor.
+
+    Args:
+        num_slots: the slot count (``--max-batch-size``).
+        group: the process group; default the world group, e.g. made by torchrun.
+        protocol: default :meth:`EpProtocol.from_env`.
+        command_timeout: seconds for a command in flight (see ``WireEp``).
+        device: see :class:`TorchTransport`.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        group: dist.ProcessGroup | None = None,
+        protocol: EpProtocol | None = None,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(
+            TorchTransport(group, device=device),
+            num_slots=num_slots,
+            protocol=protocol,
+            command_timeout=command_timeout,
+        )
+
+    def ep_broadcast_tokens(self, tokens: TokenArray | torch.Tensor) -> list[int]:
+        """As :meth:`WireEp.ep_broadcast_tokens`; a tensor is checked and sent without a Python loop."""
+        if not isinstance(tokens, torch.Tensor):
+            return super().ep_broadcast_tokens(tokens)
+        if self.rank != 0:
+            return super().ep_broadcast_tokens(range(tokens.numel()))
+        words = _tensor_as_u32(tokens)
+        super().ep_broadcast_tokens(words)
+        return tokens.tolist()  # type: ignore[no-any-return]  # a 1-D int tensor gives list[int]
+
+
+def _tensor_as_u32(tokens: torch.Tensor) -> Buffer:
+    """A u32 buffer of a 1-D integer tensor's values; raises like the core's check."""
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be a 1-D token array, got a {tokens.dim()}-D tensor")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must hold integers, got a tensor of dtype {tokens.dtype}")
+    values = tokens.detach().to(device="cpu", dtype=torch.int64)
+    bad = ((values < 0) | (values > U32_MAX)).nonzero()
+    if bad.numel():
+        index = int(bad[0])
+        raise ValueError(f"tokens[{index}]={int(values[index])} is outside the u32 range 0 ..= 4294967295 (0xFFFFFFFF)")
+    # int64 -> int32 keeps the low 32 bits: the u32 bit pattern.
+    return memoryview(values.to(torch.int32).numpy()).cast("B").cast("I")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a local group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def init_local_group(
+    rank: int,
+    world_size: int,
+    *,
+    port: int,
+    backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT,
+) -> None:
+    """Initialise this process as ``rank`` of a ``world_size``-rank group on loopback.
+
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise; under
+    NCCL the process uses CUDA device ``rank % device_count``.  ``timeout`` is the
+    group timeout, which bounds an idle worker's wait for the next header.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device_id = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+
+
+def _local_rank_main(
+    target: Callable[..., None],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None,
+    args: tuple[object, ...],
+) -> None:
+    init_local_group(rank, world_size, port=port, backend=backend)
+    try:
+        target(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(
+    target: Callable[..., None],
+    world_size: int,
+    *args: object,
+    backend: str | None = None,
+    timeout: float = 300.0,
+) -> list[int]:
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` fresh processes.
+
+    Each process joins a local group (:func:`init_local_group`) first and leaves it
+    after.  ``target`` and ``args`` must be picklable (the ``spawn`` start method).
+    Processes still running after ``timeout`` seconds are killed.
+
+    Returns:
+        Every rank's exit code, by rank (0 for success; negative: killed by that signal).
+    """
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=_local_rank_main, args=(target, rank, world_size, port, backend, args))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return [process.exitcode if process.exitcode is not None else -9 for process in processes]
+

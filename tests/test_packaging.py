@@ -1,0 +1,46 @@
+"""A built wheel carries the package, its py.typed marker and both licenses."""
+
+import email
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (built,) = out.glob("metrale_model_engine-*.whl")
+    return built
+
+
+def test_wheel_contents(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = {n for n in names if n.startswith("metrale_model_engine/")}
+    for module in ("__init__.py", "py.typed", "_model.py", "_wire.py", "_worker.py", "testing.py", "toy.py"):
+        assert f"metrale_model_engine/{module}" in package
+    licenses = {Path(n).name for n in names if "/licenses/" in n}
+    assert licenses == {"LICENSE-MIT", "LICENSE-APACHE"}
+    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+
+
+def test_wheel_metadata(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata_name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = email.message_from_bytes(archive.read(metadata_name))
+    assert metadata["Name"] == "metrale-model-engine"
+    assert metadata["License-Expression"] == "MIT OR Apache-2.0"
+    assert metadata["Requires-Python"] == ">=3.10"
+    runtime = [r for r in metadata.get_all("Requires-Dist", []) if "extra ==" not in r]
+    assert [r.split(">")[0].split("=")[0].strip() for r in runtime] == ["typing-extensions"]
+    assert sorted(metadata.get_all("License-File", [])) == ["LICENSE-APACHE", "LICENSE-MIT"]
