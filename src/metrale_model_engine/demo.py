@@ -62,12 +62,21 @@ def serve(rank: int, world_size: int, protocol: EpProtocol, sequences: int, deco
     if rank == 0:
         for other, digest in enumerate(digests):
             print(f"[rank {other}] slot digest {digest}", flush=True)
-    if len(set(digests)) != 1:
+    problem = digests_disagree(digests)
+    if problem is not None:
         if rank == 0:
-            print("error: the ranks' slot states differ", file=sys.stderr, flush=True)
+            print(f"error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if rank == 0:
         print(f"all {world_size} ranks agree", flush=True)
+
+
+def digests_disagree(digests: Sequence[object]) -> str | None:
+    """``None`` when every rank's digest is rank 0's, else a message naming the first that differs."""
+    for rank, digest in enumerate(digests):
+        if digest != digests[0]:
+            return f"the ranks' slot states differ: rank {rank} has {digest}, rank 0 has {digests[0]}"
+    return None
 
 
 def _drive(model: ToyModel, slots: list[ToyState | None], decode_steps: int) -> None:

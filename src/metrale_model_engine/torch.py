@@ -24,7 +24,7 @@ import multiprocessing
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, cast
 
 try:
     import torch
@@ -41,7 +41,7 @@ from ._model import S, TokenArray
 from ._protocol import EpProtocol
 from ._transport import Broadcast
 from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp
-from ._words import U32_MAX
+from ._words import U32_MAX, check_u32
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
@@ -188,7 +188,7 @@ class TorchEp(WireEp[S]):
             return super().ep_broadcast_tokens(range(tokens.numel()))
         words = _tensor_as_u32(tokens)
         super().ep_broadcast_tokens(words)
-        return tokens.tolist()  # type: ignore[no-any-return]  # a 1-D int tensor gives list[int]
+        return memoryview(words).tolist()
 
 
 def _tensor_as_u32(tokens: torch.Tensor) -> Buffer:
@@ -201,9 +201,10 @@ def _tensor_as_u32(tokens: torch.Tensor) -> Buffer:
     bad = ((values < 0) | (values > U32_MAX)).nonzero()
     if bad.numel():
         index = int(bad[0])
-        raise ValueError(f"tokens[{index}]={int(values[index])} is outside the u32 range 0 ..= 4294967295 (0xFFFFFFFF)")
-    # int64 -> int32 keeps the low 32 bits: the u32 bit pattern.
-    return memoryview(values.to(torch.int32).numpy()).cast("B").cast("I")
+        check_u32(f"tokens[{index}]", int(values[index]))
+    # int64 -> int32 keeps the low 32 bits: the u32 bit pattern.  numpy's stubs do
+    # not declare the buffer protocol before Python 3.12, hence the cast.
+    return memoryview(cast(Buffer, values.to(torch.int32).numpy())).cast("B").cast("I")
 
 
 def free_port() -> int:

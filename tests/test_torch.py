@@ -1,0 +1,121 @@
+"""The protocol over real processes on loopback gloo (2 and 3 ranks), each run bounded in time."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+import torch_sessions as sessions  # noqa: E402
+
+from metrale_model_engine import WorkerSummary  # noqa: E402
+from metrale_model_engine.torch import run_local  # noqa: E402
+from metrale_model_engine.toy import ToyState  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+RUN_TIMEOUT = 120.0
+
+
+def run(target: Callable[..., None], world_size: int, tmp_path: Path, *args: object) -> tuple[list[int], dict[int, dict[str, object]]]:
+    codes = run_local(target, world_size, *args, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
+    results = {}
+    for rank in range(world_size):
+        path = tmp_path / f"rank{rank}.pkl"
+        if path.exists():
+            results[rank] = pickle.loads(path.read_bytes())
+    return codes, results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("protocol", ["v1", "v2"])
+def test_full_session_every_rank_agrees(world_size: int, protocol: str, tmp_path: Path) -> None:
+    codes, results = run(sessions.full_session, world_size, tmp_path, protocol)
+    assert codes == [0] * world_size
+    head = results[0]
+    slots = head["slots"]
+    assert isinstance(slots, list) and [s is not None for s in slots] == [True, False, False, True]
+    live = slots[3]
+    assert isinstance(live, ToyState) and len(live.tokens) == 5 + 4
+    for rank in range(1, world_size):
+        assert results[rank]["slots"] == slots
+        assert results[rank]["digest"] == head["digest"]
+        # 3 allocs + 3 prefills + 12 decodes + 1 free
+        assert results[rank]["summary"] == WorkerSummary(commands_run=19, commands_failed=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_faults_after_the_header_keep_workers_in_step(world_size: int, tmp_path: Path) -> None:
+    codes, results = run(sessions.faults_session, world_size, tmp_path)
+    assert codes == [0] * world_size
+    seen = results[0]["seen"]
+    assert isinstance(seen, dict)
+    assert seen["head_seq_id_error"] == "seq_id=4 is out of range for 4 slots (0 ..= 3)"
+    assert seen["head_token_error"].startswith("prompt[2]=-5 is outside the u32 range")
+    for rank in range(1, world_size):
+        # rank 1: the injected failure, the unknown command, the bad seq_id; others: the last two.
+        failed = 3 if rank == 1 else 2
+        assert results[rank]["summary"] == WorkerSummary(commands_run=7 - failed, commands_failed=failed)
+        assert results[rank]["slots"] == results[0]["slots"]
+    live = results[0]["slots"][0]  # type: ignore[index]
+    assert isinstance(live, ToyState) and list(live.tokens)[:3] == [9, 8, 7] and len(live.tokens) == 5
+
+
+@pytest.mark.parametrize(("what", "fragment"), [
+    ("protocol", "the ranks disagree on the protocol (rank 0: v1, rank 1: v2"),
+    ("slots", "the ranks disagree on the slot count (rank 0: 4, rank 1: 4, rank 2: 5)"),
+])
+def test_setup_mismatch_fails_on_every_rank(what: str, fragment: str, tmp_path: Path) -> None:
+    codes, results = run(sessions.setup_mismatch, 3, tmp_path, what)
+    assert codes == [0, 0, 0]
+    for rank in range(3):
+        assert results[rank]["error_type"] == "EpSetupError"
+        assert fragment in str(results[rank]["error"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_head_killed_mid_session_workers_exit_with_a_receive_error(world_size: int, tmp_path: Path) -> None:
+    started = time.monotonic()
+    codes, results = run(sessions.head_dies, world_size, tmp_path)
+    assert time.monotonic() - started < RUN_TIMEOUT / 2
+    assert codes[0] == -9 and codes[1:] == [3] * (world_size - 1)
+    died_at = float((tmp_path / "head_died_at").read_text())
+    for rank in range(1, world_size):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert f"worker rank {rank}: receive from the head failed" in str(results[rank]["error"])
+        assert float(results[rank]["at"]) - died_at < 10.0  # type: ignore[arg-type]
+
+
+def test_worker_killed_the_heads_next_send_fails(tmp_path: Path) -> None:
+    codes, results = run(sessions.worker_dies, 2, tmp_path)
+    assert codes == [3, -9]
+    assert results[0]["error_type"] == "EpSendError"
+    assert "head: broadcast to the workers failed" in str(results[0]["error"])
+    assert float(results[0]["seconds"]) < 10.0  # type: ignore[arg-type]
+
+
+def test_idle_worker_outlives_the_command_timeout(tmp_path: Path) -> None:
+    codes, results = run(sessions.idle_worker, 2, tmp_path, 3.0)
+    assert codes == [0, 0]
+    assert results[1]["summary"] == WorkerSummary(commands_run=2, commands_failed=0)
+    assert results[1]["digest"] == results[0]["digest"]
+
+
+def test_tensor_and_numpy_tokens(tmp_path: Path) -> None:
+    codes, results = run(sessions.tensor_tokens, 2, tmp_path)
+    assert codes == [0, 0]
+    assert results[0]["errors"] == [
+        "tokens[1]=-1 is outside the u32 range 0 ..= 4294967295 (0xFFFFFFFF)",
+        "tokens must hold integers, got a tensor of dtype torch.float32",
+        "tokens must be a 1-D token array, got a 2-D tensor",
+    ]
+    head_state = results[0]["slots"][1]  # type: ignore[index]
+    assert isinstance(head_state, ToyState)
+    assert list(head_state.tokens) == [1, 2, 4_294_967_295, 5, 6, 7]
+    assert results[1]["slots"] == results[0]["slots"]
+    assert results[1]["summary"] == WorkerSummary(commands_run=3, commands_failed=0)

@@ -1,0 +1,113 @@
+"""The torch backend's checks that need no second process, and encoding properties."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+numpy = pytest.importorskip("numpy", reason="numpy is needed by torch's tensor.numpy()")
+
+from metrale_model_engine import U32_MAX, U32_TYPECODE, EpProtocol, as_u32_buffer  # noqa: E402
+from metrale_model_engine import torch as ep_torch  # noqa: E402
+from metrale_model_engine.torch import TorchTransport, init_local_group, run_local  # noqa: E402
+
+import torch_sessions as sessions  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+u32 = st.integers(min_value=0, max_value=U32_MAX)
+
+
+def test_transport_needs_an_initialised_group() -> None:
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        TorchTransport()
+
+
+def test_local_group_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"rank=2 is out of range for world_size=2 \(0 \.\.= 1\)"):
+        init_local_group(2, 2, port=1)
+    with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got 0"):
+        run_local(print, 0)
+
+
+def test_import_without_torch_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import metrale_model_engine.torch\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "install the 'torch' extra" in result.stdout and "metrale-model-engine[torch]" in result.stdout
+
+
+def test_demo_without_torch_says_which_extra_to_install() -> None:
+    code = "import sys; sys.modules['torch'] = None\nfrom metrale_model_engine.demo import main\nsys.exit(main([]))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "install the 'torch' extra" in result.stderr
+
+
+@given(st.lists(u32, max_size=300))
+def test_token_list_round_trips_through_the_wire_tensor(tokens: list[int]) -> None:
+    buffer = as_u32_buffer("tokens", tokens)
+    if tokens:
+        wire = torch.frombuffer(buffer, dtype=torch.int32)  # what gloo/NCCL carry
+        received = array(U32_TYPECODE, bytes(4 * len(tokens)))
+        torch.frombuffer(received, dtype=torch.int32).copy_(wire)
+        assert received.tolist() == tokens
+
+
+@given(st.lists(u32, min_size=1, max_size=300))
+def test_token_tensor_round_trips(tokens: list[int]) -> None:
+    words = ep_torch._tensor_as_u32(torch.tensor(tokens, dtype=torch.int64))
+    assert memoryview(words).tolist() == tokens
+
+
+@given(st.lists(st.integers(min_value=-(2**40), max_value=2**40), min_size=1, max_size=50))
+def test_out_of_range_tokens_are_always_refused(tokens: list[int]) -> None:
+    bad = [t for t in tokens if not 0 <= t <= U32_MAX]
+    if bad:
+        with pytest.raises(ValueError, match=rf"tokens\[{tokens.index(bad[0])}\]={bad[0]} is outside"):
+            as_u32_buffer("tokens", tokens)
+        with pytest.raises(ValueError, match=rf"tokens\[{tokens.index(bad[0])}\]={bad[0]} is outside"):
+            ep_torch._tensor_as_u32(torch.tensor(tokens, dtype=torch.int64))
+    else:
+        assert memoryview(as_u32_buffer("tokens", tokens)).tolist() == tokens
+
+
+@given(st.sampled_from(list(EpProtocol)), u32, u32)
+def test_header_words_round_trip(protocol: EpProtocol, seq_id: int, cmd: int) -> None:
+    words = protocol.encode_header(seq_id, cmd)
+    wire = torch.frombuffer(array(U32_TYPECODE, words), dtype=torch.int32).clone()
+    received = array(U32_TYPECODE, bytes(4 * len(words)))
+    torch.frombuffer(received, dtype=torch.int32).copy_(wire)
+    expected = (seq_id, cmd) if protocol is EpProtocol.V2 else (0, cmd)
+    assert protocol.decode_header(received) == expected
+
+
+def _session_digests(backend: str, device: str | None, out: Path) -> list[object]:
+    codes = run_local(sessions.full_session_on, 2, "v2", device, str(out), backend=backend, timeout=300)
+    assert codes == [0, 0]
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes())["digest"] for r in range(2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
+def test_cuda_tensors_over_gloo(tmp_path: Path) -> None:
+    digests = _session_digests("gloo", "cuda:0", tmp_path)
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs 2 CUDA devices for 2 ranks; this machine has fewer")
+def test_nccl_full_session(tmp_path: Path) -> None:
+    digests = _session_digests("nccl", None, tmp_path)
+    assert digests[0] == digests[1]

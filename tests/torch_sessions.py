@@ -1,0 +1,211 @@
+"""Rank programs for the multi-process tests: each runs in a spawned process.
+
+Every program writes what it saw to ``<out>/rank<N>.pkl`` (a dict) so that the
+test in the parent process can assert on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+from collections.abc import MutableSequence
+from pathlib import Path
+
+from metrale_model_engine import EpProtocol, run_worker
+from metrale_model_engine.torch import TorchEp, TorchTransport
+from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
+
+SLOTS = 4
+CMD_CHECK = 50
+"""A test-only command: one follow-up word; fails on workers whose rank is listed in it."""
+CMD_DIE = 51
+"""A test-only command: the worker kills itself with SIGKILL."""
+
+
+def save(out: str, rank: int, **result: object) -> None:
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as file:
+        pickle.dump(result, file)
+
+
+def summary_fields(slots: list[ToyState | None]) -> dict[str, object]:
+    return {"slots": slots, "digest": slots_digest(slots)}
+
+
+class FaultyToy(ToyModel):
+    """The toy model plus the test-only commands."""
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
+        if cmd == CMD_CHECK:
+            failing_rank = self.ep_recv_cmd()
+            if failing_rank == self.rank:
+                raise RuntimeError(f"injected failure on rank {self.rank}")
+            return
+        if cmd == CMD_DIE:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().ep_run_command(seq_id, cmd, slots)
+
+
+def full_session(rank: int, world_size: int, protocol_name: str, out: str) -> None:
+    """Alloc, prefill, interleaved decodes over several slots, free, shutdown."""
+    full_session_on(rank, world_size, protocol_name, None, out)
+
+
+def full_session_on(rank: int, world_size: int, protocol_name: str, device: str | None, out: str) -> None:
+    """:func:`full_session` with the collective tensors on ``device`` (default: the backend's)."""
+    import torch
+
+    transport = TorchTransport(device=None if device is None else torch.device(device))
+    model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol(protocol_name), command_timeout=20)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if rank == 0:
+        for seq_id in (0, 1, 3):
+            model.alloc(slots, seq_id)
+            model.prefill(slots, seq_id, [seq_id + 1] * (seq_id + 2))
+        for _ in range(4):
+            for seq_id in (3, 0, 1):
+                model.decode(slots, seq_id)
+        model.free(slots, 1)
+        model.ep_shutdown_workers()
+        save(out, rank, **summary_fields(slots))
+    else:
+        summary = run_worker(model, slots)
+        save(out, rank, summary=summary, **summary_fields(slots))
+
+
+def faults_session(rank: int, world_size: int, out: str) -> None:
+    """A worker-only failure, an unknown command, an out-of-range seq_id and a bad
+    token on the head, each followed by commands that must still be served."""
+    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if rank != 0:
+        summary = run_worker(model, slots)
+        save(out, rank, summary=summary, **summary_fields(slots))
+        return
+    seen: dict[str, object] = {}
+    model.alloc(slots, 0)
+    model.ep_broadcast_cmd_for_seq(0, CMD_CHECK)  # fails on worker 1 only
+    model.ep_broadcast_cmd(1)
+    model.prefill(slots, 0, [9, 8, 7])
+    model.ep_broadcast_cmd_for_seq(2, 999)  # unknown on every worker
+    model.decode(slots, 0)
+    try:
+        model.ep_broadcast_cmd_for_seq(SLOTS, ToyCommand.FREE)
+    except ValueError as error:
+        seen["head_seq_id_error"] = str(error)
+    model._send_header(SLOTS + 3, ToyCommand.FREE)  # what a buggy head would put on the wire
+    try:
+        model.prefill(slots, 0, [1, 2, -5])
+    except ValueError as error:
+        seen["head_token_error"] = str(error)
+    model.decode(slots, 0)
+    model.ep_shutdown_workers()
+    save(out, rank, seen=seen, **summary_fields(slots))
+
+
+def setup_mismatch(rank: int, world_size: int, what: str, out: str) -> None:
+    protocol = EpProtocol.V2 if what == "protocol" and rank == 1 else EpProtocol.V1
+    num_slots = SLOTS + 1 if what == "slots" and rank == world_size - 1 else SLOTS
+    try:
+        ToyModel(TorchTransport(), num_slots=num_slots, protocol=protocol)
+    except Exception as error:
+        save(out, rank, error_type=type(error).__name__, error=str(error))
+        return
+    save(out, rank, error_type=None, error=None)
+
+
+def head_dies(rank: int, world_size: int, out: str) -> None:
+    """The head kills itself mid-session: between commands for worker 1, in the
+    middle of a command (after the header) for the others' view of it."""
+    model = ToyModel(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if rank == 0:
+        model.alloc(slots, 0)
+        model.prefill(slots, 0, [1, 2, 3])
+        model.ep_broadcast_cmd_for_seq(0, ToyCommand.DECODE)  # the token never follows
+        with open(Path(out) / "head_died_at", "w") as file:
+            file.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        run_worker(model, slots)
+    except Exception as error:
+        save(out, rank, error_type=type(error).__name__, error=str(error), at=time.time(), slots=slots)
+        os._exit(3)  # the group cannot be torn down with its head gone
+    save(out, rank, error_type=None, error=None, at=time.time(), slots=slots)
+
+
+def worker_dies(rank: int, world_size: int, out: str) -> None:
+    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if rank != 0:
+        run_worker(model, slots)
+        return
+    model.alloc(slots, 0)
+    model.ep_broadcast_cmd_for_seq(0, CMD_DIE)
+    time.sleep(2.0)
+    started = time.time()
+    try:
+        for _ in range(3):  # the first send after the death may still be buffered by the OS
+            model.decode(slots, 0)
+    except Exception as error:
+        save(out, rank, error_type=type(error).__name__, error=str(error), seconds=time.time() - started)
+        os._exit(3)
+    save(out, rank, error_type=None, error=None, seconds=time.time() - started)
+    os._exit(0)
+
+
+def idle_worker(rank: int, world_size: int, idle_seconds: float, out: str) -> None:
+    """The head is silent longer than the command timeout between two commands."""
+    model = ToyModel(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V1, command_timeout=1.0)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if rank == 0:
+        model.alloc(slots, 2)
+        time.sleep(idle_seconds)
+        model.prefill(slots, 2, [4, 4])
+        model.ep_shutdown_workers()
+        save(out, rank, **summary_fields(slots))
+    else:
+        summary = run_worker(model, slots)
+        save(out, rank, summary=summary, **summary_fields(slots))
+
+
+class TensorTokens(TorchEp[ToyState]):
+    """A TorchEp subclass that receives one token tensor per command into slot 0."""
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
+        tokens = self.ep_broadcast_tokens(range(self.ep_recv_cmd()))
+        state = slots[seq_id] or ToyState(seq_id)
+        state.consume(tokens)
+        slots[seq_id] = state
+
+
+def tensor_tokens(rank: int, world_size: int, out: str) -> None:
+    import numpy
+    import torch
+
+    model = TensorTokens(num_slots=2, protocol=EpProtocol.V2)
+    slots: list[ToyState | None] = [None, None]
+    if rank != 0:
+        summary = run_worker(model, slots)
+        save(out, rank, summary=summary, slots=slots)
+        return
+    inputs: list[object] = [
+        torch.tensor([1, 2, 4_294_967_295], dtype=torch.int64),
+        numpy.array([5, 6], dtype=numpy.uint32),
+        numpy.array([7], dtype=numpy.int64),
+    ]
+    errors: list[str] = []
+    for bad in (torch.tensor([1, -1]), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64)):
+        try:
+            model.ep_broadcast_tokens(bad)
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    state = ToyState(1)
+    for tokens in inputs:
+        count = len(tokens)  # type: ignore[arg-type]
+        model.ep_broadcast_cmd_for_seq(1, 1)
+        model.ep_broadcast_cmd(count)
+        state.consume(model.ep_broadcast_tokens(tokens))  # type: ignore[arg-type]
+    model.ep_shutdown_workers()
+    save(out, rank, slots=[None, state], errors=errors)
