@@ -111,3 +111,20 @@ def test_cuda_tensors_over_gloo(tmp_path: Path) -> None:
 def test_nccl_full_session(tmp_path: Path) -> None:
     digests = _session_digests("nccl", None, tmp_path)
     assert digests[0] == digests[1]
+
+
+def test_composes_with_nn_module() -> None:
+    from torch import nn
+
+    from metrale_model_engine import ModelEp
+
+    class TinyLm(nn.Module, ModelEp):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    model = TinyLm()
+    assert model.is_ep() is False and model.ep_broadcast_tokens([1, 2]) == []
+    assert [name for name, _ in model.named_parameters()] == ["proj.weight", "proj.bias"]
+    with pytest.raises(ValueError, match=r"cmd=-1 is outside"):
+        model.ep_broadcast_cmd(-1)
