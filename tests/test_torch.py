@@ -116,6 +116,6 @@ def test_tensor_and_numpy_tokens(tmp_path: Path) -> None:
     ]
     head_state = results[0]["slots"][1]  # type: ignore[index]
     assert isinstance(head_state, ToyState)
-    assert list(head_state.tokens) == [1, 2, 4_294_967_295, 5, 6, 7]
+    assert list(head_state.tokens) == [1, 2, 4_294_967_295, 5, 6, 7, 11, 4_294_967_294]
     assert results[1]["slots"] == results[0]["slots"]
-    assert results[1]["summary"] == WorkerSummary(commands_run=3, commands_failed=0)
+    assert results[1]["summary"] == WorkerSummary(commands_run=4, commands_failed=0)

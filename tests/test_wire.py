@@ -192,3 +192,38 @@ def test_failed_header_receive_is_untagged() -> None:
     transport.fail_with = RuntimeError("Connection closed by peer")
     with pytest.raises(EpReceiveError, match="worker rank 1: receive from the head failed: Connection closed"):
         worker.ep_worker_step([None, None])
+
+
+def test_tokens_into_buffers() -> None:
+    from array import array
+
+    head_transport = FakeTransport(0, 2)
+    head: WireEp[SequenceState] = WireEp(head_transport, num_slots=1)
+    head.ep_broadcast_tokens_into(array("I", [4, 5]))
+    head.ep_broadcast_tokens_into(array("I"))  # empty: nothing sent
+    assert head_transport.sent == [[4, 5]]
+    with pytest.raises(ValueError, match=r"tokens\[0\]=-1 is outside"):
+        head.ep_broadcast_tokens_into(array("q", [-1]))
+
+    worker_transport = FakeTransport(1, 2)
+    worker: WireEp[SequenceState] = WireEp(worker_transport, num_slots=1)
+    target = array("I", [0, 0, 0])
+    worker.ep_broadcast_tokens_into(target)
+    assert worker_transport.sent == [[0, 0, 0]]  # the fake saw the worker's own buffer bound
+    with pytest.raises(TypeError, match=r"tokens must be a writable u32 buffer .* got list"):
+        worker.ep_broadcast_tokens_into([0, 0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"tokens must hold u32 items, got a buffer of format 'q'"):
+        worker.ep_broadcast_tokens_into(array("q", [0]))
+    with pytest.raises(ValueError, match=r"tokens must be a writable, 1-D, C-contiguous buffer"):
+        worker.ep_broadcast_tokens_into(memoryview(bytes(8)).cast("I"))
+    assert len(worker_transport.sent) == 1
+
+
+def test_recording_records_tokens_into() -> None:
+    from array import array
+
+    from metrale_model_engine.testing import EpEvent, RecordingEp
+
+    model: RecordingEp[SequenceState] = RecordingEp()
+    model.ep_broadcast_tokens_into(array("I", [7, 8]))
+    assert model.events == [EpEvent("tokens", (7, 8))] and model.wire == [(7, 8)]

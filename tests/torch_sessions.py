@@ -10,6 +10,7 @@ import os
 import pickle
 import signal
 import time
+from array import array
 from collections.abc import MutableSequence
 from pathlib import Path
 
@@ -174,7 +175,15 @@ class TensorTokens(TorchEp[ToyState]):
     """A TorchEp subclass that receives one token tensor per command into slot 0."""
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
-        tokens = self.ep_broadcast_tokens(range(self.ep_recv_cmd()))
+        import numpy
+
+        count = self.ep_recv_cmd()
+        if cmd == 2:  # buffer to buffer
+            received = numpy.zeros(count, dtype=numpy.uint32)
+            self.ep_broadcast_tokens_into(received)
+            tokens = [int(t) for t in received]
+        else:
+            tokens = self.ep_broadcast_tokens(range(count))
         state = slots[seq_id] or ToyState(seq_id)
         state.consume(tokens)
         slots[seq_id] = state
@@ -207,5 +216,10 @@ def tensor_tokens(rank: int, world_size: int, out: str) -> None:
         model.ep_broadcast_cmd_for_seq(1, 1)
         model.ep_broadcast_cmd(count)
         state.consume(model.ep_broadcast_tokens(tokens))  # type: ignore[arg-type]
+    into = array("I", [11, 4_294_967_294])
+    model.ep_broadcast_cmd_for_seq(1, 2)
+    model.ep_broadcast_cmd(len(into))
+    model.ep_broadcast_tokens_into(into)
+    state.consume(into)
     model.ep_shutdown_workers()
     save(out, rank, slots=[None, state], errors=errors)

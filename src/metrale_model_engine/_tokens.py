@@ -53,6 +53,26 @@ def as_u32_buffer(name: str, tokens: Sequence[int] | Buffer) -> Buffer:
     return _to_array(name, view.tolist())
 
 
+def writable_u32_buffer(name: str, tokens: Buffer) -> memoryview:
+    """``tokens`` as a memoryview that a receive may write u32 items into, in place.
+
+    Raises:
+        TypeError: ``tokens`` exposes no buffer, or not one of u32 items.
+        ValueError: the buffer is read-only, not 1-D or not C-contiguous.
+    """
+    try:
+        view = memoryview(tokens)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a writable u32 buffer (array('I'), numpy uint32), got {type(tokens).__name__}"
+        ) from None
+    if view.format not in _U32_FORMATS or view.itemsize != 4:
+        raise TypeError(f"{name} must hold u32 items, got a buffer of format {view.format!r}")
+    if view.readonly or view.ndim != 1 or not view.c_contiguous:
+        raise ValueError(f"{name} must be a writable, 1-D, C-contiguous buffer")
+    return view
+
+
 def token_count(tokens: Sequence[int] | Buffer) -> int:
     """Number of tokens in ``tokens`` (a sequence or a 1-D buffer), without copying."""
     if isinstance(tokens, Sequence):

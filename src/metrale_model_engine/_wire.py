@@ -7,6 +7,8 @@ from array import array
 from collections.abc import MutableSequence, Sized
 from typing import Final, NoReturn
 
+from typing_extensions import Buffer
+
 from ._errors import (
     EpCommandFailed,
     EpLinkError,
@@ -17,7 +19,7 @@ from ._errors import (
 )
 from ._model import ModelEp, S, TokenArray
 from ._protocol import EpProtocol
-from ._tokens import U32_TYPECODE, as_u32_buffer, token_count
+from ._tokens import U32_TYPECODE, as_u32_buffer, token_count, writable_u32_buffer
 from ._transport import Broadcast, EpTransport
 from ._words import CMD_SHUTDOWN, U32_MAX, check_u32
 
@@ -201,15 +203,40 @@ class WireEp(ModelEp[S]):
         """
         if self._rank != 0:
             received = array(U32_TYPECODE, bytes(4 * token_count(tokens)))
-            if received:  # the head sends nothing for an empty array
-                self._receive(self._transport.bind(received), self._command_timeout)
+            self._receive_tokens(received)
             return received.tolist()
         buffer = as_u32_buffer("tokens", tokens)
-        if self._world_size > 1 and token_count(buffer):
-            self._send(self._transport.bind(buffer))
+        self._send_tokens(buffer)
         if isinstance(tokens, list):
             return tokens
         return memoryview(buffer).tolist()
+
+    def ep_broadcast_tokens_into(self, tokens: Buffer) -> None:
+        """Like :meth:`ep_broadcast_tokens`, but buffer to buffer: no list on either side.
+
+        Head: ``tokens`` (any token array that exposes a buffer, or a sequence) is
+        checked and sent in one broadcast.  Worker: ``tokens`` must be a writable,
+        C-contiguous, 1-D u32 buffer (``array('I')``, numpy ``uint32``) of the
+        head's length; it is overwritten in place with the head's values.  For
+        workers that feed the tokens to a tensor rather than to Python code.
+
+        Raises:
+            TypeError, ValueError: a head token is not a u32, or a worker buffer is
+                not a writable 1-D u32 buffer (nothing is sent or received).
+            EpSendError / EpReceiveError: the broadcast failed.
+        """
+        if self._rank != 0:
+            self._receive_tokens(writable_u32_buffer("tokens", tokens))
+        else:
+            self._send_tokens(as_u32_buffer("tokens", tokens))
+
+    def _send_tokens(self, buffer: Buffer) -> None:
+        if self._world_size > 1 and token_count(buffer):  # an empty array is never sent
+            self._send(self._transport.bind(buffer))
+
+    def _receive_tokens(self, buffer: Buffer) -> None:
+        if token_count(buffer):
+            self._receive(self._transport.bind(buffer), self._command_timeout)
 
     def ep_shutdown_workers(self) -> None:
         """Head: send the shutdown header; every worker's loop then ends.

@@ -21,6 +21,7 @@ from typing_extensions import Buffer
 from ._errors import EpSetupError
 from ._model import S, TokenArray
 from ._protocol import EpProtocol
+from ._tokens import as_u32_buffer
 from ._transport import Broadcast
 from ._wire import WireEp
 from ._words import CMD_SHUTDOWN
@@ -143,6 +144,11 @@ class RecordingEp(WireEp[S]):
         result = super().ep_broadcast_tokens(tokens)
         self.events.append(EpEvent("tokens", tuple(result)))
         return result
+
+    def ep_broadcast_tokens_into(self, tokens: Buffer) -> None:
+        buffer = as_u32_buffer("tokens", tokens)  # converted once, checked before recording
+        super().ep_broadcast_tokens_into(buffer)
+        self.events.append(EpEvent("tokens", tuple(memoryview(buffer).tolist())))
 
     def ep_shutdown_workers(self) -> None:
         if not self._shut_down:

@@ -24,9 +24,10 @@ import multiprocessing
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Final, cast
+from typing import Any, Final, cast
 
 try:
+    import numpy
     import torch
     import torch.distributed as dist
 except ImportError as error:  # pragma: no cover - exercised in a torch-less venv
@@ -51,6 +52,9 @@ __all__ = [
     "init_local_group",
     "run_local",
 ]
+
+NumpyArray = numpy.ndarray[Any, Any]
+"""numpy arrays are buffers, but numpy's stubs say so only from Python 3.12 on."""
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
 """Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header."""
@@ -180,15 +184,19 @@ class TorchEp(WireEp[S]):
             command_timeout=command_timeout,
         )
 
-    def ep_broadcast_tokens(self, tokens: TokenArray | torch.Tensor) -> list[int]:
+    def ep_broadcast_tokens(self, tokens: TokenArray | NumpyArray | torch.Tensor) -> list[int]:
         """As :meth:`WireEp.ep_broadcast_tokens`; a tensor is checked and sent without a Python loop."""
         if not isinstance(tokens, torch.Tensor):
-            return super().ep_broadcast_tokens(tokens)
+            return super().ep_broadcast_tokens(cast(Buffer, tokens))
         if self.rank != 0:
             return super().ep_broadcast_tokens(range(tokens.numel()))
         words = _tensor_as_u32(tokens)
         super().ep_broadcast_tokens(words)
         return memoryview(words).tolist()
+
+    def ep_broadcast_tokens_into(self, tokens: Buffer | NumpyArray) -> None:
+        """As :meth:`WireEp.ep_broadcast_tokens_into`, typed to take numpy arrays too."""
+        super().ep_broadcast_tokens_into(cast(Buffer, tokens))
 
 
 def _tensor_as_u32(tokens: torch.Tensor) -> Buffer:
