@@ -69,8 +69,9 @@ class TorchTransport:
     """An :class:`~metrale_model_engine.EpTransport` over a torch.distributed group.
 
     Words travel as ``int32`` tensors holding the u32 bits (gloo and NCCL have no
-    u32 type); they wrap the caller's buffer without copying.  Under NCCL a device
-    tensor of the same size is kept per bound buffer and copied to and from.
+    u32 type); they wrap the caller's buffer without copying.  Under NCCL (or any
+    non-CPU ``device``) a device tensor of the same size is kept per bound buffer
+    and copied to and from.
 
     Args:
         group: the process group; default the world group.  Its rank 0 is the head.
@@ -88,8 +89,11 @@ class TorchTransport:
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
                 "(torchrun) or metrale_model_engine.torch.init_local_group first"
             )
-        self._group = dist.group.WORLD if group is None else group
-        rank = dist.get_rank(self._group)
+        if group is None:
+            group = dist.group.WORLD
+            assert group is not None  # initialised above
+        self._group: dist.ProcessGroup = group
+        rank = dist.get_rank(group)
         if rank < 0:
             raise RuntimeError("this process is not a member of the given process group")
         self._rank = rank
@@ -114,35 +118,28 @@ class TorchTransport:
 
     def bind(self, words: Buffer) -> Broadcast:
         host = torch.frombuffer(words, dtype=torch.int32)
+        # The process group's own broadcast, called directly: the same collective as
+        # torch.distributed.broadcast without its per-call Python checks, which cost
+        # more than the transfer of a header (see the README's benchmark).
         group = self._group
-        if self._device.type == "cpu":
-
-            def broadcast(timeout: float | None) -> None:
-                work = dist.broadcast(host, group=group, group_src=0, async_op=True)
-                assert work is not None
-                if timeout is None:
-                    work.wait()
-                else:
-                    work.wait(_timedelta(timeout))
-
-            return broadcast
-
-        device_words = torch.empty_like(host, device=self._device)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0  # rank 0 of the group, whatever its global rank
+        on_device = self._device.type != "cpu"
+        tensors = [torch.empty_like(host, device=self._device) if on_device else host]
         is_head = self._rank == 0
 
-        def broadcast_on_device(timeout: float | None) -> None:
-            if is_head:
-                device_words.copy_(host)
-            work = dist.broadcast(device_words, group=group, group_src=0, async_op=True)
-            assert work is not None
+        def broadcast(timeout: float | None) -> None:
+            if on_device and is_head:
+                tensors[0].copy_(host)
+            work = group.broadcast(tensors, options)
             if timeout is None:
                 work.wait()
             else:
                 work.wait(_timedelta(timeout))
-            if not is_head:
-                host.copy_(device_words)
+            if on_device and not is_head:
+                host.copy_(tensors[0])
 
-        return broadcast_on_device
+        return broadcast
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
         mine = torch.tensor(list(words), dtype=torch.int64, device=self._device)
