@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -10,15 +12,25 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine.demo import digests_disagree, parse_args  # noqa: E402
+from metrale_model_engine.torch import free_port  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 
+def run_bounded(command: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own session; on timeout kill the whole session (its ranks too)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "metrale_model_engine.demo", *args],
-        capture_output=True, text=True, timeout=180,
-    )
+    return run_bounded([sys.executable, "-m", "metrale_model_engine.demo", *args])
 
 
 @pytest.mark.parametrize("args", [(), ("--world-size", "3", "--protocol", "v2", "--sequences", "3", "--decode-steps", "2")])
@@ -48,3 +60,12 @@ def test_protocol_flag() -> None:
     assert parse_args(["--protocol", "v2"]).protocol == "v2"
     with pytest.raises(SystemExit):
         parse_args(["--protocol", "v3"])
+
+
+def test_demo_runs_under_torchrun() -> None:
+    result = run_bounded(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "metrale_model_engine.demo", "--protocol", "v2", "--decode-steps", "2"],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "all 2 ranks agree" in result.stdout.splitlines()

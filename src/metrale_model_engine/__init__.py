@@ -4,14 +4,8 @@ Importing this package never imports torch; the torch.distributed backend lives 
 :mod:`metrale_model_engine.torch` (extra ``torch``).
 """
 
-from ._errors import (
-    EpCommandFailed,
-    EpLinkError,
-    EpReceiveError,
-    EpRoleError,
-    EpSendError,
-    EpSetupError,
-)
+from . import _errors
+from ._errors import *  # noqa: F403  (the exception classes, as listed in _errors.__all__)
 from ._model import ModelEp, TokenArray
 from ._protocol import PROTOCOL_ENV_VAR, EpProtocol
 from ._state import SequenceState
@@ -30,13 +24,7 @@ __all__ = [
     "U32_TYPECODE",
     "WIRE_VERSION",
     "Broadcast",
-    "EpCommandFailed",
-    "EpLinkError",
     "EpProtocol",
-    "EpReceiveError",
-    "EpRoleError",
-    "EpSendError",
-    "EpSetupError",
     "EpTransport",
     "ModelEp",
     "SequenceState",
@@ -48,5 +36,7 @@ __all__ = [
     "check_u32",
     "run_worker",
 ]
+
+__all__ += _errors.__all__
 
 __version__ = "0.1.0"

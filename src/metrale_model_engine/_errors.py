@@ -9,6 +9,8 @@ would read is no longer known to be a header.
 
 from __future__ import annotations
 
+__all__ = ["EpCommandFailed", "EpLinkError", "EpReceiveError", "EpRoleError", "EpSendError", "EpSetupError"]
+
 
 class EpCommandFailed(Exception):
     """A command was received and then failed; the worker stays up.

@@ -96,20 +96,12 @@ class TorchTransport:
         rank = dist.get_rank(group)
         if rank < 0:
             raise RuntimeError("this process is not a member of the given process group")
-        self._rank = rank
-        self._world_size = dist.get_world_size(self._group)
+        self.rank: Final = rank
+        self.world_size: Final = dist.get_world_size(group)
         if device is None:
             uses_nccl = dist.get_backend(self._group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl else torch.device("cpu")
         self._device = device
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +118,7 @@ class TorchTransport:
         options.rootRank = 0  # rank 0 of the group, whatever its global rank
         on_device = self._device.type != "cpu"
         tensors = [torch.empty_like(host, device=self._device) if on_device else host]
-        is_head = self._rank == 0
+        is_head = self.rank == 0
 
         def broadcast(timeout: float | None) -> None:
             if on_device and is_head:
@@ -143,7 +135,7 @@ class TorchTransport:
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
         mine = torch.tensor(list(words), dtype=torch.int64, device=self._device)
-        everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self._group)
         return [tensor.tolist() for tensor in everyone]
 
