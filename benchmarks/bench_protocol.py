@@ -12,6 +12,8 @@ Cases, per call:
   of the same number of words;
 * the peer: ``torch.distributed.broadcast_object_list`` of the same payload.
 
+The backend is NCCL when there is a CUDA device per rank, gloo otherwise.
+
 A sample is ``--calls`` back-to-back calls of one case, timed from the head's start
 to the moment the slowest worker has its values (``time.perf_counter`` reads
 CLOCK_MONOTONIC, one clock for every process of the machine).  Every round runs
@@ -273,7 +275,8 @@ def main() -> None:
     rounds = args.rounds or (12 if args.quick else 60)
     calls = args.calls or (10 if args.quick else 30)
     warmup = 2
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL needs a CUDA device per rank; with fewer, gloo on the CPU.
+    backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.profile:

@@ -35,7 +35,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--protocol", choices=[p.value for p in EpProtocol], default=None, help="default: METRALE_EP_PROTOCOL, else v1")
     parser.add_argument("--sequences", type=_positive, default=4, help="interleaved sequences, one slot each (default 4)")
     parser.add_argument("--decode-steps", type=_positive, default=8, help="decode steps per sequence (default 8)")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with CUDA, else gloo")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with a CUDA device per rank, else gloo")
     return parser.parse_args(argv)
 
 
@@ -126,7 +126,8 @@ def _under_torchrun(backend: str | None, work: tuple[EpProtocol, int, int]) -> i
     from .torch import DEFAULT_IDLE_TIMEOUT
 
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        backend = "nccl" if torch.cuda.device_count() >= local_ranks else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=DEFAULT_IDLE_TIMEOUT)

@@ -222,14 +222,14 @@ def init_local_group(
 ) -> None:
     """Initialise this process as ``rank`` of a ``world_size``-rank group on loopback.
 
-    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise; under
+    ``backend`` defaults to NCCL when there is a CUDA device per rank and gloo otherwise; under
     NCCL the process uses CUDA device ``rank % device_count``.  ``timeout`` is the
     group timeout, which bounds an idle worker's wait for the next header.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend is None:  # NCCL wants a CUDA device of its own for every rank
+        backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
     device_id = None
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
