@@ -56,9 +56,21 @@ CALLS = {
 }
 
 
-def best_ns(stmt: str, model: object, number: int, rounds: int, extra: dict[str, object]) -> list[float]:
-    timer = timeit.Timer(stmt, globals={"m": model, **extra})
-    return [timer.timeit(number) / number * 1e9 for _ in range(rounds)]
+def time_ns(stmt: str, model: object, number: int, names: dict[str, object]) -> float:
+    """Nanoseconds per execution of ``stmt`` with ``m`` bound to ``model``."""
+    return timeit.Timer(stmt, globals={"m": model, **names}).timeit(number) / number * 1e9
+
+
+def best_alternating(
+    first: tuple[str, object], second: tuple[str, object], number: int, rounds: int, names: dict[str, object]
+) -> tuple[float, float]:
+    """Best round of each of two (statement, model) pairs, timed A B A B in one run."""
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(rounds):  # alternating: both see the same machine state
+        a.append(time_ns(*first, number, names))
+        b.append(time_ns(*second, number, names))
+    return min(a), min(b)
 
 
 def main() -> None:
@@ -71,18 +83,13 @@ def main() -> None:
     defaults, plain = SingleGpu(), Plain()
     rows: dict[str, dict[str, float]] = {}
     for name, stmt in CALLS.items():
-        ours: list[float] = []
-        floor: list[float] = []
-        for _ in range(args.rounds):  # A B A B: both see the same machine state
-            ours += best_ns(stmt, defaults, args.number, 1, data)
-            floor += best_ns(stmt, plain, args.number, 1, data)
-        rows[name] = {"default_ns": min(ours), "plain_ns": min(floor), "ratio": min(ours) / min(floor)}
-    one: list[float] = []
-    million: list[float] = []
-    for _ in range(args.rounds):
-        one += best_ns("m.ep_broadcast_tokens(one)", defaults, args.number, 1, data)
-        million += best_ns("m.ep_broadcast_tokens(million)", defaults, args.number, 1, data)
-    tokens = {"one_token_ns": min(one), "million_tokens_ns": min(million), "ratio": min(million) / min(one)}
+        ours, floor = best_alternating((stmt, defaults), (stmt, plain), args.number, args.rounds, data)
+        rows[name] = {"default_ns": ours, "plain_ns": floor, "ratio": ours / floor}
+    one, million = best_alternating(
+        ("m.ep_broadcast_tokens(one)", defaults), ("m.ep_broadcast_tokens(million)", defaults),
+        args.number, args.rounds, data,
+    )
+    tokens = {"one_token_ns": one, "million_tokens_ns": million, "ratio": million / one}
 
     print(f"Python {platform.python_version()} on {platform.machine()}, best of {args.rounds} rounds of {args.number:,} calls")
     print(f"{'call':<34}{'default ns':>12}{'plain ns':>10}{'ratio':>8}")

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from metrale_model_engine import WIRE_VERSION, EpProtocol, SequenceState
-from metrale_model_engine.torch import TorchEp, run_local
+from metrale_model_engine.torch import TorchEp, default_backend, run_local
 
 TOKEN_SIZES = (1, 128, 4_096, 65_536)
 SEQ_ID, CMD = 3, 7
@@ -275,8 +275,7 @@ def main() -> None:
     rounds = args.rounds or (12 if args.quick else 60)
     calls = args.calls or (10 if args.quick else 30)
     warmup = 2
-    # NCCL needs a CUDA device per rank; with fewer, gloo on the CPU.
-    backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
+    backend = default_backend(args.world_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.profile:

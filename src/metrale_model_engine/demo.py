@@ -123,11 +123,10 @@ def _under_torchrun(backend: str | None, work: tuple[EpProtocol, int, int]) -> i
     import torch
     import torch.distributed as dist
 
-    from .torch import DEFAULT_IDLE_TIMEOUT
+    from .torch import DEFAULT_IDLE_TIMEOUT, default_backend
 
     if backend is None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        backend = "nccl" if torch.cuda.device_count() >= local_ranks else "gloo"
+        backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=DEFAULT_IDLE_TIMEOUT)

@@ -47,6 +47,7 @@ from ._words import U32_MAX, check_u32
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "TorchEp",
+    "default_backend",
     "TorchTransport",
     "free_port",
     "init_local_group",
@@ -212,6 +213,11 @@ def free_port() -> int:
         return port
 
 
+def default_backend(local_ranks: int) -> str:
+    """NCCL when this machine has a CUDA device for each of its ``local_ranks``, else gloo."""
+    return "nccl" if torch.cuda.device_count() >= local_ranks else "gloo"
+
+
 def init_local_group(
     rank: int,
     world_size: int,
@@ -228,8 +234,8 @@ def init_local_group(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")
-    if backend is None:  # NCCL wants a CUDA device of its own for every rank
-        backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    if backend is None:
+        backend = default_backend(world_size)
     device_id = None
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -20,7 +20,7 @@ from typing import Final
 
 from ._model import TokenArray
 from ._state import SequenceState
-from ._tokens import as_u32_buffer
+from ._tokens import as_u32_buffer, token_count
 from ._wire import WireEp, check_slot
 
 VOCAB_SIZE: Final[int] = 32_000
@@ -79,20 +79,20 @@ class ToyModel(WireEp[ToyState]):
 
     def alloc(self, slots: ToySlots, seq_id: int) -> None:
         """Start a sequence in the free slot ``seq_id`` on every rank."""
-        self._check(slots, seq_id, ToyCommand.ALLOC)
+        state = self._check(slots, seq_id, ToyCommand.ALLOC)
         self._start(seq_id, ToyCommand.ALLOC)
-        self._apply(slots, seq_id, ToyCommand.ALLOC, ())
+        self._apply(slots, seq_id, ToyCommand.ALLOC, state, ())
 
     def prefill(self, slots: ToySlots, seq_id: int, prompt: TokenArray) -> None:
         """Feed ``prompt`` to the live sequence ``seq_id`` on every rank.
 
         The prompt is checked before anything is sent.
         """
-        self._check(slots, seq_id, ToyCommand.PREFILL)
+        state = self._check(slots, seq_id, ToyCommand.PREFILL)
         tokens = as_u32_buffer("prompt", prompt)
         self._start(seq_id, ToyCommand.PREFILL)
-        self.ep_broadcast_cmd(len(memoryview(tokens)))
-        self._apply(slots, seq_id, ToyCommand.PREFILL, self.ep_broadcast_tokens(tokens))
+        self.ep_broadcast_cmd(token_count(tokens))
+        self._apply(slots, seq_id, ToyCommand.PREFILL, state, self.ep_broadcast_tokens(tokens))
 
     def decode(self, slots: ToySlots, seq_id: int) -> int:
         """One decode step of ``seq_id``: the head picks the token, every rank appends it."""
@@ -101,14 +101,14 @@ class ToyModel(WireEp[ToyState]):
         token = state.next_token()
         self._start(seq_id, ToyCommand.DECODE)
         self.ep_broadcast_cmd(token)
-        self._apply(slots, seq_id, ToyCommand.DECODE, (token,))
+        self._apply(slots, seq_id, ToyCommand.DECODE, state, (token,))
         return token
 
     def free(self, slots: ToySlots, seq_id: int) -> None:
         """End the sequence in slot ``seq_id`` on every rank."""
-        self._check(slots, seq_id, ToyCommand.FREE)
+        state = self._check(slots, seq_id, ToyCommand.FREE)
         self._start(seq_id, ToyCommand.FREE)
-        self._apply(slots, seq_id, ToyCommand.FREE, ())
+        self._apply(slots, seq_id, ToyCommand.FREE, state, ())
 
     def _start(self, seq_id: int, cmd: ToyCommand) -> None:
         self.ep_broadcast_cmd_for_seq(seq_id, cmd)
@@ -128,7 +128,8 @@ class ToyModel(WireEp[ToyState]):
             payload = (self.ep_recv_cmd(),)
         elif cmd not in (ToyCommand.ALLOC, ToyCommand.FREE):
             raise ValueError(f"unknown command word {cmd} for ToyModel (seq_id={seq_id})")
-        self._apply(slots, seq_id, ToyCommand(cmd), payload)
+        command = ToyCommand(cmd)
+        self._apply(slots, seq_id, command, self._check(slots, seq_id, command), payload)
 
     # -- every rank -----------------------------------------------------------
 
@@ -142,8 +143,10 @@ class ToyModel(WireEp[ToyState]):
             raise KeyError(f"{cmd.name.lower()}: slot {seq_id} is free")
         return state
 
-    def _apply(self, slots: ToySlots, seq_id: int, cmd: ToyCommand, payload: Sequence[int]) -> None:
-        state = self._check(slots, seq_id, cmd)
+    def _apply(
+        self, slots: ToySlots, seq_id: int, cmd: ToyCommand, state: ToyState | None, payload: Sequence[int]
+    ) -> None:
+        """Apply a command that :meth:`_check` passed (``state`` is what it returned)."""
         if cmd is ToyCommand.ALLOC:
             slots[seq_id] = ToyState(seq_id)
         elif cmd is ToyCommand.FREE:
