@@ -4,6 +4,7 @@ import logging
 from collections.abc import MutableSequence
 
 import pytest
+from frames import header, tokens, word
 
 from metrale_model_engine import (
     CMD_SHUTDOWN,
@@ -14,11 +15,11 @@ from metrale_model_engine import (
     WireEp,
     WorkerSummary,
 )
-from metrale_model_engine.testing import EpEvent, RecordingEp, RecordingTransport, ReplayTransport
+from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
 
 
 def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:
-    """What a scheduler does before one prefill: header, length word, tokens."""
+    """What a scheduler does before one prefill: header, a follow-up word, tokens."""
     model.ep_broadcast_cmd_for_seq(seq_id, 2)
     model.ep_broadcast_cmd(len(prompt))
     model.ep_broadcast_tokens(prompt)
@@ -36,9 +37,7 @@ def test_records_events_and_wire(v2: bool) -> None:
         EpEvent("tokens", (10, 11)),
         EpEvent("shutdown", ()),
     ]
-    header = [(3, 2)] if v2 else [(2,)]
-    shutdown = [(0, CMD_SHUTDOWN)] if v2 else [(CMD_SHUTDOWN,)]
-    assert model.wire == [*header, (2,), (10, 11), *shutdown]
+    assert model.wire == [header(2, 3), word(2), *tokens([10, 11]), header(CMD_SHUTDOWN)]
 
 
 def test_single_gpu_recorder_records_calls_but_nothing_on_the_wire() -> None:
@@ -66,9 +65,8 @@ class EchoWorker(WireEp[SequenceState]):
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
         if cmd != 2:
             super().ep_run_command(seq_id, cmd, slots)
-        count = self.ep_recv_cmd()
-        tokens = self.ep_broadcast_tokens(range(count))
-        slots[seq_id] = SequenceState(seq_id, tokens)
+        count = self.ep_recv_word()
+        slots[seq_id] = SequenceState(seq_id, self.ep_recv_tokens(count))
 
 
 def test_replay_into_a_worker(caplog: pytest.LogCaptureFixture) -> None:
@@ -76,40 +74,55 @@ def test_replay_into_a_worker(caplog: pytest.LogCaptureFixture) -> None:
     schedule_step(head, 1, [5, 6, 7])
     head.ep_broadcast_cmd_for_seq(0, 99)  # unknown to the worker: fails, the loop goes on
     schedule_step(head, 2, [8])
-    transport = RecordingTransport(world_size=2)
-    worker = EchoWorker(transport, num_slots=3, protocol=EpProtocol.V2)
+    worker = EchoWorker(ReplayTransport(()), num_slots=3, protocol=EpProtocol.V2)  # no process group
     slots: list[SequenceState | None] = [None, None, None]
     with caplog.at_level(logging.ERROR):
         summary = head.replay(worker, slots)
     assert summary == WorkerSummary(commands_run=2, commands_failed=1)
     assert slots == [None, SequenceState(1, [5, 6, 7]), SequenceState(2, [8])]
     assert "unknown command word 99" in caplog.text
-    assert worker._transport is transport
     assert head.replay(worker, [None, None, None]) == summary
+    with pytest.raises(EpReceiveError, match="the recording has no more broadcasts"):
+        worker.ep_worker_step(slots)  # back on its own (empty) transport
 
 
 def test_replay_refuses_a_mismatched_worker() -> None:
     head: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=3)
-    worker = EchoWorker(RecordingTransport(2), num_slots=3, protocol=EpProtocol.V1)
-    with pytest.raises(EpSetupError, match=r"the worker \(v1, 3 slots\) does not match the recording \(v2, 3 slots\)"):
+    worker = EchoWorker(ReplayTransport(()), num_slots=3, protocol=EpProtocol.V1)
+    with pytest.raises(EpSetupError, match=r"the ranks disagree on the protocol \(rank 0: v2, rank 1: v1\)"):
         head.replay(worker, [None] * 3)
+    other = EchoWorker(ReplayTransport(()), num_slots=4, protocol=EpProtocol.V2)
+    with pytest.raises(EpSetupError, match=r"the ranks disagree on the slot count \(rank 0: 3, rank 1: 4\)"):
+        head.replay(other, [None] * 4)
 
 
 def test_replay_needs_a_multi_rank_recording() -> None:
     head: RecordingEp[SequenceState] = RecordingEp(is_ep=False)
-    worker = EchoWorker(RecordingTransport(2), num_slots=8, protocol=EpProtocol.V1)
+    worker = EchoWorker(ReplayTransport(()), num_slots=8, protocol=EpProtocol.V1)
     with pytest.raises(ValueError, match="replay\\(\\) needs a recording made with is_ep=True"):
         head.replay(worker, [None] * 8)
 
 
-def test_replay_out_of_step_is_a_receive_error() -> None:
+def test_replay_of_a_mismatched_command_fails_it_and_stays_in_step(caplog: pytest.LogCaptureFixture) -> None:
     head: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=2)
     head.ep_broadcast_cmd_for_seq(0, 2)
     head.ep_broadcast_cmd(3)
     head.ep_broadcast_tokens([1, 2])  # says 3, sends 2
-    worker = EchoWorker(RecordingTransport(2), num_slots=2, protocol=EpProtocol.V2)
-    with pytest.raises(EpReceiveError, match="out of step with the head: the worker expects 3 words, the head sent 2"):
-        head.replay(worker, [None, None])
+    schedule_step(head, 1, [9])
+    worker = EchoWorker(ReplayTransport(()), num_slots=2, protocol=EpProtocol.V2)
+    slots: list[SequenceState | None] = [None, None]
+    with caplog.at_level(logging.ERROR):
+        assert head.replay(worker, slots) == WorkerSummary(commands_run=1, commands_failed=1)
+    assert "expected a token array of 3 tokens, but the head sent a token array of 2 tokens" in caplog.text
+    assert slots == [None, SequenceState(1, [9])]
+
+
+def test_replay_transport_checks_lengths() -> None:
+    from array import array
+
+    replay = ReplayTransport([(1, 2)])
+    with pytest.raises(ValueError, match="out of step with the head: the worker expects 3 words, the head sent 2"):
+        replay.bind(array("I", [0, 0, 0]))(None)
 
 
 def test_replay_transport_past_the_end() -> None:

@@ -1,8 +1,10 @@
+import sys
 from array import array
 
 import pytest
 
-from metrale_model_engine import U32_MAX, U32_TYPECODE, as_u32_buffer
+from metrale_model_engine import U32_MAX, U32_TYPECODE, SequenceState, WireEp, as_u32_buffer
+from metrale_model_engine.testing import ReplayTransport
 
 
 def test_u32_array_is_returned_as_is() -> None:
@@ -52,3 +54,22 @@ def test_float_and_multidimensional_buffers_are_refused() -> None:
 
 def test_bools_count_as_ints_like_array_does() -> None:
     assert memoryview(as_u32_buffer("tokens", [True, False])).tolist() == [1, 0]
+
+
+FOREIGN = ">" if sys.byteorder == "little" else "<"
+
+
+def test_foreign_byte_order_is_converted_once() -> None:
+    numpy = pytest.importorskip("numpy", reason="numpy makes foreign-order buffers; the standard library does not")
+    values = [1, 2, 70_000, U32_MAX]
+    assert memoryview(as_u32_buffer("tokens", numpy.array(values, dtype=f"{FOREIGN}u4"))).tolist() == values
+    assert memoryview(as_u32_buffer("tokens", numpy.array([3, 258], dtype=f"{FOREIGN}i2"))).tolist() == [3, 258]
+    with pytest.raises(ValueError, match=r"tokens\[1\]=-1 is outside the u32 range"):
+        as_u32_buffer("tokens", numpy.array([3, -1], dtype=f"{FOREIGN}i2"))
+
+
+def test_receive_into_a_foreign_byte_order_buffer_is_a_type_error() -> None:
+    numpy = pytest.importorskip("numpy")
+    worker: WireEp[SequenceState] = WireEp(ReplayTransport(()), num_slots=1)
+    with pytest.raises(TypeError, match=rf"buffer must hold u32 items in this machine's byte order .* \(byte order '{FOREIGN}'\)"):
+        worker.ep_recv_tokens_into(numpy.zeros(2, dtype=f"{FOREIGN}u4"))

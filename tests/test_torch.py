@@ -58,9 +58,9 @@ def test_faults_after_the_header_keep_workers_in_step(world_size: int, tmp_path:
     assert seen["head_seq_id_error"] == "seq_id=4 is out of range for 4 slots (0 ..= 3)"
     assert seen["head_token_error"].startswith("prompt[2]=-5 is outside the u32 range")
     for rank in range(1, world_size):
-        # rank 1: the injected failure, the unknown command, the bad seq_id; others: the last two.
-        failed = 3 if rank == 1 else 2
-        assert results[rank]["summary"] == WorkerSummary(commands_run=7 - failed, commands_failed=failed)
+        # rank 1: the injected failure and the unknown command; others: the unknown command.
+        failed = 2 if rank == 1 else 1
+        assert results[rank]["summary"] == WorkerSummary(commands_run=6 - failed, commands_failed=failed)
         assert results[rank]["slots"] == results[0]["slots"]
     live = results[0]["slots"][0]  # type: ignore[index]
     assert isinstance(live, ToyState) and list(live.tokens)[:3] == [9, 8, 7] and len(live.tokens) == 5
@@ -83,7 +83,7 @@ def test_head_killed_mid_session_workers_exit_with_a_receive_error(world_size: i
     started = time.monotonic()
     codes, results = run(sessions.head_dies, world_size, tmp_path)
     assert time.monotonic() - started < RUN_TIMEOUT / 2
-    assert codes[0] == -9 and codes[1:] == [3] * (world_size - 1)
+    assert codes[0] == -9 and codes[1:] == [0] * (world_size - 1)
     died_at = float((tmp_path / "head_died_at").read_text())
     for rank in range(1, world_size):
         assert results[rank]["error_type"] == "EpReceiveError"
@@ -119,3 +119,41 @@ def test_tensor_and_numpy_tokens(tmp_path: Path) -> None:
     assert list(head_state.tokens) == [1, 2, 4_294_967_295, 5, 6, 7, 11, 4_294_967_294]
     assert results[1]["slots"] == results[0]["slots"]
     assert results[1]["summary"] == WorkerSummary(commands_run=4, commands_failed=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_follow_up_timeout_ends_the_worker_and_the_heads_next_send_fails(world_size: int, tmp_path: Path) -> None:
+    stall = 4.0
+    started = time.monotonic()
+    codes, results = run(sessions.follow_up_timeout, world_size, tmp_path, stall)
+    elapsed = time.monotonic() - started
+    assert codes == [0] * world_size  # every process exits by itself, none aborts
+    assert elapsed < stall + 30.0
+    sends = results[0]["sends"]
+    assert isinstance(sends, list) and all(send.startswith("EpSendError: head: broadcast") for send in sends), sends
+    header_sent_at = float(results[0]["header_sent_at"])  # type: ignore[arg-type]
+    for rank in range(1, world_size):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert "Timed out" in str(results[rank]["error"])
+        # The worker's own timeout (1 s) fired; the head's first send after its stall
+        # found the link closed, so the worker had left within stall - 1 s of it.
+        assert float(results[rank]["at"]) - header_sent_at < stall - 1.0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_failed_commands_with_follow_ups_keep_workers_in_step(world_size: int, tmp_path: Path) -> None:
+    codes, results = run(sessions.wire_faults, world_size, tmp_path)
+    assert codes == [0] * world_size  # no SIGABRT: every receive matched the size sent
+    head_slots = results[0]["slots"]
+    assert isinstance(head_slots, list)
+    live = head_slots[1]
+    assert isinstance(live, ToyState) and list(live.tokens)[:3] == [5, 6, 70_000]
+    for rank in range(1, world_size):
+        failures = results[rank]["failures"]
+        assert isinstance(failures, list) and len(failures) == 3 + 4
+        assert all("IndexError: seq_id=3 is out of range for 2 slots" in failure for failure in failures[:3])
+        lengths = [(2, 3), (4, 3), (39, 40), (41, 40)]
+        for failure, (expected, sent) in zip(failures[3:], lengths):
+            assert f"expected a token array of {expected} tokens, but the head sent a token array of {sent}" in failure
+        assert results[rank]["run"] == 3  # alloc, prefill and decode of slot 1
+        assert results[rank]["slots"] == head_slots[:2]

@@ -1,6 +1,7 @@
 """The toy model's head and worker sides in one process, over the in-memory transports."""
 
 import pytest
+from frames import header
 
 from metrale_model_engine import EpCommandFailed, EpProtocol, WorkerSummary, run_worker
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
@@ -32,11 +33,9 @@ def test_worker_replays_to_the_same_state(protocol: EpProtocol) -> None:
     assert slots_digest(worker_slots) == slots_digest(head_slots)
     live = head_slots[2]
     assert live is not None and len(live.tokens) == 4 and head_slots[0] is None
-    per_command = 2 if protocol is EpProtocol.V1 else 1  # v1 carries the slot in its own word
-    assert recording.broadcasts[0] == head.protocol.encode_header(0, ToyCommand.ALLOC)
-    # 2 allocs, 2 prefills (+ length, tokens), 6 decodes (+ token), 1 free, shutdown.
-    expected = 2 * per_command + 2 * (per_command + 2) + 6 * (per_command + 1) + per_command + 1
-    assert len(recording.broadcasts) == expected
+    assert recording.broadcasts[:2] == [header(ToyCommand.ALLOC, 0), header(ToyCommand.ALLOC, 2)]
+    # Under both versions: 2 allocs, 2 prefills (+ tokens inline), 6 decodes (+ token), 1 free, shutdown.
+    assert len(recording.broadcasts) == 2 + 2 * 2 + 6 * 2 + 1 + 1
 
 
 def test_head_refuses_before_sending() -> None:
@@ -52,7 +51,7 @@ def test_head_refuses_before_sending() -> None:
         head.prefill(slots, 1, [1, 2**32])
     with pytest.raises(IndexError, match="seq_id=5 is out of range for 2 slots"):
         head.free(slots, 5)
-    assert recording.broadcasts == [(1, ToyCommand.ALLOC)]
+    assert recording.broadcasts == [header(ToyCommand.ALLOC, 1)]
 
 
 def test_worker_reads_the_whole_command_before_failing() -> None:
@@ -85,7 +84,12 @@ def test_unknown_command_and_out_of_range_slot_fail_tagged() -> None:
     with pytest.raises(EpCommandFailed, match="unknown command word 77 for ToyModel"):
         worker.ep_worker_step([None] * 4)
     with pytest.raises(EpCommandFailed, match=r"IndexError: seq_id=0 is out of range for 0 slots"):
-        ToyModel(ReplayTransport([(0, 1)]), num_slots=4, protocol=EpProtocol.V2).ep_worker_step([])
+        ToyModel(ReplayTransport([header(1)]), num_slots=4, protocol=EpProtocol.V2).ep_worker_step([])
+
+
+def test_bare_v1_is_refused() -> None:
+    with pytest.raises(ValueError, match="ToyModel needs seq_id on the wire, but v1_slot=False under protocol v1"):
+        ToyModel(RecordingTransport(world_size=2), num_slots=2, protocol=EpProtocol.V1, v1_slot=False)
 
 
 def test_state_checksum_and_digest_follow_tokens() -> None:

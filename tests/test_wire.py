@@ -1,11 +1,14 @@
 """WireEp over in-process fake transports: setup, argument checks, roles, classification."""
 
+from array import array
 from collections.abc import MutableSequence, Sequence
 
 import pytest
 from typing_extensions import Buffer
 
+from frames import header, tokens, word
 from metrale_model_engine import (
+    INLINE_TOKENS,
     WIRE_VERSION,
     Broadcast,
     EpCommandFailed,
@@ -27,7 +30,9 @@ class FakeTransport:
         self.world_size = world_size
         self._peers = peers
         self.fail_with: Exception | None = None
-        self.sent: list[list[int]] = []
+        self.sent: list[tuple[int, ...]] = []
+        self.incoming: list[tuple[int, ...]] = []
+        """What a worker rank receives, one broadcast each, in order."""
 
     def bind(self, words: Buffer) -> Broadcast:
         view = memoryview(words)
@@ -35,7 +40,9 @@ class FakeTransport:
         def broadcast(timeout: float | None) -> None:
             if self.fail_with is not None:
                 raise self.fail_with
-            self.sent.append(view.tolist())
+            if self.rank != 0:
+                view[:] = memoryview(array("I", self.incoming.pop(0)))
+            self.sent.append(tuple(view.tolist()))
 
         return broadcast
 
@@ -59,9 +66,10 @@ def test_protocol_from_constructor_else_environment(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("peer", "fragment"),
     [
-        ([WIRE_VERSION, 2, 4], r"the ranks disagree on the protocol \(rank 0: v1, rank 1: v2\)"),
-        ([WIRE_VERSION, 1, 8], r"the ranks disagree on the slot count \(rank 0: 4, rank 1: 8\)"),
-        ([WIRE_VERSION + 1, 1, 4], r"the ranks disagree on the wire version"),
+        ([WIRE_VERSION, 2, 1, 4], r"the ranks disagree on the protocol \(rank 0: v1, rank 1: v2\)"),
+        ([WIRE_VERSION, 1, 0, 4], r"the ranks disagree on the v1_slot option \(rank 0: True, rank 1: False\)"),
+        ([WIRE_VERSION, 1, 1, 8], r"the ranks disagree on the slot count \(rank 0: 4, rank 1: 8\)"),
+        ([WIRE_VERSION + 1, 1, 1, 4], r"the ranks disagree on the wire version"),
     ],
 )
 def test_setup_mismatch_is_refused(peer: list[int], fragment: str) -> None:
@@ -86,7 +94,12 @@ def test_setup_exchange_failure_is_a_receive_error() -> None:
         ({"num_slots": "8"}, TypeError, r"num_slots must be an int .* got str '8'"),
         ({"num_slots": True}, TypeError, r"num_slots must be an int .* got bool True"),
         ({"num_slots": 2, "protocol": "v2"}, TypeError, r"protocol must be an EpProtocol .* got str 'v2'"),
-        ({"num_slots": 2, "command_timeout": 0}, ValueError, r"command_timeout must be a positive number"),
+        ({"num_slots": 2, "protocol": 3}, TypeError, r"protocol must be an EpProtocol .* got int 3"),
+        ({"num_slots": 2.0}, TypeError, r"num_slots must be an int .* got float 2\.0"),
+        ({"num_slots": 2, "v1_slot": 1}, TypeError, r"v1_slot must be a bool, got int 1"),
+        ({"num_slots": 2, "command_timeout": 0}, ValueError, r"command_timeout must be a positive, finite number"),
+        ({"num_slots": 2, "command_timeout": -1.5}, ValueError, r"command_timeout must be a positive"),
+        ({"num_slots": 2, "command_timeout": True}, TypeError, r"command_timeout must be a positive"),
         ({"num_slots": 2, "command_timeout": float("inf")}, ValueError, r"command_timeout must be a positive"),
         ({"num_slots": 2, "command_timeout": "5"}, TypeError, r"command_timeout must be a positive"),
     ],
@@ -104,7 +117,7 @@ def test_head_sends_headers_words_and_tokens() -> None:
     assert head.ep_broadcast_tokens((7, 8)) == [7, 8]
     head.ep_shutdown_workers()
     head.ep_shutdown_workers()
-    assert transport.sent == [[3, 10], [2], [7, 8], [0, 0xFFFFFFFF]]
+    assert transport.sent == [header(10, 3), word(2), *tokens([7, 8]), header(0xFFFFFFFF)]
     with pytest.raises(EpSendError, match="shut down"):
         head.ep_broadcast_cmd(1)
 
@@ -156,8 +169,12 @@ def test_roles_are_enforced() -> None:
         worker.ep_shutdown_workers()
     with pytest.raises(EpRoleError, match=r"ep_worker_step\(\) runs on worker ranks; this is the head"):
         head.ep_worker_step([None, None])
-    with pytest.raises(EpRoleError, match=r"ep_recv_cmd\(\) receives on worker ranks"):
+    with pytest.raises(EpRoleError, match=r"ep_recv_word\(\) receives on worker ranks"):
         head.ep_recv_cmd()
+    with pytest.raises(EpRoleError, match=r"ep_recv_tokens\(\) receives on worker ranks"):
+        head.ep_recv_tokens()
+    with pytest.raises(EpRoleError, match=r"ep_recv_tokens_into\(\) receives on worker ranks"):
+        head.ep_recv_tokens_into(array("I", [0]))
 
 
 class FailingModel(WireEp[SequenceState]):
@@ -171,6 +188,7 @@ class FailingModel(WireEp[SequenceState]):
 
 def test_worker_classifies_errors_after_the_header() -> None:
     transport = FakeTransport(1, 2)
+    transport.incoming = [header(1)] * 3
     cause = KeyError("boom")
     worker = FailingModel(transport, cause)
     with pytest.raises(EpCommandFailed) as info:
@@ -200,23 +218,23 @@ def test_tokens_into_buffers() -> None:
     head_transport = FakeTransport(0, 2)
     head: WireEp[SequenceState] = WireEp(head_transport, num_slots=1)
     head.ep_broadcast_tokens_into(array("I", [4, 5]))
-    head.ep_broadcast_tokens_into(array("I"))  # empty: nothing sent
-    assert head_transport.sent == [[4, 5]]
+    head.ep_broadcast_tokens_into([6])  # a sequence is a token array too
+    head.ep_broadcast_tokens_into(array("I"))  # empty: the count still travels
+    long = list(range(INLINE_TOKENS + 1))
+    head.ep_broadcast_tokens_into(long)
+    assert head_transport.sent == [*tokens([4, 5]), *tokens([6]), *tokens([]), *tokens(long)]
     with pytest.raises(ValueError, match=r"tokens\[0\]=-1 is outside"):
         head.ep_broadcast_tokens_into(array("q", [-1]))
 
     worker_transport = FakeTransport(1, 2)
     worker: WireEp[SequenceState] = WireEp(worker_transport, num_slots=1)
-    target = array("I", [0, 0, 0])
-    worker.ep_broadcast_tokens_into(target)
-    assert worker_transport.sent == [[0, 0, 0]]  # the fake saw the worker's own buffer bound
     with pytest.raises(TypeError, match=r"tokens must be a writable u32 buffer .* got list"):
-        worker.ep_broadcast_tokens_into([0, 0])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"tokens must hold u32 items, got a buffer of format 'q'"):
-        worker.ep_broadcast_tokens_into(array("q", [0]))
-    with pytest.raises(ValueError, match=r"tokens must be a writable, 1-D, C-contiguous buffer"):
-        worker.ep_broadcast_tokens_into(memoryview(bytes(8)).cast("I"))
-    assert len(worker_transport.sent) == 1
+        worker.ep_broadcast_tokens_into([0, 0])
+    with pytest.raises(TypeError, match=r"buffer must hold u32 items, got a buffer of format 'q'"):
+        worker.ep_recv_tokens_into(array("q", [0]))
+    with pytest.raises(ValueError, match=r"buffer must be a writable, 1-D, C-contiguous buffer"):
+        worker.ep_recv_tokens_into(memoryview(bytes(8)).cast("I"))
+    assert worker_transport.sent == []  # nothing was received
 
 
 def test_recording_records_tokens_into() -> None:
@@ -226,4 +244,4 @@ def test_recording_records_tokens_into() -> None:
 
     model: RecordingEp[SequenceState] = RecordingEp()
     model.ep_broadcast_tokens_into(array("I", [7, 8]))
-    assert model.events == [EpEvent("tokens", (7, 8))] and model.wire == [(7, 8)]
+    assert model.events == [EpEvent("tokens", (7, 8))] and model.wire == tokens([7, 8])

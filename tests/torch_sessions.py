@@ -14,7 +14,7 @@ from array import array
 from collections.abc import MutableSequence
 from pathlib import Path
 
-from metrale_model_engine import EpProtocol, run_worker
+from metrale_model_engine import EpCommandFailed, EpProtocol, run_worker
 from metrale_model_engine.torch import TorchEp, TorchTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
@@ -23,6 +23,8 @@ CMD_CHECK = 50
 """A test-only command: one follow-up word; fails on workers whose rank is listed in it."""
 CMD_DIE = 51
 """A test-only command: the worker kills itself with SIGKILL."""
+CMD_PLACEHOLDER = 52
+"""A test-only command: a follow-up word n, then tokens received into an n-token placeholder."""
 
 
 def save(out: str, rank: int, **result: object) -> None:
@@ -39,12 +41,18 @@ class FaultyToy(ToyModel):
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
         if cmd == CMD_CHECK:
-            failing_rank = self.ep_recv_cmd()
+            failing_rank = self.ep_recv_word()
             if failing_rank == self.rank:
                 raise RuntimeError(f"injected failure on rank {self.rank}")
             return
         if cmd == CMD_DIE:
             os.kill(os.getpid(), signal.SIGKILL)
+        if cmd == CMD_PLACEHOLDER:
+            placeholder = range(self.ep_recv_word())
+            state = slots[seq_id] or ToyState(seq_id)
+            state.consume(self.ep_broadcast_tokens(placeholder))
+            slots[seq_id] = state
+            return
         super().ep_run_command(seq_id, cmd, slots)
 
 
@@ -95,7 +103,6 @@ def faults_session(rank: int, world_size: int, out: str) -> None:
         model.ep_broadcast_cmd_for_seq(SLOTS, ToyCommand.FREE)
     except ValueError as error:
         seen["head_seq_id_error"] = str(error)
-    model._send_header(SLOTS + 3, ToyCommand.FREE)  # what a buggy head would put on the wire
     try:
         model.prefill(slots, 0, [1, 2, -5])
     except ValueError as error:
@@ -132,7 +139,7 @@ def head_dies(rank: int, world_size: int, out: str) -> None:
         run_worker(model, slots)
     except Exception as error:
         save(out, rank, error_type=type(error).__name__, error=str(error), at=time.time(), slots=slots)
-        os._exit(3)  # the group cannot be torn down with its head gone
+        return  # a normal exit, group teardown included, even with the head gone
     save(out, rank, error_type=None, error=None, at=time.time(), slots=slots)
 
 
@@ -223,3 +230,65 @@ def tensor_tokens(rank: int, world_size: int, out: str) -> None:
     state.consume(into)
     model.ep_shutdown_workers()
     save(out, rank, slots=[None, state], errors=errors)
+
+
+def follow_up_timeout(rank: int, world_size: int, stall: float, out: str) -> None:
+    """The head stalls inside a command longer than the workers' command timeout."""
+    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if rank != 0:
+        try:
+            run_worker(model, slots)
+        except Exception as error:
+            save(out, rank, error_type=type(error).__name__, error=str(error), at=time.time())
+        return  # a normal exit: the process must end by itself
+    model.alloc(slots, 0)
+    model.ep_broadcast_cmd_for_seq(0, CMD_CHECK)  # its follow-up word comes too late
+    sent_at = time.time()
+    time.sleep(stall)
+    sends: list[str] = []
+    for _ in range(2):
+        try:
+            model.ep_broadcast_cmd(0)
+            sends.append("sent")
+        except Exception as error:
+            sends.append(f"{type(error).__name__}: {error}")
+    save(out, rank, sends=sends, header_sent_at=sent_at)
+
+
+LONG_PROMPT = list(range(1000, 1040))
+"""Longer than a frame holds: travels as frame + bulk."""
+
+
+def wire_faults(rank: int, world_size: int, out: str) -> None:
+    """Commands that fail on the workers with follow-ups still on the wire."""
+    import numpy
+
+    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
+    if rank != 0:
+        slots: list[ToyState | None] = [None] * 2  # shorter than the head's: seq_id 3 is out of range here
+        failures: list[str] = []
+        run = 0
+        while True:
+            try:
+                if not model.ep_worker_step(slots):
+                    break
+                run += 1
+            except EpCommandFailed as error:
+                failures.append(str(error))
+        save(out, rank, run=run, failures=failures, slots=slots)
+        return
+    slots = [None] * SLOTS
+    model.alloc(slots, 3)
+    model.prefill(slots, 3, LONG_PROMPT)
+    model.decode(slots, 3)
+    model.alloc(slots, 1)
+    model.prefill(slots, 1, numpy.array([5, 6, 70_000], dtype=">u4"))  # foreign byte order, converted once
+    for sent in ([7, 8, 9], LONG_PROMPT):
+        for placeholder in (len(sent) - 1, len(sent) + 1):
+            model.ep_broadcast_cmd_for_seq(1, CMD_PLACEHOLDER)
+            model.ep_broadcast_cmd(placeholder)
+            model.ep_broadcast_tokens(sent)
+    model.decode(slots, 1)
+    model.ep_shutdown_workers()
+    save(out, rank, slots=slots)

@@ -6,10 +6,11 @@ Importing this package never imports torch; the torch.distributed backend lives 
 
 from . import _errors
 from ._errors import *  # noqa: F403  (the exception classes, as listed in _errors.__all__)
-from ._model import ModelEp, TokenArray
+from ._frame import FRAME_WORDS, INLINE_TOKENS, FrameKind
+from ._model import ModelEp
 from ._protocol import PROTOCOL_ENV_VAR, EpProtocol
 from ._state import SequenceState
-from ._tokens import U32_TYPECODE, as_u32_buffer
+from ._tokens import U32_TYPECODE, ArrayInterface, TokenArray, as_u32_buffer
 from ._transport import Broadcast, EpTransport
 from ._wire import DEFAULT_COMMAND_TIMEOUT, WIRE_VERSION, WireEp, check_slot
 from ._words import CMD_SHUTDOWN, U32_MAX, U32_MIN, check_u32
@@ -18,6 +19,8 @@ from ._worker import WorkerSummary, run_worker
 __all__ = [
     "CMD_SHUTDOWN",
     "DEFAULT_COMMAND_TIMEOUT",
+    "FRAME_WORDS",
+    "INLINE_TOKENS",
     "PROTOCOL_ENV_VAR",
     "U32_MAX",
     "U32_MIN",
@@ -25,10 +28,12 @@ __all__ = [
     "WIRE_VERSION",
     "Broadcast",
     "EpProtocol",
+    "FrameKind",
     "EpTransport",
     "ModelEp",
     "SequenceState",
     "TokenArray",
+    "ArrayInterface",
     "WireEp",
     "WorkerSummary",
     "as_u32_buffer",

@@ -9,10 +9,27 @@ would read is no longer known to be a header.
 
 from __future__ import annotations
 
-__all__ = ["EpCommandFailed", "EpLinkError", "EpReceiveError", "EpRoleError", "EpSendError", "EpSetupError"]
+__all__ = [
+    "EpCommandFailed",
+    "EpError",
+    "EpLinkError",
+    "EpMismatchError",
+    "EpReceiveError",
+    "EpRoleError",
+    "EpSendError",
+    "EpSetupError",
+]
 
 
-class EpCommandFailed(Exception):
+class EpError(Exception):
+    """Base of every exception this library defines: ``except EpError`` catches them all.
+
+    Each subclass keeps a standard base as well (``EpLinkError`` is a
+    ``ConnectionError``, ``EpSetupError`` a ``RuntimeError``, and so on).
+    """
+
+
+class EpCommandFailed(EpError):
     """A command was received and then failed; the worker stays up.
 
     The underlying error is both :attr:`cause` and ``__cause__``; ``str()`` shows its
@@ -22,6 +39,7 @@ class EpCommandFailed(Exception):
     """
 
     cause: BaseException
+    __cause__: BaseException  # always set, never None
 
     def __init__(self, cause: BaseException) -> None:
         if not isinstance(cause, BaseException):
@@ -41,7 +59,7 @@ class EpCommandFailed(Exception):
         return (type(self), (self.cause,))
 
 
-class EpLinkError(ConnectionError):
+class EpLinkError(EpError, ConnectionError):
     """The link between head and workers failed: a worker receiving it must exit.
 
     Never tagged as :class:`EpCommandFailed`.  The original transport error, if any,
@@ -57,7 +75,7 @@ class EpSendError(EpLinkError):
     """A head-side broadcast failed (a worker gone, timeout, transport error)."""
 
 
-class EpSetupError(RuntimeError):
+class EpSetupError(EpError, RuntimeError):
     """The ranks disagree at setup (protocol, slot count or wire version).
 
     Raised on every rank, before any command is sent, so a mismatch is never a
@@ -65,5 +83,15 @@ class EpSetupError(RuntimeError):
     """
 
 
-class EpRoleError(RuntimeError):
+class EpRoleError(EpError, RuntimeError):
     """A head-only call was made on a worker rank, or a worker-only call on the head."""
+
+
+class EpMismatchError(EpError, ValueError):
+    """A worker asked for a follow-up the head did not send (another kind or length).
+
+    Raised by the worker's receive methods after the library has consumed the
+    offending message (and any payload of it), so the worker stays in step: inside
+    a command it becomes :class:`EpCommandFailed`.  The message names what was
+    expected and what arrived, lengths included.
+    """

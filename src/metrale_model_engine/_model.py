@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import MutableSequence, Sequence
-from typing import Generic, Union
+from typing import Generic
 
-from typing_extensions import Buffer, TypeVar
+from typing_extensions import TypeVar
 
 from ._state import SequenceState
+from ._tokens import TokenArray
 from ._words import check_u32
 
 S = TypeVar("S", bound=SequenceState, default=SequenceState)
 """The slot type of a model: :class:`SequenceState` or the model's own subclass."""
-
-TokenArray = Union[Sequence[int], Buffer]
-"""A u32 token array: a sequence of ints or a buffer (``array('I')``, numpy)."""
 
 
 class ModelEp(abc.ABC, Generic[S]):

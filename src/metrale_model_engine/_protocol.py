@@ -29,6 +29,15 @@ class EpProtocol(enum.Enum):
     V2 = "v2"
 
     @property
+    def code(self) -> int:
+        """The number that stands for this version in the setup exchange (1 or 2).
+
+        Fixed per version, independent of any layout detail, so that a future layout
+        can never be taken for another.
+        """
+        return _CODES[self]
+
+    @property
     def header_words(self) -> int:
         """Number of u32 words in one header: 1 under v1, 2 under v2."""
         return 2 if self is EpProtocol.V2 else 1
@@ -68,3 +77,6 @@ class EpProtocol(enum.Enum):
                 f"{PROTOCOL_ENV_VAR}={raw!r} is not a protocol version; "
                 f"accepted: {accepted} (or unset/empty for 'v1')"
             ) from None
+
+
+_CODES: Final[dict[EpProtocol, int]] = {EpProtocol.V1: 1, EpProtocol.V2: 2}

@@ -5,11 +5,26 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final, Protocol, Union
 
 from typing_extensions import Buffer
 
 from ._words import check_u32
+
+class ArrayInterface(Protocol):
+    """An object with numpy's array interface: numpy arrays, on every Python version.
+
+    numpy's stubs declare the buffer protocol on arrays only from Python 3.12 on;
+    this is how a numpy array type-checks as a token array before that.  At run
+    time the library reads every token array through the buffer protocol.
+    """
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+
+
+TokenArray = Union[Sequence[int], Buffer, ArrayInterface]
+"""A u32 token array: a sequence of ints or a buffer (``array('I')``, numpy)."""
 
 U32_TYPECODE: Final[str] = next(code for code in "IL" if array(code).itemsize == 4)
 """The ``array`` typecode whose items are u32 on this platform."""
@@ -19,9 +34,10 @@ _U32_FORMATS: Final[frozenset[str]] = frozenset(
     prefix + code for prefix in ("", "@", "=", _NATIVE_ORDER) for code in "IL"
 )
 _INT_FORMATS: Final[str] = "bBhHiIlLqQnN"
+_FOREIGN_ORDERS: Final[tuple[str, ...]] = (">", "!") if sys.byteorder == "little" else ("<",)
 
 
-def as_u32_buffer(name: str, tokens: Sequence[int] | Buffer) -> Buffer:
+def as_u32_buffer(name: str, tokens: TokenArray) -> Buffer:
     """Return ``tokens`` as a C-contiguous buffer of native u32 items.
 
     An ``array('I')`` or a writable contiguous u32 buffer (numpy ``uint32``, a
@@ -38,46 +54,70 @@ def as_u32_buffer(name: str, tokens: Sequence[int] | Buffer) -> Buffer:
     if isinstance(tokens, (list, tuple)):
         return _to_array(name, tokens)
     try:
-        view = memoryview(tokens)  # type: ignore[arg-type]  # a Sequence may be a buffer too
+        view = memoryview(tokens)  # type: ignore[arg-type]  # a Sequence or a numpy array may be a buffer
     except TypeError:
         return _to_array(name, tokens)  # type: ignore[arg-type]  # not a buffer: a sequence
     if view.ndim != 1:
         raise ValueError(f"{name} must be a 1-D token array, got a {view.ndim}-D buffer")
     if view.format in _U32_FORMATS and view.itemsize == 4 and view.c_contiguous:
         # Read-only memory is copied once so that backends may wrap it writable.
-        return view if not view.readonly else array(U32_TYPECODE, view.tobytes())
-    if view.format.lstrip("@=<>!") not in _INT_FORMATS:
-        raise TypeError(
-            f"{name} must hold integers, got a buffer of format {view.format!r}"
-        )
+        return _native(view) if not view.readonly else array(U32_TYPECODE, view.tobytes())
+    order, code = view.format[:-1], view.format[-1:]
+    if order not in ("", "@", "=", "<", ">", "!") or code not in _INT_FORMATS:
+        raise TypeError(f"{name} must hold integers, got a buffer of format {view.format!r}")
+    if order in _FOREIGN_ORDERS:
+        return _to_array(name, _swapped(view))
     return _to_array(name, view.tolist())
 
 
-def writable_u32_buffer(name: str, tokens: Buffer) -> memoryview:
-    """``tokens`` as a memoryview that a receive may write u32 items into, in place.
+def writable_u32_buffer(name: str, tokens: object) -> memoryview:
+    """``tokens`` as a native-order u32 memoryview that a receive may write into, in place.
 
     Raises:
-        TypeError: ``tokens`` exposes no buffer, or not one of u32 items.
+        TypeError: ``tokens`` exposes no buffer, or not one of native-order u32 items
+            (the message names a foreign byte order).
         ValueError: the buffer is read-only, not 1-D or not C-contiguous.
     """
     try:
-        view = memoryview(tokens)
+        view = memoryview(tokens)  # type: ignore[arg-type]  # any object: TypeError below
     except TypeError:
         raise TypeError(
             f"{name} must be a writable u32 buffer (array('I'), numpy uint32), got {type(tokens).__name__}"
         ) from None
+    if view.format[:1] in _FOREIGN_ORDERS:
+        raise TypeError(
+            f"{name} must hold u32 items in this machine's byte order ({sys.byteorder}-endian), "
+            f"got a buffer of format {view.format!r} (byte order {view.format[0]!r}); "
+            "receive into a native uint32 buffer and convert after"
+        )
     if view.format not in _U32_FORMATS or view.itemsize != 4:
         raise TypeError(f"{name} must hold u32 items, got a buffer of format {view.format!r}")
     if view.readonly or view.ndim != 1 or not view.c_contiguous:
         raise ValueError(f"{name} must be a writable, 1-D, C-contiguous buffer")
-    return view
+    return _native(view)
 
 
-def token_count(tokens: Sequence[int] | Buffer) -> int:
+def _native(view: memoryview) -> memoryview:
+    """``view`` with the native u32 format code, so that views of it can be assigned."""
+    if view.format == U32_TYPECODE:
+        return view
+    return view.cast("B").cast("I") if U32_TYPECODE == "I" else view.cast("B").cast("L")
+
+
+def _swapped(view: memoryview) -> array[int]:
+    """The integers of a buffer in the foreign byte order, as a native array (one copy)."""
+    signed = view.format[-1].islower()
+    code = next(c for c in ("bhilq" if signed else "BHILQ") if array(c).itemsize == view.itemsize)
+    values = array(code, view.tobytes())
+    values.byteswap()
+    return values
+
+
+def token_count(tokens: TokenArray) -> int:
     """Number of tokens in ``tokens`` (a sequence or a 1-D buffer), without copying."""
     if isinstance(tokens, Sequence):
         return len(tokens)
-    return len(memoryview(tokens))
+    return len(memoryview(tokens))  # type: ignore[arg-type]  # numpy arrays are buffers at run time
 
 
 def _to_array(name: str, tokens: Sequence[int]) -> array[int]:

@@ -18,13 +18,12 @@ from typing import Literal
 
 from typing_extensions import Buffer
 
-from ._errors import EpSetupError
-from ._model import S, TokenArray
+from ._model import S
 from ._protocol import EpProtocol
-from ._tokens import as_u32_buffer
+from ._state import SequenceState
+from ._tokens import TokenArray, as_u32_buffer
 from ._transport import Broadcast
 from ._wire import WireEp
-from ._words import CMD_SHUTDOWN
 from ._worker import WorkerSummary, run_worker
 
 EventKind = Literal["cmd", "cmd_for_seq", "tokens", "shutdown"]
@@ -55,6 +54,8 @@ class RecordingTransport:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.broadcasts: list[tuple[int, ...]] = []
+        self.setup: list[int] | None = None
+        """The words the model sent in its setup exchange (``None`` until then)."""
 
     def bind(self, words: Buffer) -> Broadcast:
         view = memoryview(words)
@@ -65,6 +66,7 @@ class RecordingTransport:
         return broadcast
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
+        self.setup = list(words)
         return [list(words)] * self.world_size
 
 
@@ -74,13 +76,21 @@ class ReplayTransport:
     Each receive must ask for exactly the length that was sent, else it fails
     (``ValueError``, which a model reports as a receive error: out of step).  Past
     the last broadcast a receive fails with ``EOFError``.
+
+    Args:
+        broadcasts: what the head sent, one tuple of words per broadcast.
+        setup: the head's words of the setup exchange, which the worker's are
+            checked against (a :class:`RecordingTransport`'s ``setup``); ``None``:
+            the head agrees with whatever the worker sends.  A worker-side model
+            built on ``ReplayTransport(())`` needs no process group.
     """
 
     rank = 1
     world_size = 2
 
-    def __init__(self, broadcasts: Sequence[tuple[int, ...]]) -> None:
+    def __init__(self, broadcasts: Sequence[tuple[int, ...]], *, setup: Sequence[int] | None = None) -> None:
         self._pending: Iterator[tuple[int, ...]] = iter(broadcasts)
+        self._setup = None if setup is None else list(setup)
 
     def bind(self, words: Buffer) -> Broadcast:
         view = memoryview(words)
@@ -100,7 +110,8 @@ class ReplayTransport:
         return broadcast
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
-        return [list(words), list(words)]
+        head = list(words) if self._setup is None else self._setup
+        return [head, list(words)]
 
 
 class RecordingEp(WireEp[S]):
@@ -117,8 +128,11 @@ class RecordingEp(WireEp[S]):
         num_slots: the slot count.
     """
 
+    __slots__ = ("_recording", "_shutdown_recorded", "events")
+
     def __init__(self, *, is_ep: bool = True, protocol_v2: bool = False, num_slots: int = 8) -> None:
         self._recording = RecordingTransport(world_size=2 if is_ep else 1)
+        self._shutdown_recorded = False
         self.events: list[EpEvent] = []
         """The recorded calls, oldest first."""
         super().__init__(
@@ -145,15 +159,16 @@ class RecordingEp(WireEp[S]):
         self.events.append(EpEvent("tokens", tuple(result)))
         return result
 
-    def ep_broadcast_tokens_into(self, tokens: Buffer) -> None:
+    def ep_broadcast_tokens_into(self, tokens: TokenArray) -> None:
         buffer = as_u32_buffer("tokens", tokens)  # converted once, checked before recording
         super().ep_broadcast_tokens_into(buffer)
         self.events.append(EpEvent("tokens", tuple(memoryview(buffer).tolist())))
 
     def ep_shutdown_workers(self) -> None:
-        if not self._shut_down:
-            self.events.append(EpEvent("shutdown", ()))
         super().ep_shutdown_workers()
+        if not self._shutdown_recorded:
+            self.events.append(EpEvent("shutdown", ()))
+            self._shutdown_recorded = True
 
     def replay(
         self,
@@ -164,28 +179,28 @@ class RecordingEp(WireEp[S]):
     ) -> WorkerSummary:
         """Feed the recorded wire to ``worker`` as worker rank 1, under :func:`run_worker`.
 
-        A shutdown header ends the replay (one is added if none was recorded).
-        ``worker`` keeps its own transport afterwards.  The recording can be
-        replayed again.
+        The worker first runs its setup agreement against the recording's (as
+        :meth:`WireEp.attached`), so it must have been built with the same protocol,
+        ``v1_slot`` and slot count; it keeps its own transport afterwards.  A
+        shutdown header ends the replay (one is added if none was recorded).  The
+        recording can be replayed again.
 
         Raises:
-            EpSetupError: ``worker`` has another protocol or slot count.
+            EpSetupError: ``worker`` disagrees with the recording.
             ValueError: this recorder is not multi-rank (``is_ep=False``).
             EpReceiveError: the worker read more, or other lengths, than was sent.
         """
         if not self.is_ep():
             raise ValueError("replay() needs a recording made with is_ep=True; nothing went on the wire")
-        if (worker.protocol, worker.num_slots) != (self.protocol, self.num_slots):
-            raise EpSetupError(
-                f"the worker ({worker.protocol.value}, {worker.num_slots} slots) does not match "
-                f"the recording ({self.protocol.value}, {self.num_slots} slots)"
-            )
         broadcasts = self.wire
-        if not self._shut_down:
-            broadcasts.append(self.protocol.encode_header(0, CMD_SHUTDOWN))
-        own_transport = worker._transport
-        worker._attach(ReplayTransport(broadcasts))
-        try:
+        if not self._shutdown_recorded:
+            broadcasts.append(_shutdown_frame())
+        with worker.attached(ReplayTransport(broadcasts, setup=self._recording.setup)):
             return run_worker(worker, slots, logger=logger)
-        finally:
-            worker._attach(own_transport)
+
+
+def _shutdown_frame() -> tuple[int, ...]:
+    """The frame of a shutdown header, as any head sends it."""
+    recording = RecordingTransport(world_size=2)
+    WireEp[SequenceState](recording, num_slots=1, protocol=EpProtocol.V2).ep_shutdown_workers()
+    return recording.broadcasts[-1]

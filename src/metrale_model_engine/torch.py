@@ -18,11 +18,13 @@ once: the other ranks' next receive or send fails with an ``EpLinkError``.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import multiprocessing
 import socket
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Final, cast
 
@@ -38,8 +40,9 @@ except ImportError as error:  # pragma: no cover - exercised in a torch-less ven
 
 from typing_extensions import Buffer
 
-from ._model import S, TokenArray
+from ._model import S
 from ._protocol import EpProtocol
+from ._tokens import TokenArray
 from ._transport import Broadcast
 from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp
 from ._words import U32_MAX, check_u32
@@ -54,16 +57,21 @@ __all__ = [
     "run_local",
 ]
 
-NumpyArray = numpy.ndarray[Any, Any]
-"""numpy arrays are buffers, but numpy's stubs say so only from Python 3.12 on."""
-
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
 """Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header."""
 
 
 @functools.lru_cache(maxsize=8)
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
+def _broadcast_options(timeout: float | None) -> dist.BroadcastOptions:
+    """Options of a broadcast from the group's rank 0, bounded by ``timeout`` seconds.
+
+    ``None`` keeps the group's own timeout.  Cached: a model uses one or two values.
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = 0  # rank 0 of the group, whatever its global rank
+    if timeout is not None:
+        options.timeout = datetime.timedelta(seconds=timeout)
+    return options
 
 
 class TorchTransport:
@@ -93,30 +101,43 @@ class TorchTransport:
         if group is None:
             group = dist.group.WORLD
             assert group is not None  # initialised above
-        self._group: dist.ProcessGroup = group
+        self._group: dist.ProcessGroup | None = group
         rank = dist.get_rank(group)
         if rank < 0:
             raise RuntimeError("this process is not a member of the given process group")
         self.rank: Final = rank
         self.world_size: Final = dist.get_world_size(group)
         if device is None:
-            uses_nccl = dist.get_backend(self._group) == "nccl"
+            uses_nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl else torch.device("cpu")
         self._device = device
+
+        _OPEN_TRANSPORTS.add(self)
 
     @property
     def device(self) -> torch.device:
         """Where the collective tensors live."""
         return self._device
 
+    def close(self) -> None:
+        """Drop this transport's reference to its process group; later broadcasts fail.
+
+        Idempotent.  Called for every open transport when the interpreter exits (see
+        :func:`_release_at_exit`); call it earlier to free the group sooner.
+        """
+        self._group = None
+
+    def _open_group(self) -> dist.ProcessGroup:
+        group = self._group
+        if group is None:
+            raise RuntimeError("the TorchTransport was closed; its process group is no longer used")
+        return group
+
     def bind(self, words: Buffer) -> Broadcast:
         host = torch.frombuffer(words, dtype=torch.int32)
         # The process group's own broadcast, called directly: the same collective as
         # torch.distributed.broadcast without its per-call Python checks, which cost
         # more than the transfer of a header (see the README's benchmark).
-        group = self._group
-        options = dist.BroadcastOptions()
-        options.rootRank = 0  # rank 0 of the group, whatever its global rank
         on_device = self._device.type != "cpu"
         tensors = [torch.empty_like(host, device=self._device) if on_device else host]
         is_head = self.rank == 0
@@ -124,11 +145,10 @@ class TorchTransport:
         def broadcast(timeout: float | None) -> None:
             if on_device and is_head:
                 tensors[0].copy_(host)
-            work = group.broadcast(tensors, options)
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(_timedelta(timeout))
+            # The timeout goes to the collective itself, not to the wait: a wait that
+            # times out would leave the receive pending inside the backend, where it
+            # would swallow the head's next broadcast and block the process at exit.
+            self._open_group().broadcast(tensors, _broadcast_options(timeout)).wait()
             if on_device and not is_head:
                 host.copy_(tensors[0])
 
@@ -137,8 +157,28 @@ class TorchTransport:
     def gather(self, words: Sequence[int]) -> list[list[int]]:
         mine = torch.tensor(list(words), dtype=torch.int64, device=self._device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
+        dist.all_gather(everyone, mine, group=self._open_group())
         return [tensor.tolist() for tensor in everyone]
+
+
+_OPEN_TRANSPORTS: Final[weakref.WeakSet[TorchTransport]] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Make a rank's exit clean even when its program never tore the group down.
+
+    A gloo process group destroyed during interpreter teardown, after the modules
+    it needs are half gone, aborts the process in about half of the exits
+    ("terminate called without an active exception"); that happens whenever a
+    Python reference to it (ours, in a live model) outlives
+    ``destroy_process_group``.  At exit, before teardown, this drops the references
+    of every open transport and destroys the default group if the program did not.
+    """
+    for transport in list(_OPEN_TRANSPORTS):
+        transport.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class TorchEp(WireEp[S]):
@@ -154,9 +194,12 @@ class TorchEp(WireEp[S]):
         num_slots: the slot count (``--max-batch-size``).
         group: the process group; default the world group, e.g. made by torchrun.
         protocol: default :meth:`EpProtocol.from_env`.
+        v1_slot: ``seq_id`` in v1 headers too (see ``WireEp``).
         command_timeout: seconds for a command in flight (see ``WireEp``).
         device: see :class:`TorchTransport`.
     """
+
+    __slots__ = ()
 
     def __init__(
         self,
@@ -164,6 +207,7 @@ class TorchEp(WireEp[S]):
         num_slots: int,
         group: dist.ProcessGroup | None = None,
         protocol: EpProtocol | None = None,
+        v1_slot: bool = True,
         command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
         device: torch.device | None = None,
     ) -> None:
@@ -171,22 +215,19 @@ class TorchEp(WireEp[S]):
             TorchTransport(group, device=device),
             num_slots=num_slots,
             protocol=protocol,
+            v1_slot=v1_slot,
             command_timeout=command_timeout,
         )
 
-    def ep_broadcast_tokens(self, tokens: TokenArray | NumpyArray | torch.Tensor) -> list[int]:
+    def ep_broadcast_tokens(self, tokens: TokenArray | torch.Tensor) -> list[int]:
         """As :meth:`WireEp.ep_broadcast_tokens`; a tensor is checked and sent without a Python loop."""
         if not isinstance(tokens, torch.Tensor):
-            return super().ep_broadcast_tokens(cast(Buffer, tokens))
+            return super().ep_broadcast_tokens(tokens)
         if self.rank != 0:
-            return super().ep_broadcast_tokens(range(tokens.numel()))
+            return self.ep_recv_tokens(tokens.numel())
         words = _tensor_as_u32(tokens)
         super().ep_broadcast_tokens(words)
         return memoryview(words).tolist()
-
-    def ep_broadcast_tokens_into(self, tokens: Buffer | NumpyArray) -> None:
-        """As :meth:`WireEp.ep_broadcast_tokens_into`, typed to take numpy arrays too."""
-        super().ep_broadcast_tokens_into(cast(Buffer, tokens))
 
 
 def _tensor_as_u32(tokens: torch.Tensor) -> Buffer:

@@ -18,10 +18,11 @@ import hashlib
 from collections.abc import Iterable, MutableSequence, Sequence
 from typing import Final
 
-from ._model import TokenArray
+from ._protocol import EpProtocol
 from ._state import SequenceState
-from ._tokens import as_u32_buffer, token_count
-from ._wire import WireEp, check_slot
+from ._tokens import TokenArray, as_u32_buffer
+from ._transport import EpTransport
+from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp, check_slot
 
 VOCAB_SIZE: Final[int] = 32_000
 _CHECKSUM_MOD: Final[int] = (1 << 61) - 1
@@ -70,17 +71,41 @@ ToySlots = MutableSequence[ToyState | None]
 class ToyModel(WireEp[ToyState]):
     """The toy model: head methods drive a command; workers run it in :meth:`ep_run_command`.
 
-    Wire layout of each command after its header: under v1 the slot comes first as
-    a follow-up word (v1 headers do not carry it); then ``PREFILL`` sends the prompt
-    length and the prompt in one token broadcast, ``DECODE`` the chosen token.
+    After its header, ``PREFILL`` sends the prompt as one token array and
+    ``DECODE`` the chosen token as one follow-up word; ``ALLOC`` and ``FREE`` send
+    nothing more.  Arguments as :class:`~metrale_model_engine.WireEp`.
+
+    Raises:
+        ValueError: ``v1_slot=False`` under protocol v1: the toy serves several
+            slots, so its headers must carry ``seq_id``.
     """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        transport: EpTransport,
+        *,
+        num_slots: int,
+        protocol: EpProtocol | None = None,
+        v1_slot: bool = True,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            transport, num_slots=num_slots, protocol=protocol, v1_slot=v1_slot, command_timeout=command_timeout
+        )
+        if not self.carries_seq_id:
+            raise ValueError(
+                "ToyModel needs seq_id on the wire, but v1_slot=False under protocol v1 "
+                "leaves it off: keep v1_slot=True (the default) or use protocol v2"
+            )
 
     # -- head ----------------------------------------------------------------
 
     def alloc(self, slots: ToySlots, seq_id: int) -> None:
         """Start a sequence in the free slot ``seq_id`` on every rank."""
         state = self._check(slots, seq_id, ToyCommand.ALLOC)
-        self._start(seq_id, ToyCommand.ALLOC)
+        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.ALLOC)
         self._apply(slots, seq_id, ToyCommand.ALLOC, state, ())
 
     def prefill(self, slots: ToySlots, seq_id: int, prompt: TokenArray) -> None:
@@ -90,8 +115,7 @@ class ToyModel(WireEp[ToyState]):
         """
         state = self._check(slots, seq_id, ToyCommand.PREFILL)
         tokens = as_u32_buffer("prompt", prompt)
-        self._start(seq_id, ToyCommand.PREFILL)
-        self.ep_broadcast_cmd(token_count(tokens))
+        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.PREFILL)
         self._apply(slots, seq_id, ToyCommand.PREFILL, state, self.ep_broadcast_tokens(tokens))
 
     def decode(self, slots: ToySlots, seq_id: int) -> int:
@@ -99,7 +123,7 @@ class ToyModel(WireEp[ToyState]):
         state = self._check(slots, seq_id, ToyCommand.DECODE)
         assert state is not None
         token = state.next_token()
-        self._start(seq_id, ToyCommand.DECODE)
+        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.DECODE)
         self.ep_broadcast_cmd(token)
         self._apply(slots, seq_id, ToyCommand.DECODE, state, (token,))
         return token
@@ -107,25 +131,18 @@ class ToyModel(WireEp[ToyState]):
     def free(self, slots: ToySlots, seq_id: int) -> None:
         """End the sequence in slot ``seq_id`` on every rank."""
         state = self._check(slots, seq_id, ToyCommand.FREE)
-        self._start(seq_id, ToyCommand.FREE)
+        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.FREE)
         self._apply(slots, seq_id, ToyCommand.FREE, state, ())
-
-    def _start(self, seq_id: int, cmd: ToyCommand) -> None:
-        self.ep_broadcast_cmd_for_seq(seq_id, cmd)
-        if not self.ep_protocol_v2():
-            self.ep_broadcast_cmd(seq_id)
 
     # -- worker --------------------------------------------------------------
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
         """Read the whole command, then apply it to ``slots``."""
-        if not self.ep_protocol_v2():
-            seq_id = self.ep_recv_cmd()
         payload: Sequence[int] = ()
         if cmd == ToyCommand.PREFILL:
-            payload = self.ep_broadcast_tokens(range(self.ep_recv_cmd()))
+            payload = self.ep_recv_tokens()
         elif cmd == ToyCommand.DECODE:
-            payload = (self.ep_recv_cmd(),)
+            payload = (self.ep_recv_word(),)
         elif cmd not in (ToyCommand.ALLOC, ToyCommand.FREE):
             raise ValueError(f"unknown command word {cmd} for ToyModel (seq_id={seq_id})")
         command = ToyCommand(cmd)
