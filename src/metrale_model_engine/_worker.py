@@ -49,6 +49,11 @@ def run_worker(
         ValueError: ``model.is_ep()`` is ``False``: its default ``ep_worker_step``
             would return ``True`` forever.
         Exception: whatever a step raised other than :class:`EpCommandFailed`.
+
+    After it returns (or raises), leave the group: with torch.distributed, call
+    ``torch.distributed.destroy_process_group()`` before the process exits.
+    ``metrale_model_engine.torch`` also does it from an exit hook when the program
+    did not, since a gloo group torn down with the interpreter can abort the process.
     """
     if not model.is_ep():
         raise ValueError(

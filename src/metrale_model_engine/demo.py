@@ -120,16 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _under_torchrun(backend: str | None, work: tuple[EpProtocol, int, int]) -> int:
-    import torch
     import torch.distributed as dist
 
-    from .torch import DEFAULT_IDLE_TIMEOUT, default_backend
+    from .torch import init_group_from_env
 
-    if backend is None:
-        backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=DEFAULT_IDLE_TIMEOUT)
+    init_group_from_env(backend=backend)
     try:
         serve(dist.get_rank(), dist.get_world_size(), *work)
     except SystemExit as exit_:

@@ -22,6 +22,7 @@ import atexit
 import datetime
 import functools
 import multiprocessing
+import os
 import socket
 import time
 import weakref
@@ -53,6 +54,7 @@ __all__ = [
     "default_backend",
     "TorchTransport",
     "free_port",
+    "init_group_from_env",
     "init_local_group",
     "run_local",
 ]
@@ -269,25 +271,60 @@ def init_local_group(
 ) -> None:
     """Initialise this process as ``rank`` of a ``world_size``-rank group on loopback.
 
-    ``backend`` defaults to NCCL when there is a CUDA device per rank and gloo otherwise; under
-    NCCL the process uses CUDA device ``rank % device_count``.  ``timeout`` is the
-    group timeout, which bounds an idle worker's wait for the next header.
+    ``backend`` defaults to NCCL when there is a CUDA device per rank and gloo
+    otherwise; under NCCL the process uses CUDA device ``rank % device_count``.
+    ``timeout`` is the group timeout, which bounds an idle worker's wait for the
+    next header.
+
+    Raises:
+        ValueError: ``rank`` is not in ``0 ..= world_size - 1``.
+        RuntimeError: ``backend="nccl"`` on a machine without CUDA devices.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")
+    _init_group(backend, rank, world_size, timeout, f"tcp://127.0.0.1:{port}", rank, world_size)
+
+
+def init_group_from_env(
+    *, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT
+) -> None:
+    """Initialise the default group from torchrun's variables (``env://``).
+
+    The same backend and device choice as :func:`init_local_group`, per node:
+    ``LOCAL_RANK`` picks the CUDA device, ``LOCAL_WORLD_SIZE`` (else
+    ``WORLD_SIZE``) the default backend.
+
+    Raises:
+        RuntimeError: ``backend="nccl"`` on a machine without CUDA devices.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    _init_group(backend, local_rank, local_ranks, timeout, None, -1, -1)
+
+
+def _init_group(
+    backend: str | None,
+    local_rank: int,
+    local_ranks: int,
+    timeout: datetime.timedelta,
+    init_method: str | None,
+    rank: int,
+    world_size: int,
+) -> None:
     if backend is None:
-        backend = default_backend(world_size)
+        backend = default_backend(local_ranks)
     device_id = None
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        devices = torch.cuda.device_count()
+        if devices == 0:
+            raise RuntimeError(
+                "backend 'nccl' needs a CUDA device, and this machine has none "
+                "(torch.cuda.device_count() == 0); use backend 'gloo'"
+            )
+        torch.cuda.set_device(local_rank % devices)
         device_id = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=device_id,
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
 
 

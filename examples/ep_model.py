@@ -1,0 +1,87 @@
+"""A multi-rank model on torch.distributed: the head serves, every worker runs commands.
+
+Run it on 2 local gloo ranks (it starts them itself), or under torchrun:
+
+    python examples/ep_model.py
+    torchrun --nproc-per-node 3 examples/ep_model.py
+
+Each rank prints its slot states; they agree under protocol v1 and v2
+(``METRALE_EP_PROTOCOL``).  Exit code 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableSequence
+
+import torch.distributed as dist
+
+from metrale_model_engine import SequenceState, TokenArray, as_u32_buffer, run_worker
+from metrale_model_engine.torch import TorchEp, init_group_from_env, run_local
+
+PREFILL, DECODE = 1, 2
+
+
+class MyModel(TorchEp[SequenceState]):
+    __slots__ = ()
+
+    # head side of each command: check everything, then broadcast, then apply locally
+    def prefill(self, slots: list[SequenceState | None], seq_id: int, prompt: TokenArray) -> None:
+        tokens = as_u32_buffer("prompt", prompt)  # bad tokens raise here; nothing is sent
+        self.ep_broadcast_cmd_for_seq(seq_id, PREFILL)
+        self.ep_broadcast_tokens(tokens)
+        slots[seq_id] = SequenceState(seq_id, memoryview(tokens).tolist())
+
+    def decode(self, slots: list[SequenceState | None], seq_id: int, token: int) -> None:
+        state = slots[seq_id]
+        if state is None:
+            raise KeyError(f"decode: slot {seq_id} is free")
+        self.ep_broadcast_cmd_for_seq(seq_id, DECODE)
+        self.ep_broadcast_cmd(token)
+        state.append(token)
+
+    # worker side: read the whole command, then apply it
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+        if cmd == PREFILL:
+            slots[seq_id] = SequenceState(seq_id, self.ep_recv_tokens())
+        elif cmd == DECODE:
+            token = self.ep_recv_word()
+            state = slots[seq_id]
+            if state is None:
+                raise KeyError(f"decode: slot {seq_id} is free")
+            state.append(token)
+        else:
+            super().ep_run_command(seq_id, cmd, slots)  # "unknown command word"
+
+
+def serve(rank: int, world_size: int) -> None:
+    """One rank's part; the model's construction is collective over the group."""
+    model = MyModel(num_slots=8)
+    slots: list[SequenceState | None] = [None] * 8
+    if model.rank == 0:
+        model.prefill(slots, 5, [11, 12, 13])
+        model.prefill(slots, 2, list(range(100, 140)))  # longer than a frame: count + bulk
+        for step in range(3):
+            model.decode(slots, 5, 20 + step)
+            model.decode(slots, 2, 30 + step)
+        model.ep_shutdown_workers()
+    else:
+        summary = run_worker(model, slots)  # until the shutdown header
+        print(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed", flush=True)
+    live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
+    print(f"rank {rank} of {world_size}: slots {live}", flush=True)
+
+
+def main() -> None:
+    if "RANK" in os.environ:  # torchrun, or any launcher that sets the env:// variables
+        init_group_from_env()
+        serve(dist.get_rank(), dist.get_world_size())
+        dist.destroy_process_group()  # leave the group before the interpreter exits
+    else:
+        codes = run_local(serve, 2)
+        if any(codes):
+            raise SystemExit(f"rank exit codes {codes}")
+
+
+if __name__ == "__main__":
+    main()

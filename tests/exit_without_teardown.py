@@ -1,0 +1,21 @@
+"""A rank program that never calls destroy_process_group: its exit must still be clean.
+
+Run as ``python tests/exit_without_teardown.py`` with torchrun's env:// variables set.
+"""
+
+import torch.distributed as dist
+
+from metrale_model_engine import EpProtocol, run_worker
+from metrale_model_engine.torch import TorchTransport
+from metrale_model_engine.toy import ToyModel, ToyState
+
+dist.init_process_group("gloo")
+model = ToyModel(TorchTransport(), num_slots=2, protocol=EpProtocol.V2, command_timeout=20)
+slots: list[ToyState | None] = [None, None]
+if model.rank == 0:
+    model.alloc(slots, 1)
+    model.prefill(slots, 1, list(range(30)))
+    model.decode(slots, 1)
+    model.ep_shutdown_workers()
+else:
+    run_worker(model, slots)
