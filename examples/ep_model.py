@@ -12,6 +12,7 @@ Each rank prints its slot states; they agree under protocol v1 and v2
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableSequence
 
 import torch.distributed as dist
@@ -67,9 +68,15 @@ def serve(rank: int, world_size: int) -> None:
         model.ep_shutdown_workers()
     else:
         summary = run_worker(model, slots)  # until the shutdown header
-        print(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed", flush=True)
+        say(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed")
     live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
-    print(f"rank {rank} of {world_size}: slots {live}", flush=True)
+    say(f"rank {rank} of {world_size}: slots {live}")
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write, so that the ranks' lines never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
