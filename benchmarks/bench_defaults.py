@@ -86,12 +86,17 @@ def main() -> None:
         ours, floor = best_alternating((stmt, defaults), (stmt, plain), args.number, args.rounds, data)
         rows[name] = {"default_ns": ours, "plain_ns": floor, "ratio": ours / floor}
     one, million = best_alternating(
-        ("m.ep_broadcast_tokens(one)", defaults), ("m.ep_broadcast_tokens(million)", defaults),
-        args.number, args.rounds, data,
+        ("m.ep_broadcast_tokens(one)", defaults),
+        ("m.ep_broadcast_tokens(million)", defaults),
+        args.number,
+        args.rounds,
+        data,
     )
     tokens = {"one_token_ns": one, "million_tokens_ns": million, "ratio": million / one}
 
-    print(f"Python {platform.python_version()} on {platform.machine()}, best of {args.rounds} rounds of {args.number:,} calls")
+    print(
+        f"Python {platform.python_version()} on {platform.machine()}, best of {args.rounds} rounds of {args.number:,} calls"
+    )
     print(f"{'call':<34}{'default ns':>12}{'plain ns':>10}{'ratio':>8}")
     for name, row in rows.items():
         print(f"{name:<34}{row['default_ns']:>12.1f}{row['plain_ns']:>10.1f}{row['ratio']:>7.2f}x")

@@ -90,13 +90,26 @@ def build_cases(rank: int) -> list[Case]:
     v2 = BenchModel(num_slots=8, protocol=EpProtocol.V2)
     slots: list[SequenceState | None] = [None] * 8
     cases = [
-        Case("header v1 (ours)", "ours", "header", 1,
-             lambda: v1.ep_broadcast_cmd_for_seq(SEQ_ID, CMD), lambda: v1.ep_worker_step(slots)),
-        Case("header v2 (ours)", "ours", "header", 2,
-             lambda: v2.ep_broadcast_cmd_for_seq(SEQ_ID, CMD), lambda: v2.ep_worker_step(slots)),
-        Case("header v2, two broadcasts", "ours", "header-split", 2, partial(send_split, v2), partial(receive_split, v2)),
-        Case("peer header", "peer", "header", 2,
-             partial(send_object, [SEQ_ID, CMD]), partial(send_object, None)),
+        Case(
+            "header v1 (ours)",
+            "ours",
+            "header",
+            1,
+            lambda: v1.ep_broadcast_cmd_for_seq(SEQ_ID, CMD),
+            lambda: v1.ep_worker_step(slots),
+        ),
+        Case(
+            "header v2 (ours)",
+            "ours",
+            "header",
+            2,
+            lambda: v2.ep_broadcast_cmd_for_seq(SEQ_ID, CMD),
+            lambda: v2.ep_worker_step(slots),
+        ),
+        Case(
+            "header v2, two broadcasts", "ours", "header-split", 2, partial(send_split, v2), partial(receive_split, v2)
+        ),
+        Case("peer header", "peer", "header", 2, partial(send_object, [SEQ_ID, CMD]), partial(send_object, None)),
     ]
     floor_sizes = sorted({1, 2, *TOKEN_SIZES})
     for words in floor_sizes:
@@ -110,14 +123,31 @@ def build_cases(rank: int) -> list[Case]:
         placeholder = range(n)
         receive_list = partial(v2.ep_broadcast_tokens, placeholder)
         cases += [
-            Case(f"tokens {n} from list (ours)", "ours", "tokens-list", n,
-                 partial(v2.ep_broadcast_tokens, tokens), receive_list),
-            Case(f"tokens {n} from buffer (ours)", "ours", "tokens-buffer", n,
-                 partial(v2.ep_broadcast_tokens, buffer), receive_list),
-            Case(f"tokens {n} buffer into buffer (ours)", "ours", "tokens-into", n,
-                 partial(v2.ep_broadcast_tokens_into, buffer), partial(v2.ep_broadcast_tokens_into, target)),
-            Case(f"peer tokens {n}", "peer", "tokens", n,
-                 partial(send_object, tokens), partial(send_object, None)),
+            Case(
+                f"tokens {n} from list (ours)",
+                "ours",
+                "tokens-list",
+                n,
+                partial(v2.ep_broadcast_tokens, tokens),
+                receive_list,
+            ),
+            Case(
+                f"tokens {n} from buffer (ours)",
+                "ours",
+                "tokens-buffer",
+                n,
+                partial(v2.ep_broadcast_tokens, buffer),
+                receive_list,
+            ),
+            Case(
+                f"tokens {n} buffer into buffer (ours)",
+                "ours",
+                "tokens-into",
+                n,
+                partial(v2.ep_broadcast_tokens_into, buffer),
+                partial(v2.ep_broadcast_tokens_into, target),
+            ),
+            Case(f"peer tokens {n}", "peer", "tokens", n, partial(send_object, tokens), partial(send_object, None)),
         ]
     return cases
 
@@ -202,31 +232,45 @@ def report(results: list[Result], meta: dict[str, object], out: Path) -> None:
     def med(name: str) -> float:
         return by_name[name].median_us
 
-    rows = [(name, "floor 1 words", "peer header")
-            for name in ("header v1 (ours)", "header v2 (ours)", "header v2, two broadcasts")]
+    rows = [
+        (name, "floor 1 words", "peer header")
+        for name in ("header v1 (ours)", "header v2 (ours)", "header v2, two broadcasts")
+    ]
     for n in TOKEN_SIZES:
         for how in ("from list", "from buffer", "buffer into buffer"):
             rows.append((f"tokens {n} {how} (ours)", f"floor {n} words", f"peer tokens {n}"))
-    print(f"\n{meta['backend']} x {meta['world_size']} ranks, torch {meta['torch']}, Python {meta['python']}, "
-          f"{meta['rounds']} rounds x {meta['calls']} calls; medians (p25-p75), microseconds per call")
+    print(
+        f"\n{meta['backend']} x {meta['world_size']} ranks, torch {meta['torch']}, Python {meta['python']}, "
+        f"{meta['rounds']} rounds x {meta['calls']} calls; medians (p25-p75), microseconds per call"
+    )
     print(f"{'case':<40}{'ours':>8}{'':>14}{'floor':>9}{'peer':>9}{'ours/floor':>12}{'ours/peer':>11}{'paired':>10}")
     table = []
     for name, floor_name, peer_name in rows:
         ours, floor, peer = med(name), med(floor_name), med(peer_name)
-        paired = statistics.median(
-            o / f for o, f in zip(by_name[name].samples_us, by_name[floor_name].samples_us)
-        )
+        paired = statistics.median(o / f for o, f in zip(by_name[name].samples_us, by_name[floor_name].samples_us))
         low, high = by_name[name].spread_us
         spread = f"({low:.0f}-{high:.0f})"
-        print(f"{name:<40}{ours:>8.1f}{spread:>14}{floor:>9.1f}{peer:>9.1f}{ours / floor:>11.2f}x"
-              f"{ours / peer:>10.2f}x{paired:>9.2f}x")
-        table.append({"case": name, "ours_us": ours, "floor": floor_name, "floor_us": floor, "peer_us": peer,
-                      "ours_over_floor": ours / floor, "ours_over_peer": ours / peer,
-                      "paired_ours_over_floor": paired})
+        print(
+            f"{name:<40}{ours:>8.1f}{spread:>14}{floor:>9.1f}{peer:>9.1f}{ours / floor:>11.2f}x"
+            f"{ours / peer:>10.2f}x{paired:>9.2f}x"
+        )
+        table.append(
+            {
+                "case": name,
+                "ours_us": ours,
+                "floor": floor_name,
+                "floor_us": floor,
+                "peer_us": peer,
+                "ours_over_floor": ours / floor,
+                "ours_over_peer": ours / peer,
+                "paired_ours_over_floor": paired,
+            }
+        )
     split = med("header v2 (ours)") / med("header v2, two broadcasts")
     print(f"header v2 (ours) / header v2 as two broadcasts: {split:.2f}x")
-    cases = [{**r.__dict__, "median_us": r.median_us, "p25_us": r.spread_us[0], "p75_us": r.spread_us[1]}
-             for r in results]
+    cases = [
+        {**r.__dict__, "median_us": r.median_us, "p25_us": r.spread_us[0], "p75_us": r.spread_us[1]} for r in results
+    ]
     document = {"meta": meta, "table": table, "v2_over_two_broadcasts": split, "cases": cases}
     (out / "bench_protocol.json").write_text(json.dumps(document, indent=1))
     plot(results, meta, out / "bench_protocol.png")
@@ -240,11 +284,13 @@ def plot(results: list[Result], meta: dict[str, object], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    lines = [("floor", "words", "raw broadcast (floor)", "k--"),
-             ("peer", "tokens", "broadcast_object_list (peer)", "r-o"),
-             ("ours", "tokens-list", "ep_broadcast_tokens, list", "b-o"),
-             ("ours", "tokens-buffer", "ep_broadcast_tokens, array('I')", "c-s"),
-             ("ours", "tokens-into", "ep_broadcast_tokens_into", "g-^")]
+    lines = [
+        ("floor", "words", "raw broadcast (floor)", "k--"),
+        ("peer", "tokens", "broadcast_object_list (peer)", "r-o"),
+        ("ours", "tokens-list", "ep_broadcast_tokens, list", "b-o"),
+        ("ours", "tokens-buffer", "ep_broadcast_tokens, array('I')", "c-s"),
+        ("ours", "tokens-into", "ep_broadcast_tokens_into", "g-^"),
+    ]
     for family, kind, label, style in lines:
         points = sorted((r.words, r.median_us) for r in results if r.family == family and r.kind == kind)
         axes.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
@@ -289,10 +335,21 @@ def main() -> None:
         raise SystemExit(f"a rank failed: exit codes {codes}")
     results = [Result(**r) for r in json.loads((out / "raw.json").read_text())]
     (out / "raw.json").unlink()
-    meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "backend": backend,
-            "world_size": args.world_size, "rounds": rounds, "warmup_rounds": warmup, "calls": calls,
-            "wire_version": WIRE_VERSION, "seconds": round(time.monotonic() - started, 1), "argv": sys.argv[1:]}
+    meta = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": backend,
+        "world_size": args.world_size,
+        "rounds": rounds,
+        "warmup_rounds": warmup,
+        "calls": calls,
+        "wire_version": WIRE_VERSION,
+        "seconds": round(time.monotonic() - started, 1),
+        "argv": sys.argv[1:],
+    }
     report(results, meta, out)
     print(f"took {meta['seconds']} s")
 

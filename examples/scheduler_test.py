@@ -1,6 +1,6 @@
 """A scheduler's unit test without processes: record the head's broadcasts, replay them into a worker.
 
-    python examples/scheduler_test.py            # METRALE_EP_PROTOCOL=v1 (default) or v2
+python examples/scheduler_test.py            # METRALE_EP_PROTOCOL=v1 (default) or v2
 """
 
 from collections.abc import MutableSequence

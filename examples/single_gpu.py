@@ -1,6 +1,6 @@
 """A single-GPU model: it inherits the trait's defaults and overrides nothing.
 
-    python examples/single_gpu.py
+python examples/single_gpu.py
 """
 
 import torch

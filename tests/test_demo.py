@@ -19,7 +19,9 @@ pytestmark = pytest.mark.torch
 
 def run_bounded(command: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in its own session; on timeout kill the whole session (its ranks too)."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -33,7 +35,9 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
     return run_bounded([sys.executable, "-m", "metrale_model_engine.demo", *args])
 
 
-@pytest.mark.parametrize("args", [(), ("--world-size", "3", "--protocol", "v2", "--sequences", "3", "--decode-steps", "2")])
+@pytest.mark.parametrize(
+    "args", [(), ("--world-size", "3", "--protocol", "v2", "--sequences", "3", "--decode-steps", "2")]
+)
 def test_demo_runs_and_every_rank_agrees(args: tuple[str, ...]) -> None:
     result = demo(*args)
     assert result.returncode == 0, result.stderr
@@ -64,8 +68,21 @@ def test_protocol_flag() -> None:
 
 def test_demo_runs_under_torchrun() -> None:
     result = run_bounded(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         "-m", "metrale_model_engine.demo", "--protocol", "v2", "--decode-steps", "2"],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "metrale_model_engine.demo",
+            "--protocol",
+            "v2",
+            "--decode-steps",
+            "2",
+        ],
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all 2 ranks agree" in result.stdout.splitlines()

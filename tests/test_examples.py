@@ -26,7 +26,9 @@ def test_every_readme_python_block_is_part_of_an_example() -> None:
 
 def test_single_gpu_example() -> None:
     pytest.importorskip("torch")
-    done = subprocess.run([sys.executable, str(EXAMPLES / "single_gpu.py")], capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "single_gpu.py")], capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
     assert done.returncode == 0, done.stderr
     assert "single-GPU defaults hold" in done.stdout
 
@@ -34,7 +36,13 @@ def test_single_gpu_example() -> None:
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
 def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
     env = {**os.environ, "METRALE_EP_PROTOCOL": protocol}
-    done = subprocess.run([sys.executable, str(EXAMPLES / "scheduler_test.py")], capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "scheduler_test.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=RUN_TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     assert f"protocol {protocol}: the worker's slots equal the head's" in done.stdout
 
@@ -49,7 +57,9 @@ def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
     pytest.importorskip("torch")
     env = {**os.environ, "METRALE_EP_PROTOCOL": protocol}
     env.pop("RANK", None)
-    done = subprocess.run([sys.executable, str(EXAMPLES / "ep_model.py")], capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ep_model.py")], capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT
+    )
     assert done.returncode == 0, done.stderr
     lines = slot_lines(done.stdout)
     assert len(lines) == 2 and lines[0] == lines[1], done.stdout
@@ -63,10 +73,21 @@ def launch(script: Path, world_size: int, protocol: str) -> list[tuple[int, str]
     port = free_port()
     processes = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "METRALE_EP_PROTOCOL": protocol}
-        processes.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "METRALE_EP_PROTOCOL": protocol,
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     results = []
     for process in processes:
         try:
@@ -80,7 +101,11 @@ def launch(script: Path, world_size: int, protocol: str) -> list[tuple[int, str]
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("script", [EXAMPLES / "ep_model.py", ROOT / "tests" / "exit_without_teardown.py"], ids=["readme-example", "no-teardown"])
+@pytest.mark.parametrize(
+    "script",
+    [EXAMPLES / "ep_model.py", ROOT / "tests" / "exit_without_teardown.py"],
+    ids=["readme-example", "no-teardown"],
+)
 def test_ranks_exit_cleanly_ten_times(script: Path) -> None:
     pytest.importorskip("torch")
     for attempt in range(10):

@@ -71,5 +71,7 @@ def test_foreign_byte_order_is_converted_once() -> None:
 def test_receive_into_a_foreign_byte_order_buffer_is_a_type_error() -> None:
     numpy = pytest.importorskip("numpy")
     worker: WireEp[SequenceState] = WireEp(ReplayTransport(()), num_slots=1)
-    with pytest.raises(TypeError, match=rf"buffer must hold u32 items in this machine's byte order .* \(byte order '{FOREIGN}'\)"):
+    with pytest.raises(
+        TypeError, match=rf"buffer must hold u32 items in this machine's byte order .* \(byte order '{FOREIGN}'\)"
+    ):
         worker.ep_recv_tokens_into(numpy.zeros(2, dtype=f"{FOREIGN}u4"))

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.torch
 RUN_TIMEOUT = 120.0
 
 
-def run(target: Callable[..., None], world_size: int, tmp_path: Path, *args: object) -> tuple[list[int], dict[int, dict[str, object]]]:
+def run(
+    target: Callable[..., None], world_size: int, tmp_path: Path, *args: object
+) -> tuple[list[int], dict[int, dict[str, object]]]:
     codes = run_local(target, world_size, *args, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
     results = {}
     for rank in range(world_size):
@@ -66,10 +68,13 @@ def test_faults_after_the_header_keep_workers_in_step(world_size: int, tmp_path:
     assert isinstance(live, ToyState) and list(live.tokens)[:3] == [9, 8, 7] and len(live.tokens) == 5
 
 
-@pytest.mark.parametrize(("what", "fragment"), [
-    ("protocol", "the ranks disagree on the protocol (rank 0: v1, rank 1: v2"),
-    ("slots", "the ranks disagree on the slot count (rank 0: 4, rank 1: 4, rank 2: 5)"),
-])
+@pytest.mark.parametrize(
+    ("what", "fragment"),
+    [
+        ("protocol", "the ranks disagree on the protocol (rank 0: v1, rank 1: v2"),
+        ("slots", "the ranks disagree on the slot count (rank 0: 4, rank 1: 4, rank 2: 5)"),
+    ],
+)
 def test_setup_mismatch_fails_on_every_rank(what: str, fragment: str, tmp_path: Path) -> None:
     codes, results = run(sessions.setup_mismatch, 3, tmp_path, what)
     assert codes == [0, 0, 0]

@@ -107,7 +107,9 @@ def test_cuda_tensors_over_gloo(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs 2 CUDA devices for 2 ranks; this machine has fewer")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL needs 2 CUDA devices for 2 ranks; this machine has fewer"
+)
 def test_nccl_full_session(tmp_path: Path) -> None:
     digests = _session_digests("nccl", None, tmp_path)
     assert digests[0] == digests[1]

@@ -15,7 +15,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 CASES = {
-    "exact_types": '''
+    "exact_types": """
 from collections.abc import MutableSequence
 from typing_extensions import assert_type
 from metrale_model_engine import ModelEp, SequenceState, WorkerSummary, run_worker
@@ -39,15 +39,15 @@ kv_slots: list[KvState | None] = [None]
 assert_type(run_worker(Kv(), kv_slots), WorkerSummary)
 assert_type(Plain().ep_broadcast_tokens([1]), list[int])
 assert_type(RecordingEp().events[0].args, tuple[int, ...])
-''',
-    "wrong_is_ep_return": '''
+""",
+    "wrong_is_ep_return": """
 from metrale_model_engine import ModelEp
 
 class Broken(ModelEp):
     def is_ep(self) -> str:  # E: override
         return "yes"
-''',
-    "wrong_slot_element_type": '''
+""",
+    "wrong_slot_element_type": """
 from metrale_model_engine import ModelEp, SequenceState
 
 class KvState(SequenceState):
@@ -59,8 +59,8 @@ class Kv(ModelEp[KvState]):
 plain_slots: list[SequenceState | None] = [None]
 Kv().ep_worker_step(plain_slots)  # E: arg-type
 Kv().ep_worker_step([1, 2])  # E: list-item
-''',
-    "float_command_word": '''
+""",
+    "float_command_word": """
 from metrale_model_engine import ModelEp
 
 class M(ModelEp):
@@ -68,13 +68,13 @@ class M(ModelEp):
 
 M().ep_broadcast_cmd(1.5)  # E: arg-type
 M().ep_broadcast_cmd_for_seq(0, "7")  # E: arg-type
-''',
-    "slot_type_outside_bound": '''
+""",
+    "slot_type_outside_bound": """
 from metrale_model_engine import ModelEp
 
 class M(ModelEp[int]):  # E: type-var
     pass
-''',
+""",
 }
 
 _ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")

@@ -30,7 +30,9 @@ class Worker(WireEp[SequenceState]):
 
     __slots__ = ("expect",)
 
-    def __init__(self, wire: list[tuple[int, ...]], *, protocol: EpProtocol = EpProtocol.V2, v1_slot: bool = True) -> None:
+    def __init__(
+        self, wire: list[tuple[int, ...]], *, protocol: EpProtocol = EpProtocol.V2, v1_slot: bool = True
+    ) -> None:
         super().__init__(ReplayTransport(wire), num_slots=4, protocol=protocol, v1_slot=v1_slot, command_timeout=5)
         self.expect: int | None = None
 

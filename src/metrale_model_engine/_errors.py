@@ -43,9 +43,7 @@ class EpCommandFailed(EpError):
 
     def __init__(self, cause: BaseException) -> None:
         if not isinstance(cause, BaseException):
-            raise TypeError(
-                f"EpCommandFailed(cause) needs an exception, got {type(cause).__name__} {cause!r}"
-            )
+            raise TypeError(f"EpCommandFailed(cause) needs an exception, got {type(cause).__name__} {cause!r}")
         super().__init__(cause)
         self.cause = cause
         self.__cause__ = cause

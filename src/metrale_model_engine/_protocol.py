@@ -74,8 +74,7 @@ class EpProtocol(enum.Enum):
         except ValueError:
             accepted = ", ".join(repr(member.value) for member in cls)
             raise ValueError(
-                f"{PROTOCOL_ENV_VAR}={raw!r} is not a protocol version; "
-                f"accepted: {accepted} (or unset/empty for 'v1')"
+                f"{PROTOCOL_ENV_VAR}={raw!r} is not a protocol version; accepted: {accepted} (or unset/empty for 'v1')"
             ) from None
 
 

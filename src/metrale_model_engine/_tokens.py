@@ -11,6 +11,7 @@ from typing_extensions import Buffer
 
 from ._words import check_u32
 
+
 class ArrayInterface(Protocol):
     """An object with numpy's array interface: numpy arrays, on every Python version.
 

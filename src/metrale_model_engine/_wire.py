@@ -187,8 +187,7 @@ class WireEp(ModelEp[S]):
             if len(set(values)) > 1:
                 per_rank = ", ".join(f"rank {r}: {shown(v)}" for r, v in enumerate(values))
                 raise EpSetupError(
-                    f"rank {rank}: the ranks disagree on the {name} ({per_rank}); "
-                    "every rank must use the same value"
+                    f"rank {rank}: the ranks disagree on the {name} ({per_rank}); every rank must use the same value"
                 )
         return rank
 

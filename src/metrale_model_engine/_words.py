@@ -42,10 +42,7 @@ def check_u32(name: str, value: object) -> int:
     if type(value) is int and not value >> 32:
         return value
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be an int in {U32_RANGE_TEXT}, "
-            f"got {type(value).__name__} {value!r}"
-        )
+        raise TypeError(f"{name} must be an int in {U32_RANGE_TEXT}, got {type(value).__name__} {value!r}")
     if not U32_MIN <= value <= U32_MAX:
         raise ValueError(f"{name}={int(value)} is outside the u32 range {U32_RANGE_TEXT}")
     return int(value)

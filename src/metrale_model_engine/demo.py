@@ -31,11 +31,19 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=_positive, default=2, help="local ranks to spawn (default 2; ignored under torchrun)")
-    parser.add_argument("--protocol", choices=[p.value for p in EpProtocol], default=None, help="default: METRALE_EP_PROTOCOL, else v1")
-    parser.add_argument("--sequences", type=_positive, default=4, help="interleaved sequences, one slot each (default 4)")
+    parser.add_argument(
+        "--world-size", type=_positive, default=2, help="local ranks to spawn (default 2; ignored under torchrun)"
+    )
+    parser.add_argument(
+        "--protocol", choices=[p.value for p in EpProtocol], default=None, help="default: METRALE_EP_PROTOCOL, else v1"
+    )
+    parser.add_argument(
+        "--sequences", type=_positive, default=4, help="interleaved sequences, one slot each (default 4)"
+    )
     parser.add_argument("--decode-steps", type=_positive, default=8, help="decode steps per sequence (default 8)")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with a CUDA device per rank, else gloo")
+    parser.add_argument(
+        "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with a CUDA device per rank, else gloo"
+    )
     return parser.parse_args(argv)
 
 

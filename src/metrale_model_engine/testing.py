@@ -101,8 +101,7 @@ class ReplayTransport:
                 raise EOFError("the recording has no more broadcasts")
             if len(sent) != len(view):
                 raise ValueError(
-                    f"out of step with the head: the worker expects {len(view)} words, "
-                    f"the head sent {len(sent)}"
+                    f"out of step with the head: the worker expects {len(view)} words, the head sent {len(sent)}"
                 )
             for index, word in enumerate(sent):
                 view[index] = word

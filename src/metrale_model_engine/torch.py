@@ -285,9 +285,7 @@ def init_local_group(
     _init_group(backend, rank, world_size, timeout, f"tcp://127.0.0.1:{port}", rank, world_size)
 
 
-def init_group_from_env(
-    *, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT
-) -> None:
+def init_group_from_env(*, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT) -> None:
     """Initialise the default group from torchrun's variables (``env://``).
 
     The same backend and device choice as :func:`init_local_group`, per node:
@@ -377,4 +375,3 @@ def run_local(
             process.kill()
             process.join()
     return [process.exitcode if process.exitcode is not None else -9 for process in processes]
-
