@@ -95,7 +95,8 @@ def main() -> None:
     tokens = {"one_token_ns": one, "million_tokens_ns": million, "ratio": million / one}
 
     print(
-        f"Python {platform.python_version()} on {platform.machine()}, best of {args.rounds} rounds of {args.number:,} calls"
+        f"Python {platform.python_version()} on {platform.machine()}, "
+        f"best of {args.rounds} rounds of {args.number:,} calls"
     )
     print(f"{'call':<34}{'default ns':>12}{'plain ns':>10}{'ratio':>8}")
     for name, row in rows.items():

@@ -202,7 +202,7 @@ def rank_main(rank: int, world_size: int, rounds: int, warmup: int, calls: int, 
     for index, case in enumerate(cases):
         head_starts = per_rank[0]["starts"][index]
         slowest_end = [max(r["ends"][index][i] for r in per_rank[1:]) for i in range(len(head_starts))]
-        per_call_us = [(e - s) / calls / 1000 for s, e in zip(head_starts, slowest_end)]
+        per_call_us = [(e - s) / calls / 1000 for s, e in zip(head_starts, slowest_end, strict=True)]
         results.append(Result(case.name, case.family, case.kind, case.words, per_call_us).__dict__)
     Path(out, "raw.json").write_text(json.dumps(results))
 
@@ -247,7 +247,9 @@ def report(results: list[Result], meta: dict[str, object], out: Path) -> None:
     table = []
     for name, floor_name, peer_name in rows:
         ours, floor, peer = med(name), med(floor_name), med(peer_name)
-        paired = statistics.median(o / f for o, f in zip(by_name[name].samples_us, by_name[floor_name].samples_us))
+        paired = statistics.median(
+            o / f for o, f in zip(by_name[name].samples_us, by_name[floor_name].samples_us, strict=True)
+        )
         low, high = by_name[name].spread_us
         spread = f"({low:.0f}-{high:.0f})"
         print(

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite in a fresh virtual environment.
+# Run the whole test suite in a fresh virtual environment: ruff lint and format,
+# pytest, mypy --strict and basedpyright --verifytypes (100% required).
 #
 #   ./scripts/test.sh                    # with the default python3
 #   PYTHON=python3.12 ./scripts/test.sh  # with another interpreter
@@ -32,8 +33,25 @@ fi
 "${pip[@]}" -e "$root[$extras]"
 
 cd "$root"
+echo "== ruff (lint, format)"
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
+echo "== pytest"
 "$venv/bin/python" -m pytest
+echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
-    "$venv/bin/python" -m mypy --strict
+    "$venv/bin/python" -m mypy --strict  # src, tests and examples (pyproject)
+else
+    # Without torch: the core (not torch.py, demo.py), its tests and the torch-free example; modules that
+    # need torch are followed silently (their own run is the one with torch).
+    torch_free=()
+    for file in tests/*.py examples/*.py; do
+        grep -qE "^(import torch|from metrale_model_engine.torch|    import torch)|importorskip\(\"torch\"" "$file" || torch_free+=("$file")
+    done
+    "$venv/bin/python" -m mypy --strict --follow-imports=silent \
+        $(ls src/metrale_model_engine/*.py | grep -vE '/(torch|demo).py$') "${torch_free[@]}"
 fi
+echo "== basedpyright --verifytypes (type completeness of the public API must be 100%)"
+PYTHONPATH="$root/src" "$venv/bin/basedpyright" --pythonpath "$venv/bin/python" \
+    --verifytypes metrale_model_engine --ignoreexternal
 echo "== Python $version: all checks passed"

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-from metrale_model_engine.demo import digests_disagree, parse_args  # noqa: E402
-from metrale_model_engine.torch import free_port  # noqa: E402
+from metrale_model_engine.demo import digests_disagree, parse_args
+from metrale_model_engine.torch import free_port
 
 pytestmark = pytest.mark.torch
 

@@ -12,6 +12,9 @@ def test_every_public_name_is_exported() -> None:
 
 
 def test_importing_the_core_never_imports_torch() -> None:
-    code = "import sys, metrale_model_engine, metrale_model_engine.testing, metrale_model_engine.toy; print('torch' in sys.modules)"
+    code = (
+        "import sys, metrale_model_engine, metrale_model_engine.testing, metrale_model_engine.toy; "
+        "print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "False"

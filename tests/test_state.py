@@ -59,3 +59,24 @@ def test_subclass_adds_device_state_and_stays_slotted() -> None:
 def test_pickles() -> None:
     state = SequenceState(3, [1, 2])
     assert pickle.loads(pickle.dumps(state)) == state
+
+
+def test_extend_checks_in_c_and_keeps_the_messages() -> None:
+    import enum
+
+    class Token(enum.IntEnum):
+        A = 7
+
+    state = SequenceState(0, [1])
+    for bad, error, fragment in (
+        ([2, True], TypeError, r"tokens\[1\] must be an int in 0 \.\.= 4294967295 .* got bool True"),
+        ([2, 3, -1], ValueError, r"tokens\[2\]=-1 is outside the u32 range"),
+        ((2, 2**32), ValueError, r"tokens\[1\]=4294967296 is outside"),
+        ([2.0], TypeError, r"tokens\[0\] must be an int .* got float 2\.0"),
+    ):
+        with pytest.raises(error, match=fragment):
+            state.extend(bad)  # type: ignore[arg-type]
+    assert list(state.tokens) == [1]  # nothing recorded by a failed extend
+    state.extend([Token.A, 8])
+    state.extend(iter([9]))
+    assert list(state.tokens) == [1, 7, 8, 9] and all(type(t) is int for t in state.tokens)

@@ -4,7 +4,6 @@ import logging
 from collections.abc import MutableSequence
 
 import pytest
-from frames import header, tokens, word
 
 from metrale_model_engine import (
     CMD_SHUTDOWN,
@@ -16,6 +15,8 @@ from metrale_model_engine import (
     WorkerSummary,
 )
 from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
+
+from frames import header, tokens, word
 
 
 def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:

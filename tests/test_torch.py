@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-import torch_sessions as sessions  # noqa: E402
-
 from metrale_model_engine import WorkerSummary  # noqa: E402
 from metrale_model_engine.torch import run_local  # noqa: E402
 from metrale_model_engine.toy import ToyState  # noqa: E402
+
+import torch_sessions as sessions  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -158,7 +158,7 @@ def test_failed_commands_with_follow_ups_keep_workers_in_step(world_size: int, t
         assert isinstance(failures, list) and len(failures) == 3 + 4
         assert all("IndexError: seq_id=3 is out of range for 2 slots" in failure for failure in failures[:3])
         lengths = [(2, 3), (4, 3), (39, 40), (41, 40)]
-        for failure, (expected, sent) in zip(failures[3:], lengths):
+        for failure, (expected, sent) in zip(failures[3:], lengths, strict=True):
             assert f"expected a token array of {expected} tokens, but the head sent a token array of {sent}" in failure
         assert results[rank]["run"] == 3  # alloc, prefill and decode of slot 1
         assert results[rank]["slots"] == head_slots[:2]

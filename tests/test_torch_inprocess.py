@@ -27,7 +27,7 @@ u32 = st.integers(min_value=0, max_value=U32_MAX)
 
 
 def test_transport_needs_an_initialised_group() -> None:
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
         TorchTransport()
 
 
@@ -50,7 +50,7 @@ def test_import_without_torch_names_the_extra() -> None:
 
 def test_demo_without_torch_says_which_extra_to_install() -> None:
     code = "import sys; sys.modules['torch'] = None\nfrom metrale_model_engine.demo import main\nsys.exit(main([]))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "install the 'torch' extra" in result.stderr
 
@@ -130,3 +130,17 @@ def test_composes_with_nn_module() -> None:
     assert [name for name, _ in model.named_parameters()] == ["proj.weight", "proj.bias"]
     with pytest.raises(ValueError, match=r"cmd=-1 is outside"):
         model.ep_broadcast_cmd(-1)
+
+
+def test_torch_ep_stays_slotted() -> None:
+    from metrale_model_engine.torch import TorchEp
+
+    assert "__dict__" not in dir(TorchEp) and TorchEp.__slots__ == ()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_nccl_without_cuda_is_a_clear_error() -> None:
+    from metrale_model_engine.torch import free_port, init_local_group
+
+    with pytest.raises(RuntimeError, match=r"backend 'nccl' needs a CUDA device, and this machine has none"):
+        init_local_group(0, 1, port=free_port(), backend="nccl")

@@ -1,11 +1,12 @@
 """The toy model's head and worker sides in one process, over the in-memory transports."""
 
 import pytest
-from frames import header
 
 from metrale_model_engine import EpCommandFailed, EpProtocol, WorkerSummary, run_worker
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
+
+from frames import header
 
 
 def run_session(head: ToyModel, slots: list[ToyState | None]) -> None:

@@ -6,7 +6,6 @@ from collections.abc import MutableSequence, Sequence
 import pytest
 from typing_extensions import Buffer
 
-from frames import header, tokens, word
 from metrale_model_engine import (
     INLINE_TOKENS,
     WIRE_VERSION,
@@ -20,6 +19,8 @@ from metrale_model_engine import (
     SequenceState,
     WireEp,
 )
+
+from frames import header, tokens, word
 
 
 class FakeTransport:
@@ -245,3 +246,20 @@ def test_recording_records_tokens_into() -> None:
     model: RecordingEp[SequenceState] = RecordingEp()
     model.ep_broadcast_tokens_into(array("I", [7, 8]))
     assert model.events == [EpEvent("tokens", (7, 8))] and model.wire == tokens([7, 8])
+
+
+def test_the_librarys_models_stay_slotted() -> None:
+    from metrale_model_engine.testing import RecordingEp, ReplayTransport
+    from metrale_model_engine.toy import ToyModel
+
+    class Slotted(WireEp[SequenceState]):
+        __slots__ = ("extra",)
+
+    models: list[object] = [
+        WireEp(FakeTransport(0, 2), num_slots=1),
+        Slotted(FakeTransport(0, 2), num_slots=1),
+        ToyModel(ReplayTransport(()), num_slots=1),
+        RecordingEp(),
+    ]
+    for model in models:
+        assert not hasattr(model, "__dict__"), type(model).__name__

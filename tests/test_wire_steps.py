@@ -8,7 +8,6 @@ from array import array
 from collections.abc import MutableSequence
 
 import pytest
-from frames import header
 
 from metrale_model_engine import (
     INLINE_TOKENS,
@@ -20,6 +19,8 @@ from metrale_model_engine import (
     WireEp,
 )
 from metrale_model_engine.testing import RecordingEp, ReplayTransport
+
+from frames import header
 
 WORD, TOKENS, NOTHING, INTO = 1, 2, 3, 4
 LONG = list(range(100, 100 + INLINE_TOKENS + 6))  # travels as frame + bulk

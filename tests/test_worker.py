@@ -58,9 +58,8 @@ def test_command_failure_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptur
 @pytest.mark.parametrize("error", [EpReceiveError("head gone"), RuntimeError("link reset"), ValueError("x")])
 def test_other_errors_are_logged_and_re_raised(error: Exception, caplog: pytest.LogCaptureFixture) -> None:
     model = ScriptedWorker(True, error, True)
-    with caplog.at_level(logging.ERROR, logger="metrale_model_engine.worker"):
-        with pytest.raises(type(error)) as info:
-            run_worker(model, no_slots())
+    with caplog.at_level(logging.ERROR, logger="metrale_model_engine.worker"), pytest.raises(type(error)) as info:
+        run_worker(model, no_slots())
     assert info.value is error
     assert model.calls == 2
     (record,) = caplog.records

@@ -144,6 +144,10 @@ def head_dies(rank: int, world_size: int, out: str) -> None:
 
 
 def worker_dies(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed as dist
+
+    pids: list[object] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
     model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
     slots: list[ToyState | None] = [None] * SLOTS
     if rank != 0:
@@ -151,7 +155,7 @@ def worker_dies(rank: int, world_size: int, out: str) -> None:
         return
     model.alloc(slots, 0)
     model.ep_broadcast_cmd_for_seq(0, CMD_DIE)
-    time.sleep(2.0)
+    wait_until_dead(int(str(pids[1])), timeout=30.0)
     started = time.time()
     try:
         for _ in range(3):  # the first send after the death may still be buffered by the OS
@@ -161,6 +165,21 @@ def worker_dies(rank: int, world_size: int, out: str) -> None:
         os._exit(3)
     save(out, rank, error_type=None, error=None, seconds=time.time() - started)
     os._exit(0)
+
+
+def wait_until_dead(pid: int, *, timeout: float) -> None:
+    """Wait until process ``pid`` (a sibling, so not ours to join) has died: gone or a zombie."""
+    deadline = time.monotonic() + timeout
+    stat = Path(f"/proc/{pid}/stat")
+    while time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} still alive after {timeout} s")
 
 
 def idle_worker(rank: int, world_size: int, idle_seconds: float, out: str) -> None:

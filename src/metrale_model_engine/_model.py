@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import MutableSequence, Sequence
+from collections.abc import MutableSequence
 from typing import Generic
 
 from typing_extensions import TypeVar

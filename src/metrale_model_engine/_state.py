@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
+from ._tokens import U32_TYPECODE
 from ._words import check_u32
 
 
@@ -21,7 +24,7 @@ class SequenceState:
         tokens: the token ids the sequence has consumed so far (copied).
     """
 
-    __slots__ = ("_seq_id", "_tokens", "__weakref__")
+    __slots__ = ("__weakref__", "_seq_id", "_tokens")
 
     def __init__(self, seq_id: int, tokens: Iterable[int] = ()) -> None:
         self._seq_id = check_u32("seq_id", seq_id)
@@ -43,9 +46,24 @@ class SequenceState:
         self._tokens.append(check_u32("token", token))
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Record consumed tokens in order; nothing is recorded if one is invalid."""
-        checked = [check_u32(f"tokens[{i}]", t) for i, t in enumerate(tokens)]
-        self._tokens.extend(checked)
+        """Record consumed tokens in order; nothing is recorded if one is invalid.
+
+        Raises like :func:`check_u32` for the first bad token, named ``tokens[i]``.
+        """
+        values = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
+        # The check runs in C: one array conversion bounds every token, and the set
+        # of element types catches what the conversion accepts and a u32 must not
+        # (bool) or must normalise (int subclasses).  Only a failure walks the
+        # tokens in Python, to name the first bad one with check_u32's message.
+        try:
+            array(U32_TYPECODE, values)
+            plain = set(map(type, values)) <= {int}
+        except (OverflowError, TypeError):
+            plain = False
+        if plain:
+            self._tokens.extend(values)
+        else:
+            self._tokens.extend([check_u32(f"tokens[{i}]", t) for i, t in enumerate(values)])
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -53,7 +71,7 @@ class SequenceState:
         assert isinstance(other, SequenceState)
         return self._seq_id == other._seq_id and self._tokens == other._tokens
 
-    __hash__ = None  # type: ignore[assignment]  # mutable: equal states may change
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]  # mutable: equal states may change
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seq_id={self._seq_id}, tokens={self._tokens!r})"

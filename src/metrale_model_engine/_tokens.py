@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any, Final, Protocol, Union
+from typing import Any, Final, Protocol, TypeAlias, Union
 
 from typing_extensions import Buffer
 
@@ -24,7 +24,7 @@ class ArrayInterface(Protocol):
     def __array_interface__(self) -> dict[str, Any]: ...
 
 
-TokenArray = Union[Sequence[int], Buffer, ArrayInterface]
+TokenArray: TypeAlias = Union[Sequence[int], Buffer, ArrayInterface]  # noqa: UP007  (a run-time alias on 3.10)
 """A u32 token array: a sequence of ints or a buffer (``array('I')``, numpy)."""
 
 U32_TYPECODE: Final[str] = next(code for code in "IL" if array(code).itemsize == 4)

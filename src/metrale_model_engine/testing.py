@@ -26,6 +26,8 @@ from ._transport import Broadcast
 from ._wire import WireEp
 from ._worker import WorkerSummary, run_worker
 
+__all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
+
 EventKind = Literal["cmd", "cmd_for_seq", "tokens", "shutdown"]
 
 

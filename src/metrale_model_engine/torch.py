@@ -21,23 +21,28 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import importlib.util
 import multiprocessing
 import os
 import socket
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Final, cast
+from typing import Final, cast
 
 try:
-    import numpy
     import torch
     import torch.distributed as dist
-except ImportError as error:  # pragma: no cover - exercised in a torch-less venv
+except ImportError as _missing:  # pragma: no cover - exercised in a torch-less venv
     raise ImportError(
-        "metrale_model_engine.torch needs PyTorch: install the 'torch' extra, "
-        "pip install 'metrale-model-engine[torch]' (CPU build: pip install torch==2.13.0 first)"
-    ) from error
+        f"metrale_model_engine.torch needs PyTorch (import of {_missing.name or 'torch'!r} failed): install "
+        "the 'torch' extra, pip install 'metrale-model-engine[torch]' (CPU build: pip install torch==2.13.0 first)"
+    ) from _missing
+if importlib.util.find_spec("numpy") is None:  # pragma: no cover - exercised in a numpy-less venv
+    raise ImportError(
+        "metrale_model_engine.torch needs numpy (torch's tensor/buffer conversions and "
+        "broadcast_object_list use it): pip install 'metrale-model-engine[torch]' or pip install numpy"
+    )
 
 from typing_extensions import Buffer
 
@@ -51,8 +56,8 @@ from ._words import U32_MAX, check_u32
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "TorchEp",
-    "default_backend",
     "TorchTransport",
+    "default_backend",
     "free_port",
     "init_group_from_env",
     "init_local_group",

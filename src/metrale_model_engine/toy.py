@@ -16,13 +16,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Iterable, MutableSequence, Sequence
-from typing import Final
+from typing import ClassVar, Final
 
 from ._protocol import EpProtocol
 from ._state import SequenceState
 from ._tokens import TokenArray, as_u32_buffer
 from ._transport import EpTransport
 from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp, check_slot
+
+__all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]
 
 VOCAB_SIZE: Final[int] = 32_000
 _CHECKSUM_MOD: Final[int] = (1 << 61) - 1
@@ -41,6 +43,9 @@ class ToyState(SequenceState):
     """A sequence's tokens plus the toy "KV state": a rolling checksum of them."""
 
     __slots__ = ("checksum",)
+    checksum: int
+    """The rolling checksum of every token consumed so far (0 for none)."""
+    __hash__: ClassVar[None] = None  # mutable, like SequenceState
 
     def __init__(self, seq_id: int) -> None:
         super().__init__(seq_id)
