@@ -9,7 +9,9 @@ Cases, per call:
   from a ``list[int]`` and from an ``array('I')`` (workers get a list), and
   through ``ep_broadcast_tokens_into`` (buffer to buffer);
 * the floor: a raw ``torch.distributed.broadcast`` of a preallocated int32 tensor
-  of the same number of words;
+  of the same number of words; for arrays longer than a frame holds, also the
+  "count+floor": two raw broadcasts, a length word then the words, which is what an
+  array whose length travels with it costs at the least;
 * the peer: ``torch.distributed.broadcast_object_list`` of the same payload.
 
 The backend is NCCL when there is a CUDA device per rank, gloo otherwise.
@@ -44,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from metrale_model_engine import WIRE_VERSION, EpProtocol, SequenceState
+from metrale_model_engine import INLINE_TOKENS, WIRE_VERSION, EpProtocol, SequenceState
 from metrale_model_engine.torch import TorchEp, default_backend, run_local
 
 TOKEN_SIZES = (1, 128, 4_096, 65_536)
@@ -62,7 +64,7 @@ class BenchModel(TorchEp[SequenceState]):
 class Case:
     name: str
     family: str  # "ours", "floor", "peer"
-    kind: str  # "header", "tokens-list", "tokens-buffer", "tokens-into", "words"
+    kind: str  # "header", "tokens-list", "tokens-buffer", "tokens-into", "words", "words2"
     words: int  # u32 words per call on the wire (payload size)
     head: Callable[[], object]
     worker: Callable[[], object]
@@ -76,6 +78,12 @@ def send_split(model: BenchModel) -> None:
 
 def receive_split(model: BenchModel) -> tuple[int, int]:
     return model.ep_recv_cmd(), model.ep_recv_cmd()
+
+
+def broadcast_two(count: torch.Tensor, payload: torch.Tensor) -> None:
+    """Two raw broadcasts: a length word, then the payload (what a length-prefixed array needs)."""
+    dist.broadcast(count, src=0)
+    dist.broadcast(payload, src=0)
 
 
 def send_object(payload: object) -> object:
@@ -116,6 +124,12 @@ def build_cases(rank: int) -> list[Case]:
         tensor = torch.zeros(words, dtype=torch.int32)
         raw = partial(dist.broadcast, tensor, src=0)
         cases.append(Case(f"floor {words} words", "floor", "words", words, raw, raw))
+    for n in TOKEN_SIZES:
+        if n > INLINE_TOKENS:  # the fair floor of an array whose length travels with it
+            count = torch.zeros(1, dtype=torch.int32)
+            payload = torch.zeros(n, dtype=torch.int32)
+            both = partial(broadcast_two, count, payload)
+            cases.append(Case(f"floor count+{n} words", "floor", "words2", n, both, both))
     for n in TOKEN_SIZES:
         tokens = [(i * 7919) % 32_000 for i in range(n)]
         buffer = array("I", tokens)
@@ -233,19 +247,23 @@ def report(results: list[Result], meta: dict[str, object], out: Path) -> None:
         return by_name[name].median_us
 
     rows = [
-        (name, "floor 1 words", "peer header")
+        (name, "floor 1 words", "peer header", None)
         for name in ("header v1 (ours)", "header v2 (ours)", "header v2, two broadcasts")
     ]
     for n in TOKEN_SIZES:
         for how in ("from list", "from buffer", "buffer into buffer"):
-            rows.append((f"tokens {n} {how} (ours)", f"floor {n} words", f"peer tokens {n}"))
+            two = f"floor count+{n} words" if n > INLINE_TOKENS else None
+            rows.append((f"tokens {n} {how} (ours)", f"floor {n} words", f"peer tokens {n}", two))
     print(
         f"\n{meta['backend']} x {meta['world_size']} ranks, torch {meta['torch']}, Python {meta['python']}, "
         f"{meta['rounds']} rounds x {meta['calls']} calls; medians (p25-p75), microseconds per call"
     )
-    print(f"{'case':<40}{'ours':>8}{'':>14}{'floor':>9}{'peer':>9}{'ours/floor':>12}{'ours/peer':>11}{'paired':>10}")
+    print(
+        f"{'case':<40}{'ours':>8}{'':>14}{'floor':>9}{'peer':>9}{'ours/floor':>12}{'ours/peer':>11}{'paired':>10}"
+        f"{'ours/(count+floor)':>20}"
+    )
     table = []
-    for name, floor_name, peer_name in rows:
+    for name, floor_name, peer_name, two_name in rows:
         ours, floor, peer = med(name), med(floor_name), med(peer_name)
         paired = statistics.median(
             o / f for o, f in zip(by_name[name].samples_us, by_name[floor_name].samples_us, strict=True)
@@ -254,7 +272,7 @@ def report(results: list[Result], meta: dict[str, object], out: Path) -> None:
         spread = f"({low:.0f}-{high:.0f})"
         print(
             f"{name:<40}{ours:>8.1f}{spread:>14}{floor:>9.1f}{peer:>9.1f}{ours / floor:>11.2f}x"
-            f"{ours / peer:>10.2f}x{paired:>9.2f}x"
+            f"{ours / peer:>10.2f}x{paired:>9.2f}x" + (f"{ours / med(two_name):>19.2f}x" if two_name else "")
         )
         table.append(
             {
@@ -266,6 +284,7 @@ def report(results: list[Result], meta: dict[str, object], out: Path) -> None:
                 "ours_over_floor": ours / floor,
                 "ours_over_peer": ours / peer,
                 "paired_ours_over_floor": paired,
+                "ours_over_count_plus_floor": ours / med(two_name) if two_name else None,
             }
         )
     split = med("header v2 (ours)") / med("header v2, two broadcasts")
@@ -288,6 +307,7 @@ def plot(results: list[Result], meta: dict[str, object], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(8, 5))
     lines = [
         ("floor", "words", "raw broadcast (floor)", "k--"),
+        ("floor", "words2", "length word + raw broadcast", "k:"),
         ("peer", "tokens", "broadcast_object_list (peer)", "r-o"),
         ("ours", "tokens-list", "ep_broadcast_tokens, list", "b-o"),
         ("ours", "tokens-buffer", "ep_broadcast_tokens, array('I')", "c-s"),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -49,10 +52,40 @@ def test_demo_runs_and_every_rank_agrees(args: tuple[str, ...]) -> None:
     assert any(line.startswith("[head] decode step") for line in lines)
 
 
-def test_demo_refuses_bad_arguments() -> None:
-    result = demo("--world-size", "0")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--world-size", "0"), "argument --world-size: must be at least 1, got 0"),
+        (("--sequences", "many"), "argument --sequences: must be a whole number, got 'many'"),
+    ],
+)
+def test_demo_refuses_bad_arguments(args: tuple[str, ...], message: str) -> None:
+    result = demo(*args)
     assert result.returncode == 2
-    assert "--world-size: must be at least 1, got 0" in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_refuses_a_bad_protocol_variable_in_one_line() -> None:
+    env = {**os.environ, "METRALE_EP_PROTOCOL": "garbage"}
+    result = subprocess.run(
+        [sys.executable, "-m", "metrale_model_engine.demo"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: METRALE_EP_PROTOCOL='garbage' is not a protocol version; accepted: 'v1', 'v2' (or unset/empty for 'v1')"
+    ]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_demo_refuses_nccl_without_cuda() -> None:
+    result = demo("--backend", "nccl")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: --backend nccl needs a CUDA device, and this machine has none" in result.stderr
 
 
 def test_digest_check() -> None:
@@ -86,3 +119,43 @@ def test_demo_runs_under_torchrun() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "all 2 ranks agree" in result.stdout.splitlines()
+
+
+def test_a_large_run_stays_bounded_and_its_summary_adds_up(tmp_path: Path) -> None:
+    sequences, prompt, steps = 1500, 5, 2
+    summary_path = tmp_path / "summary.json"
+    started = time.monotonic()
+    result = demo(
+        "--sequences", str(sequences), "--prompt-tokens", str(prompt), "--decode-steps", str(steps),
+        "--json", str(summary_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert time.monotonic() - started < 150.0
+    lines = result.stdout.splitlines()
+    assert len(lines) < 60, f"{len(lines)} lines of output for {sequences} sequences"
+    assert f"[head] alloc + prefill: {sequences}/{sequences}" in lines
+    summary = json.loads(summary_path.read_text())
+    # alloc + prefill per sequence, a decode per sequence and step, all but one freed
+    assert summary["commands"] == 2 * sequences + sequences * steps + sequences - 1
+    assert summary["words"] == sequences * steps  # one token word per decode
+    assert summary["tokens"] == sequences * prompt
+    assert (summary["transport"], summary["backend"], summary["ranks"]) == ("TorchTransport", "gloo", 2)
+    latency = summary["command_latency_us"]
+    assert 0 < latency["median"] <= latency["p99"]
+    served = next(line for line in lines if line.startswith("[worker 1] served"))
+    assert f"served {summary['commands']} commands, 0 failed" in served
+    printed = next(line for line in lines if line.startswith("[head] summary:"))
+    assert f"{summary['commands']} commands, {summary['words']} follow-up words, {summary['tokens']} tokens" in printed
+
+
+def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> None:
+    env = {**os.environ, "METRALE_EP_PROTOCOL": "garbage"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "metrale_model_engine.demo"]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=150)
+    assert result.returncode != 0  # torchrun reports the ranks' exit code 2 as a failure of its own
+    ours = [line for line in result.stderr.splitlines() if "METRALE_EP_PROTOCOL" in line]
+    assert ours == [
+        "error: METRALE_EP_PROTOCOL='garbage' is not a protocol version; accepted: 'v1', 'v2' (or unset/empty for 'v1')"
+    ]
+    assert "metrale_model_engine/" not in result.stderr  # no traceback from the ranks themselves

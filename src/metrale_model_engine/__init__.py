@@ -1,5 +1,13 @@
 """metrale-model-engine: the ``ModelEp`` head/worker command protocol of Metrale, typed.
 
+Rank 0, the head, runs the scheduler and, before each model operation, broadcasts
+a command header (``ep_broadcast_cmd_for_seq``) and its follow-ups
+(``ep_broadcast_cmd``, ``ep_broadcast_tokens``); every other rank, a worker, loops
+on ``ep_worker_step`` (or :func:`run_worker`), which receives the header and runs
+the command in ``slots[seq_id]``, reading the follow-ups with ``ep_recv_word`` and
+``ep_recv_tokens``.  :class:`ModelEp` is the trait with single-GPU defaults;
+:class:`WireEp` implements it over any :class:`EpTransport`.
+
 Importing this package never imports torch; the torch.distributed backend lives in
 :mod:`metrale_model_engine.torch` (extra ``torch``).
 """

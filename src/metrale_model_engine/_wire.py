@@ -213,6 +213,11 @@ class WireEp(ModelEp[S]):
         return self._world_size
 
     @property
+    def transport(self) -> EpTransport:
+        """The transport this model speaks over (see :meth:`attach`)."""
+        return self._transport
+
+    @property
     def num_slots(self) -> int:
         """The slot count all ranks agreed on (``--max-batch-size``)."""
         return self._num_slots

@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "TorchEp",
     "TorchTransport",
+    "cuda_available",
     "default_backend",
     "free_port",
     "init_group_from_env",
@@ -259,6 +260,11 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def cuda_available() -> bool:
+    """Whether this process sees at least one CUDA device."""
+    return torch.cuda.device_count() > 0
 
 
 def default_backend(local_ranks: int) -> str:
