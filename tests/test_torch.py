@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from typing_extensions import TypeVarTuple, Unpack
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
@@ -20,10 +21,11 @@ import torch_sessions as sessions  # noqa: E402
 pytestmark = pytest.mark.torch
 
 RUN_TIMEOUT = 120.0
+Ts = TypeVarTuple("Ts")
 
 
 def run(
-    target: Callable[..., None], world_size: int, tmp_path: Path, *args: object
+    target: Callable[[int, int, Unpack[Ts], str], None], world_size: int, tmp_path: Path, *args: Unpack[Ts]
 ) -> tuple[list[int], dict[int, dict[str, object]]]:
     codes = run_local(target, world_size, *args, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
     results = {}

@@ -36,6 +36,12 @@ def test_local_group_arguments_are_checked() -> None:
         init_local_group(2, 2, port=1)
     with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got 0"):
         run_local(print, 0)
+    with pytest.raises(TypeError, match=r"world_size must be an int >= 1, got str '2'"):
+        run_local(print, "2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds, got 0"):
+        run_local(print, 1, timeout=0)
+    with pytest.raises(TypeError, match=r"timeout must be a positive number of seconds, got str '5'"):
+        run_local(print, 1, timeout="5")  # type: ignore[arg-type]
 
 
 def test_import_without_torch_names_the_extra() -> None:

@@ -44,7 +44,7 @@ if importlib.util.find_spec("numpy") is None:  # pragma: no cover - exercised in
         "broadcast_object_list use it): pip install 'metrale-model-engine[torch]' or pip install numpy"
     )
 
-from typing_extensions import Buffer
+from typing_extensions import Buffer, TypeVarTuple, Unpack
 
 from ._model import S
 from ._protocol import EpProtocol
@@ -337,6 +337,9 @@ def _init_group(
     )
 
 
+Ts = TypeVarTuple("Ts")
+
+
 def _local_rank_main(
     target: Callable[..., None],
     rank: int,
@@ -353,9 +356,9 @@ def _local_rank_main(
 
 
 def run_local(
-    target: Callable[..., None],
+    target: Callable[[int, int, Unpack[Ts]], None],
     world_size: int,
-    *args: object,
+    *args: Unpack[Ts],
     backend: str | None = None,
     timeout: float = 300.0,
 ) -> list[int]:
@@ -367,9 +370,19 @@ def run_local(
 
     Returns:
         Every rank's exit code, by rank (0 for success; negative: killed by that signal).
+
+    Raises:
+        TypeError: ``world_size`` is not an int, or ``timeout`` not a number.
+        ValueError: ``world_size < 1`` or ``timeout <= 0``.
     """
-    if type(world_size) is not int or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if type(world_size) is not int:
+        raise TypeError(f"world_size must be an int >= 1, got {type(world_size).__name__} {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout must be a positive number of seconds, got {type(timeout).__name__} {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
     context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
