@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
-from array import array
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 numpy = pytest.importorskip("numpy", reason="numpy is needed by torch's tensor.numpy()")
 
-from metrale_model_engine import U32_MAX, U32_TYPECODE, EpProtocol, as_u32_buffer  # noqa: E402
+from metrale_model_engine import U32_MAX, as_u32_buffer  # noqa: E402
 from metrale_model_engine import torch as ep_torch  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_local  # noqa: E402
 
@@ -61,16 +60,6 @@ def test_demo_without_torch_says_which_extra_to_install() -> None:
     assert "install the 'torch' extra" in result.stderr
 
 
-@given(st.lists(u32, max_size=300))
-def test_token_list_round_trips_through_the_wire_tensor(tokens: list[int]) -> None:
-    buffer = as_u32_buffer("tokens", tokens)
-    if tokens:
-        wire = torch.frombuffer(buffer, dtype=torch.int32)  # what gloo/NCCL carry
-        received = array(U32_TYPECODE, bytes(4 * len(tokens)))
-        torch.frombuffer(received, dtype=torch.int32).copy_(wire)
-        assert received.tolist() == tokens
-
-
 @given(st.lists(u32, min_size=1, max_size=300))
 def test_token_tensor_round_trips(tokens: list[int]) -> None:
     words = ep_torch._tensor_as_u32(torch.tensor(tokens, dtype=torch.int64))
@@ -87,16 +76,6 @@ def test_out_of_range_tokens_are_always_refused(tokens: list[int]) -> None:
             ep_torch._tensor_as_u32(torch.tensor(tokens, dtype=torch.int64))
     else:
         assert memoryview(as_u32_buffer("tokens", tokens)).tolist() == tokens
-
-
-@given(st.sampled_from(list(EpProtocol)), u32, u32)
-def test_header_words_round_trip(protocol: EpProtocol, seq_id: int, cmd: int) -> None:
-    words = protocol.encode_header(seq_id, cmd)
-    wire = torch.frombuffer(array(U32_TYPECODE, words), dtype=torch.int32).clone()
-    received = array(U32_TYPECODE, bytes(4 * len(words)))
-    torch.frombuffer(received, dtype=torch.int32).copy_(wire)
-    expected = (seq_id, cmd) if protocol is EpProtocol.V2 else (0, cmd)
-    assert protocol.decode_header(received) == expected
 
 
 def _session_digests(backend: str, device: str | None, out: Path) -> list[object]:

@@ -8,6 +8,8 @@ from array import array
 from collections.abc import MutableSequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from metrale_model_engine import (
     INLINE_TOKENS,
@@ -205,3 +207,49 @@ def test_the_shutdown_word_is_reserved_for_ep_shutdown_workers() -> None:
     with pytest.raises(ValueError, match=r"cmd=0xffffffff is the reserved shutdown word; call ep_shutdown_workers\(\)"):
         recorder.ep_broadcast_cmd_for_seq(0, 0xFFFFFFFF)
     assert recorder.wire == [] and recorder.events == []
+
+
+u32 = st.integers(min_value=0, max_value=0xFFFFFFFF)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(u32, max_size=40), st.sampled_from(list(EpProtocol)))
+def test_any_token_array_arrives_as_sent(tokens: list[int], protocol: EpProtocol) -> None:
+    recorder = head(protocol)
+    recorder.ep_broadcast_cmd_for_seq(1, TOKENS)
+    recorder.ep_broadcast_tokens(tokens)
+    recorder.ep_broadcast_cmd_for_seq(2, INTO)
+    recorder.ep_broadcast_tokens_into(array("I", tokens))
+    worker = Worker(recorder.wire, protocol=protocol)
+    worker.expect = len(tokens)
+    slots: list[SequenceState | None] = [None] * 4
+    assert worker.ep_worker_step(slots) and worker.ep_worker_step(slots)
+    assert slots[1] == SequenceState(1, tokens) and slots[2] == SequenceState(2, tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=0xFFFFFFFE), u32, st.sampled_from(list(EpProtocol)))
+def test_any_header_arrives_as_sent(seq_id: int, cmd: int, protocol: EpProtocol) -> None:
+    from metrale_model_engine.testing import RecordingTransport
+
+    if cmd == 0xFFFFFFFF:
+        cmd = 0  # the shutdown word is not a command
+    recording = RecordingTransport(world_size=2)
+    sender: WireEp[SequenceState] = WireEp(recording, num_slots=0xFFFFFFFF, protocol=protocol)
+    sender.ep_broadcast_cmd_for_seq(seq_id, cmd)
+    seen: list[tuple[int, int]] = []
+
+    class Recorder(WireEp[SequenceState]):
+        __slots__ = ()
+
+        def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+            seen.append((seq_id, cmd))
+
+    receiver = Recorder(ReplayTransport(recording.broadcasts), num_slots=0xFFFFFFFF, protocol=protocol)
+
+    class AnySlot(list[SequenceState | None]):
+        def __len__(self) -> int:
+            return 0xFFFFFFFF
+
+    assert receiver.ep_worker_step(AnySlot()) is True
+    assert seen == [(seq_id, cmd)]
