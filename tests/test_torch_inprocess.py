@@ -53,6 +53,14 @@ def test_import_without_torch_names_the_extra() -> None:
     assert "install the 'torch' extra" in result.stdout and "metrale-model-engine[torch]" in result.stdout
 
 
+def test_import_without_numpy_names_numpy() -> None:
+    code = "import sys; sys.modules['numpy'] = None\nimport metrale_model_engine.torch"
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: metrale_model_engine.torch needs numpy"), result.stderr[-1000:]
+
+
 def test_demo_without_torch_says_which_extra_to_install() -> None:
     code = "import sys; sys.modules['torch'] = None\nfrom metrale_model_engine.demo import main\nsys.exit(main([]))"
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)

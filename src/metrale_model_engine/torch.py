@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
-import importlib.util
 import multiprocessing
 import os
 import socket
@@ -38,11 +37,13 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
         f"metrale_model_engine.torch needs PyTorch (import of {_missing.name or 'torch'!r} failed): install "
         "the 'torch' extra, pip install 'metrale-model-engine[torch]' (CPU build: pip install torch==2.13.0 first)"
     ) from _missing
-if importlib.util.find_spec("numpy") is None:  # pragma: no cover - exercised in a numpy-less venv
+try:
+    import numpy  # noqa: F401  (torch's tensor/buffer conversions used here need it)
+except ImportError as _missing:
     raise ImportError(
         "metrale_model_engine.torch needs numpy (torch's tensor/buffer conversions and "
         "broadcast_object_list use it): pip install 'metrale-model-engine[torch]' or pip install numpy"
-    )
+    ) from _missing
 
 from typing_extensions import Buffer, TypeVarTuple, Unpack
 
