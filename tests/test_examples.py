@@ -24,24 +24,12 @@ def test_every_readme_python_block_is_part_of_an_example() -> None:
         assert any(block in source for source in sources), f"README block not found in examples/:\n{block}"
 
 
-def test_single_gpu_example() -> None:
-    pytest.importorskip("torch")
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "single_gpu.py")],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "single-GPU defaults hold" in done.stdout
-
-
-@pytest.mark.parametrize("protocol", ["v1", "v2"])
-def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
+def run_example(name: str, protocol: str = "v1") -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<name>`` as a user would, with ``METRALE_EP_PROTOCOL`` set; it must exit 0."""
     env = {**os.environ, "METRALE_EP_PROTOCOL": protocol}
+    env.pop("RANK", None)  # not under a launcher
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "scheduler_test.py")],
+        [sys.executable, str(EXAMPLES / name)],
         check=False,
         capture_output=True,
         text=True,
@@ -49,6 +37,17 @@ def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
         timeout=RUN_TIMEOUT,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_single_gpu_example() -> None:
+    pytest.importorskip("torch")
+    assert "single-GPU defaults hold" in run_example("single_gpu.py").stdout
+
+
+@pytest.mark.parametrize("protocol", ["v1", "v2"])
+def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
+    done = run_example("scheduler_test.py", protocol)
     assert f"protocol {protocol}: the worker's slots equal the head's" in done.stdout
 
 
@@ -60,17 +59,7 @@ def slot_lines(output: str) -> list[str]:
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
 def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
     pytest.importorskip("torch")
-    env = {**os.environ, "METRALE_EP_PROTOCOL": protocol}
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "ep_model.py")],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=RUN_TIMEOUT,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_example("ep_model.py", protocol)
     lines = slot_lines(done.stdout)
     assert len(lines) == 2 and lines[0] == lines[1], done.stdout
     assert "2: [100, 101" in lines[0] and "5: [11, 12, 13, 20, 21, 22]" in lines[0]

@@ -6,7 +6,7 @@ import contextlib
 import math
 from array import array
 from collections.abc import Callable, Iterator, MutableSequence, Sized
-from typing import Final, NoReturn
+from typing import ClassVar, Final, NoReturn
 
 from typing_extensions import Buffer
 
@@ -76,7 +76,8 @@ class WireEp(ModelEp[S]):
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: an argument has the right type and a wrong value.
+        ValueError: an argument has the right type and a wrong value (also
+            ``v1_slot=False`` under v1 for a model with :attr:`needs_seq_id`).
         EpSetupError: the ranks disagree.
         EpLinkError: the setup exchange itself failed.
     """
@@ -96,6 +97,10 @@ class WireEp(ModelEp[S]):
         "_v1_slot",
         "_world_size",
     )
+    needs_seq_id: ClassVar[bool] = False
+    """Set ``True`` in a model that serves several slots: construction then refuses
+    ``v1_slot=False`` under v1 (``ValueError``), which would run every command in slot 0."""
+
     _transport: EpTransport
     _rank: int
     _world_size: int
@@ -119,6 +124,11 @@ class WireEp(ModelEp[S]):
             _bad_argument("protocol", protocol, "an EpProtocol (EpProtocol.V1 or EpProtocol.V2)", EpProtocol)
         if not isinstance(v1_slot, bool):
             _bad_argument("v1_slot", v1_slot, "a bool", bool)
+        if self.needs_seq_id and protocol is EpProtocol.V1 and not v1_slot:
+            raise ValueError(
+                f"{type(self).__name__} needs seq_id on the wire, but v1_slot=False under protocol v1 "
+                "leaves it off: keep v1_slot=True (the default) or use protocol v2"
+            )
         if command_timeout is not None and not (
             isinstance(command_timeout, (int, float))
             and not isinstance(command_timeout, bool)

@@ -18,11 +18,9 @@ import hashlib
 from collections.abc import Iterable, MutableSequence, Sequence
 from typing import ClassVar, Final
 
-from ._protocol import EpProtocol
 from ._state import SequenceState
 from ._tokens import TokenArray, as_u32_buffer
-from ._transport import EpTransport
-from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp, check_slot
+from ._wire import WireEp, check_slot
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]
 
@@ -86,24 +84,7 @@ class ToyModel(WireEp[ToyState]):
     """
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        transport: EpTransport,
-        *,
-        num_slots: int,
-        protocol: EpProtocol | None = None,
-        v1_slot: bool = True,
-        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            transport, num_slots=num_slots, protocol=protocol, v1_slot=v1_slot, command_timeout=command_timeout
-        )
-        if not self.carries_seq_id:
-            raise ValueError(
-                "ToyModel needs seq_id on the wire, but v1_slot=False under protocol v1 "
-                "leaves it off: keep v1_slot=True (the default) or use protocol v2"
-            )
+    needs_seq_id = True
 
     # -- head ----------------------------------------------------------------
 
