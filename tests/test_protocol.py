@@ -37,9 +37,5 @@ def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -
     assert EpProtocol.from_env() is EpProtocol.V1
 
 
-def test_header_shapes() -> None:
-    assert EpProtocol.V1.encode_header(5, 9) == (9,)
-    assert EpProtocol.V2.encode_header(5, 9) == (5, 9)
-    assert EpProtocol.V1.decode_header([9]) == (0, 9)
-    assert EpProtocol.V2.decode_header([5, 9]) == (5, 9)
-    assert (EpProtocol.V1.header_words, EpProtocol.V2.header_words) == (1, 2)
+def test_each_version_has_a_fixed_setup_code() -> None:
+    assert (EpProtocol.V1.code, EpProtocol.V2.code) == (1, 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
 PROTOCOL_ENV_VAR: Final[str] = "METRALE_EP_PROTOCOL"
@@ -12,17 +12,16 @@ PROTOCOL_ENV_VAR: Final[str] = "METRALE_EP_PROTOCOL"
 
 
 class EpProtocol(enum.Enum):
-    """The header layout every rank of a run must agree on.
+    """The protocol version every rank of a run must agree on.
 
-    * ``V1``: a header is one word, ``[cmd]``.  ``seq_id`` is not on the wire, so a
-      worker runs every command in slot 0; a v1 model that serves several sequences
-      carries the slot in a follow-up word of its own.
-    * ``V2``: a header is ``[seq_id, cmd]``, sent as one broadcast; the worker runs
-      the command in ``slots[seq_id]``.
+    * ``V1``: the Rust engine's v1 headers do not carry ``seq_id``.  On this
+      library's wire the header frame carries it anyway unless a model turns that
+      off (``WireEp(v1_slot=False)``, then every command runs in slot 0).
+    * ``V2``: every header carries ``seq_id``; the worker runs the command in
+      ``slots[seq_id]``.
 
-    Head and workers must use the same version: a worker reading v1 headers from a
-    v2 head would take every ``seq_id`` for a command.  Backends confirm agreement
-    at setup.
+    What a model sees is :meth:`~metrale_model_engine.ModelEp.ep_protocol_v2`.
+    Backends confirm at setup that all ranks use the same version (by :attr:`code`).
     """
 
     V1 = "v1"
@@ -36,22 +35,6 @@ class EpProtocol(enum.Enum):
         can never be taken for another.
         """
         return _CODES[self]
-
-    @property
-    def header_words(self) -> int:
-        """Number of u32 words in one header: 1 under v1, 2 under v2."""
-        return 2 if self is EpProtocol.V2 else 1
-
-    def encode_header(self, seq_id: int, cmd: int) -> tuple[int, ...]:
-        """The words of the header that starts ``cmd`` for ``seq_id``: ``(cmd,)`` or ``(seq_id, cmd)``.
-
-        The words are not checked here; callers check them first.
-        """
-        return (seq_id, cmd) if self is EpProtocol.V2 else (cmd,)
-
-    def decode_header(self, words: Sequence[int]) -> tuple[int, int]:
-        """``(seq_id, cmd)`` of a received header; ``seq_id`` is 0 under v1."""
-        return (words[0], words[1]) if self is EpProtocol.V2 else (0, words[0])
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EpProtocol:

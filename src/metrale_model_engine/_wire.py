@@ -144,7 +144,7 @@ class WireEp(ModelEp[S]):
         self._header_waiting = False  # the frame holds a header that no step has run yet
         self._last_failed = False  # the last command failed: skip what it left unread
         self._command = (0, 0)  # (seq_id, cmd) of the command in flight, for messages
-        self._bind(transport, self._agree_on_setup(transport))
+        self.attach(transport)
 
     # -- setup ---------------------------------------------------------------
 
@@ -158,7 +158,8 @@ class WireEp(ModelEp[S]):
             EpSetupError: the ranks of ``transport`` disagree with this model.
             EpLinkError: the setup exchange failed.
         """
-        self._bind(transport, self._agree_on_setup(transport))
+        self._agree_on_setup(transport)
+        self._bind(transport)
 
     @contextlib.contextmanager
     def attached(self, transport: EpTransport) -> Iterator[None]:
@@ -178,8 +179,8 @@ class WireEp(ModelEp[S]):
             self._header_waiting = False
             self._last_failed = False
 
-    def _agree_on_setup(self, transport: EpTransport) -> int:
-        """Run the setup exchange over ``transport``; return this rank's number in it."""
+    def _agree_on_setup(self, transport: EpTransport) -> None:
+        """Run the setup exchange over ``transport``; raise unless every rank agrees."""
         rank = transport.rank
         mine = [WIRE_VERSION, self._protocol.code, int(self._v1_slot), self._num_slots]
         try:
@@ -199,12 +200,11 @@ class WireEp(ModelEp[S]):
                 raise EpSetupError(
                     f"rank {rank}: the ranks disagree on the {name} ({per_rank}); every rank must use the same value"
                 )
-        return rank
 
-    def _bind(self, transport: EpTransport, rank: int) -> None:
+    def _bind(self, transport: EpTransport) -> None:
         broadcast_frame = transport.bind(self._frame)
         self._transport = transport
-        self._rank = rank
+        self._rank = transport.rank
         self._world_size = transport.world_size
         self._broadcast_frame = broadcast_frame
         self._header_waiting = False
@@ -236,6 +236,11 @@ class WireEp(ModelEp[S]):
     def protocol(self) -> EpProtocol:
         """The protocol version all ranks agreed on."""
         return self._protocol
+
+    @property
+    def workers_shut_down(self) -> bool:
+        """Whether the head has sent the shutdown header (:meth:`ep_shutdown_workers`)."""
+        return self._shut_down
 
     @property
     def carries_seq_id(self) -> bool:
@@ -481,7 +486,7 @@ class WireEp(ModelEp[S]):
         if sent <= INLINE_TOKENS:
             return self._frame[2 : 2 + sent].tolist()
         received = array(U32_TYPECODE, bytes(4 * sent))
-        self._receive(self._transport.bind(received), self._command_timeout)
+        self._receive_bulk(received)
         return received.tolist()
 
     def ep_recv_tokens_into(self, buffer: Buffer | ArrayInterface) -> None:
@@ -507,7 +512,7 @@ class WireEp(ModelEp[S]):
         if sent <= INLINE_TOKENS:
             view[:] = memoryview(self._frame)[2 : 2 + sent]
         else:
-            self._receive(self._transport.bind(view), self._command_timeout)
+            self._receive_bulk(view)
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[S | None]) -> None:
         """Worker hook: run command ``cmd`` in ``slots[seq_id]`` (override it).
@@ -575,8 +580,12 @@ class WireEp(ModelEp[S]):
             return f"a follow-up word ({frame[1]})"
         count = frame[1]
         if count > INLINE_TOKENS:
-            self._receive(self._transport.bind(array(U32_TYPECODE, bytes(4 * count))), self._command_timeout)
+            self._receive_bulk(array(U32_TYPECODE, bytes(4 * count)))  # drained
         return f"a token array of {count} tokens"
+
+    def _receive_bulk(self, buffer: Buffer) -> None:
+        """Receive the bulk broadcast that follows a token frame, into ``buffer`` of its count."""
+        self._receive(self._transport.bind(buffer), self._command_timeout)
 
     def _mismatch(self, expected: str, kind: FrameKind) -> NoReturn:
         sent = self._consume(kind)

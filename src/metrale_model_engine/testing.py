@@ -129,11 +129,10 @@ class RecordingEp(WireEp[S]):
         num_slots: the slot count.
     """
 
-    __slots__ = ("_recording", "_shutdown_recorded", "events")
+    __slots__ = ("_recording", "events")
 
     def __init__(self, *, is_ep: bool = True, protocol_v2: bool = False, num_slots: int = 8) -> None:
         self._recording = RecordingTransport(world_size=2 if is_ep else 1)
-        self._shutdown_recorded = False
         self.events: list[EpEvent] = []
         """The recorded calls, oldest first."""
         super().__init__(
@@ -166,10 +165,10 @@ class RecordingEp(WireEp[S]):
         self.events.append(EpEvent("tokens", tuple(memoryview(buffer).tolist())))
 
     def ep_shutdown_workers(self) -> None:
+        first = not self.workers_shut_down
         super().ep_shutdown_workers()
-        if not self._shutdown_recorded:
+        if first:
             self.events.append(EpEvent("shutdown", ()))
-            self._shutdown_recorded = True
 
     def replay(
         self,
@@ -194,7 +193,7 @@ class RecordingEp(WireEp[S]):
         if not self.is_ep():
             raise ValueError("replay() needs a recording made with is_ep=True; nothing went on the wire")
         broadcasts = self.wire
-        if not self._shutdown_recorded:
+        if not self.workers_shut_down:
             broadcasts.append(_shutdown_frame())
         with worker.attached(ReplayTransport(broadcasts, setup=self._recording.setup)):
             return run_worker(worker, slots, logger=logger)
