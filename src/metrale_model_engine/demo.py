@@ -19,9 +19,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from ._protocol import EpProtocol
 from ._tokens import TokenArray
@@ -31,6 +33,7 @@ from .toy import ToyModel, ToyState, slots_digest
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DETAILED_ITEMS = 4
 """Sequences and decode steps shown one line each; past them, progress only."""
+R = TypeVar("R")
 _PROGRESS_SECONDS = 1.0
 """How often a non-terminal output gets a progress line."""
 
@@ -182,28 +185,28 @@ def _drive(model: CountingToy, slots: MutableSequence[ToyState | None], work: Wo
     progress = _Progress(count, "alloc + prefill")
     for seq_id in range(count):
         prompt = prompt_for(seq_id, work.prompt_tokens)
-        started = time.perf_counter()
-        model.alloc(slots, seq_id)
-        latencies.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        model.prefill(slots, seq_id, prompt)
-        latencies.append(time.perf_counter() - started)
+        _timed(latencies, partial(model.alloc, slots, seq_id))
+        _timed(latencies, partial(model.prefill, slots, seq_id, prompt))
         progress.item(seq_id + 1, f"seq {seq_id}: alloc + prefill {len(prompt)} tokens")
     progress = _Progress(work.decode_steps, "decode steps")
     for step in range(1, work.decode_steps + 1):
         tokens = []
         for seq_id in range(count):
-            started = time.perf_counter()
-            tokens.append(model.decode(slots, seq_id))
-            latencies.append(time.perf_counter() - started)
+            tokens.append(_timed(latencies, partial(model.decode, slots, seq_id)))
         shown = tokens if len(tokens) <= 8 else [*tokens[:8], "..."]
         progress.item(step, f"decode step {step}/{work.decode_steps}: {shown}")
     for seq_id in range(count - 1):  # the last sequence stays live, so digests cover a slot
-        started = time.perf_counter()
-        model.free(slots, seq_id)
-        latencies.append(time.perf_counter() - started)
+        _timed(latencies, partial(model.free, slots, seq_id))
     print(f"[head] freed {count - 1} sequences; shutting the workers down", flush=True)
     model.ep_shutdown_workers()
+
+
+def _timed(latencies: list[float], command: Callable[[], R]) -> R:
+    """Run one head command, appending its duration in seconds to ``latencies``."""
+    started = time.perf_counter()
+    result = command()
+    latencies.append(time.perf_counter() - started)
+    return result
 
 
 def _summary(model: CountingToy, wall_s: float, backend: str) -> dict[str, object]:
