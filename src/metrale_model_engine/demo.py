@@ -23,7 +23,7 @@ from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 from ._protocol import EpProtocol
 from ._tokens import TokenArray
@@ -130,19 +130,19 @@ def serve(rank: int, world_size: int, work: Work) -> None:
             work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
     else:
         served = run_worker(model, slots)
-        print(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed", flush=True)
+        _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
     digests: list[object] = [None] * world_size
     dist.all_gather_object(digests, slots_digest(slots))
     if rank == 0:
         for other, digest in enumerate(digests):
-            print(f"[rank {other}] slot digest {digest}", flush=True)
+            _say(f"[rank {other}] slot digest {digest}")
     problem = digests_disagree(digests)
     if problem is not None:
         if rank == 0:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
+            _say(f"error: {problem}", sys.stderr)
         raise SystemExit(1)
     if rank == 0:
-        print(f"all {world_size} ranks agree", flush=True)
+        _say(f"all {world_size} ranks agree")
 
 
 def digests_disagree(digests: Sequence[object]) -> str | None:
@@ -151,6 +151,15 @@ def digests_disagree(digests: Sequence[object]) -> str | None:
         if digest != digests[0]:
             return f"the ranks' slot states differ: rank {rank} has {digest}, rank 0 has {digests[0]}"
     return None
+
+
+def _say(line: str, stream: TextIO | None = None) -> None:
+    """Print ``line`` to ``stream`` (default stdout) in one write and flush it: the ranks
+    share the terminal, and ``print`` writes the newline separately, which lets another
+    rank's line in between."""
+    out = sys.stdout if stream is None else stream
+    out.write(line + "\n")
+    out.flush()
 
 
 class _Progress:
@@ -163,23 +172,22 @@ class _Progress:
 
     def item(self, done: int, detail: str) -> None:
         if done <= _DETAILED_ITEMS:
-            print(f"[head] {detail}", flush=True)
+            _say(f"[head] {detail}")
             return
         now = time.monotonic()
         if self._tty:
             end = "\n" if done == self._total else ""
             print(f"\r[head] {self._label}: {done}/{self._total}", end=end, flush=True)
         elif done == self._total or now - self._last >= _PROGRESS_SECONDS:
-            print(f"[head] {self._label}: {done}/{self._total}", flush=True)
+            _say(f"[head] {self._label}: {done}/{self._total}")
             self._last = now
 
 
 def _drive(model: CountingToy, slots: MutableSequence[ToyState | None], work: Work) -> None:
     count, latencies = len(slots), model.traffic.latencies_s
-    print(
+    _say(
         f"[head] {model.world_size} ranks, protocol {model.protocol.value}, {count} sequences x "
-        f"{work.prompt_tokens}-token prompts x {work.decode_steps} decode steps",
-        flush=True,
+        f"{work.prompt_tokens}-token prompts x {work.decode_steps} decode steps"
     )
 
     progress = _Progress(count, "alloc + prefill")
@@ -197,7 +205,7 @@ def _drive(model: CountingToy, slots: MutableSequence[ToyState | None], work: Wo
         progress.item(step, f"decode step {step}/{work.decode_steps}: {shown}")
     for seq_id in range(count - 1):  # the last sequence stays live, so digests cover a slot
         _timed(latencies, partial(model.free, slots, seq_id))
-    print(f"[head] freed {count - 1} sequences; shutting the workers down", flush=True)
+    _say(f"[head] freed {count - 1} sequences; shutting the workers down")
     model.ep_shutdown_workers()
 
 
@@ -232,12 +240,11 @@ def _summary(model: CountingToy, wall_s: float, backend: str) -> dict[str, objec
 def _print_summary(summary: dict[str, object]) -> None:
     latency = summary["command_latency_us"]
     assert isinstance(latency, dict)
-    print(
+    _say(
         f"[head] summary: {summary['commands']} commands, {summary['words']} follow-up words, "
         f"{summary['tokens']} tokens broadcast in {summary['wall_s']:.3f} s; per command on the head: "
         f"median {latency['median']:.0f} us, p99 {latency['p99']:.0f} us "
-        f"({summary['transport']} over {summary['backend']})",
-        flush=True,
+        f"({summary['transport']} over {summary['backend']})"
     )
 
 
