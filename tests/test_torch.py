@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from metrale_model_engine.torch import run_local  # noqa: E402
 from metrale_model_engine.toy import ToyState  # noqa: E402
 
 import torch_sessions as sessions  # noqa: E402
+from rank_results import load  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -28,12 +28,7 @@ def run(
     target: Callable[[int, int, Unpack[Ts], str], None], world_size: int, tmp_path: Path, *args: Unpack[Ts]
 ) -> tuple[list[int], dict[int, dict[str, object]]]:
     codes = run_local(target, world_size, *args, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
-    results = {}
-    for rank in range(world_size):
-        path = tmp_path / f"rank{rank}.pkl"
-        if path.exists():
-            results[rank] = pickle.loads(path.read_bytes())
-    return codes, results
+    return codes, load(tmp_path, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

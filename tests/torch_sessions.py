@@ -7,7 +7,6 @@ test in the parent process can assert on every rank.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import time
 from array import array
@@ -18,6 +17,8 @@ from metrale_model_engine import EpCommandFailed, EpProtocol, run_worker
 from metrale_model_engine.torch import TorchEp, TorchTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
+from rank_results import save, wait_until_dead
+
 SLOTS = 4
 CMD_CHECK = 50
 """A test-only command: one follow-up word; fails on workers whose rank is listed in it."""
@@ -25,11 +26,6 @@ CMD_DIE = 51
 """A test-only command: the worker kills itself with SIGKILL."""
 CMD_PLACEHOLDER = 52
 """A test-only command: a follow-up word n, then tokens received into an n-token placeholder."""
-
-
-def save(out: str, rank: int, **result: object) -> None:
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as file:
-        pickle.dump(result, file)
 
 
 def summary_fields(slots: list[ToyState | None]) -> dict[str, object]:
@@ -165,21 +161,6 @@ def worker_dies(rank: int, world_size: int, out: str) -> None:
         os._exit(3)
     save(out, rank, error_type=None, error=None, seconds=time.time() - started)
     os._exit(0)
-
-
-def wait_until_dead(pid: int, *, timeout: float) -> None:
-    """Wait until process ``pid`` (a sibling, so not ours to join) has died: gone or a zombie."""
-    deadline = time.monotonic() + timeout
-    stat = Path(f"/proc/{pid}/stat")
-    while time.monotonic() < deadline:
-        try:
-            state = stat.read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} still alive after {timeout} s")
 
 
 def idle_worker(rank: int, world_size: int, idle_seconds: float, out: str) -> None:

@@ -4,9 +4,17 @@
   inherit it and the model has the whole protocol; override ``ep_run_command``.
 * :class:`TorchTransport` is the transport underneath, for models written against
   any transport (``ToyModel(TorchTransport(), num_slots=8)``).
+* :func:`open_transport` picks the transport for a group, collectively: shared
+  memory (:class:`~metrale_model_engine.shm.ShmTransport`) when every rank is on
+  one host, torch.distributed otherwise; :class:`TorchEp` calls it.
 * :func:`init_local_group` and :func:`run_local` start a group of N ranks on
   loopback for scripts and tests; under ``torchrun`` the caller's own
   ``init_process_group`` is used as it is.
+
+Why shared memory by default: each gloo broadcast between two ranks of one host
+is a loopback TCP round trip of 150-250 µs, against a few microseconds for the
+ring, and commands are many small messages.  Only the command words take that
+path; tensors stay wherever the model keeps them.
 
 Timeouts.  A worker waits for the next header as long as the group's own timeout
 allows; that is the idle limit, which :func:`init_local_group` sets to
@@ -21,13 +29,15 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import hashlib
+import logging
 import multiprocessing
 import os
 import socket
-import time
 import weakref
+from array import array
 from collections.abc import Callable, Sequence
-from typing import Final, cast
+from typing import Final, Literal, cast
 
 try:
     import torch
@@ -47,24 +57,32 @@ except ImportError as _missing:
 
 from typing_extensions import Buffer, TypeVarTuple, Unpack
 
+from ._errors import EpSetupError
+from ._launch import check_launch, join_all
 from ._model import S
 from ._protocol import EpProtocol
-from ._tokens import TokenArray
+from ._tokens import U32_TYPECODE, TokenArray
 from ._transport import Broadcast
 from ._wire import DEFAULT_COMMAND_TIMEOUT, WireEp
 from ._words import U32_MAX, check_u32
+from .shm import DEFAULT_SPIN_TIME, ShmTransport, shm_supported
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
+    "TRANSPORT_KINDS",
     "TorchEp",
     "TorchTransport",
+    "TransportKind",
     "cuda_available",
     "default_backend",
     "free_port",
     "init_group_from_env",
     "init_local_group",
+    "open_transport",
     "run_local",
 ]
+
+_LOGGER = logging.getLogger("metrale_model_engine.torch")
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
 """Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header."""
@@ -190,14 +208,119 @@ def _release_at_exit() -> None:
         dist.destroy_process_group()
 
 
+TransportKind = Literal["auto", "shm", "torch"]
+"""Which transport carries the protocol: see :func:`open_transport`."""
+
+TRANSPORT_KINDS: Final[tuple[TransportKind, ...]] = ("auto", "shm", "torch")
+_NAME_WORDS: Final[int] = 16
+"""u32 words that carry the ring's name from the head in the rendezvous (64 bytes)."""
+
+
+def open_transport(
+    kind: TransportKind = "auto",
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | None = None,
+    spin_time: float = DEFAULT_SPIN_TIME,
+) -> TorchTransport | ShmTransport:
+    """The transport for ``group`` (default: the world group), chosen by every rank together.
+
+    Collective over the group.  The ranks first agree on ``kind`` (each must pass
+    the same) and compare where they run, then:
+
+    * ``"auto"`` (the default): shared memory when every rank is on one host with a
+      usable ``/dev/shm`` (Linux on x86-64 or arm64), torch.distributed otherwise;
+      if the ring cannot be set up on some rank, a warning is logged and every
+      rank uses torch.distributed;
+    * ``"shm"``: shared memory, else :class:`EpSetupError` on every rank;
+    * ``"torch"``: the group's own broadcasts (:class:`TorchTransport`).
+
+    The head creates the ring, its name travels over the group, the workers
+    attach; the ring's name is removed from ``/dev/shm`` at the model's setup
+    exchange.  ``device`` goes to :class:`TorchTransport`, ``spin_time`` to
+    :class:`~metrale_model_engine.shm.ShmTransport`.
+
+    Raises:
+        TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`.
+        EpSetupError: the ranks asked for different kinds, or ``"shm"`` cannot be
+            had (the message names the ranks and why).
+    """
+    if not isinstance(kind, str):
+        raise TypeError(f"transport must be one of {TRANSPORT_KINDS}, got {type(kind).__name__} {kind!r}")
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"transport={kind!r} is not a transport kind; accepted: {', '.join(TRANSPORT_KINDS)}")
+    base = TorchTransport(group, device=device)
+    everyone = base.gather([TRANSPORT_KINDS.index(kind), *_host_words()])
+    kinds = [TRANSPORT_KINDS[words[0]] for words in everyone]
+    if len(set(kinds)) > 1:
+        per_rank = ", ".join(f"rank {rank}: {k!r}" for rank, k in enumerate(kinds))
+        raise EpSetupError(f"rank {base.rank}: the ranks disagree on the transport ({per_rank})")
+    elsewhere = [rank for rank, words in enumerate(everyone) if words[1:] != everyone[0][1:] or not words[1]]
+    if kind == "torch" or base.world_size == 1 or (kind == "auto" and elsewhere):
+        return base
+    if elsewhere:
+        raise EpSetupError(
+            f"rank {base.rank}: transport='shm' needs every rank on one Linux host with /dev/shm, but rank(s) "
+            f"{elsewhere} are not on rank 0's host, or cannot run it; use transport='auto' or 'torch'"
+        )
+    return _rendezvous(base, kind, spin_time)
+
+
+def _host_words() -> list[int]:
+    """[can run shm, two words of a fingerprint of this host's /dev/shm and pid namespace]."""
+    if not shm_supported():
+        return [0, 0, 0]
+    facts = [os.uname().nodename, str(os.stat("/dev/shm").st_dev), str(os.stat("/proc/self/ns/pid").st_ino)]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            facts.append(file.read().strip())
+    except OSError:
+        pass
+    digest = hashlib.blake2b("\0".join(facts).encode(), digest_size=8).digest()
+    return [1, int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
+
+
+def _rendezvous(base: TorchTransport, kind: TransportKind, spin_time: float) -> TorchTransport | ShmTransport:
+    """Create the ring on the head, pass its name over ``base``, attach on the workers, confirm."""
+    ring: ShmTransport | None = None
+    problem: Exception | None = None
+    name_words = [0] * _NAME_WORDS
+    if base.rank == 0:
+        try:
+            ring = ShmTransport.create(base.world_size, spin_time=spin_time)
+            name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
+        except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
+            problem = error
+    name = array(U32_TYPECODE, base.gather(name_words)[0]).tobytes().rstrip(b"\0").decode()
+    if base.rank != 0 and problem is None:
+        try:
+            ring = ShmTransport.attach(name, base.rank, spin_time=spin_time) if name else None
+        except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
+            problem = error
+        if ring is None and problem is None:
+            problem = RuntimeError("the head could not create the ring")
+    failed = [rank for rank, (ok,) in enumerate(base.gather([int(problem is None)])) if not ok]
+    if not failed:
+        assert ring is not None
+        return ring
+    if ring is not None:
+        ring.close()
+    reason = f"rank(s) {failed} could not set up the shared-memory ring" + (f" (here: {problem})" if problem else "")
+    if kind == "auto":
+        _LOGGER.warning("%s; every rank uses torch.distributed instead", reason)
+        return base
+    raise EpSetupError(f"rank {base.rank}: {reason}")
+
+
 class TorchEp(WireEp[S]):
     """A model with the whole protocol over a torch.distributed process group.
 
     Inherit it (beside ``torch.nn.Module`` if the model is one) and override
     ``ep_run_command``; the head side of each command calls the broadcast methods.
-    Construction is collective over the group and checks that all ranks agree (see
-    :class:`~metrale_model_engine.WireEp`).  Besides the core's token arrays,
-    ``ep_broadcast_tokens`` takes a 1-D integer tensor.
+    Construction is collective over the group: the ranks choose the transport
+    (:func:`open_transport`: shared memory when they share a host) and check that
+    they agree (see :class:`~metrale_model_engine.WireEp`).  Besides the core's
+    token arrays, ``ep_broadcast_tokens`` takes a 1-D integer tensor.
 
     Args:
         num_slots: the slot count (``--max-batch-size``).
@@ -206,6 +329,8 @@ class TorchEp(WireEp[S]):
         v1_slot: ``seq_id`` in v1 headers too (see ``WireEp``).
         command_timeout: seconds for a command in flight (see ``WireEp``).
         device: see :class:`TorchTransport`.
+        transport: ``"auto"`` (default), ``"shm"`` or ``"torch"``: see :func:`open_transport`.
+        spin_time: seconds a waiting rank spins before it sleeps, over shared memory.
     """
 
     __slots__ = ()
@@ -219,9 +344,11 @@ class TorchEp(WireEp[S]):
         v1_slot: bool = True,
         command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
         device: torch.device | None = None,
+        transport: TransportKind = "auto",
+        spin_time: float = DEFAULT_SPIN_TIME,
     ) -> None:
         super().__init__(
-            TorchTransport(group, device=device),
+            open_transport(transport, group, device=device, spin_time=spin_time),
             num_slots=num_slots,
             protocol=protocol,
             v1_slot=v1_slot,
@@ -376,14 +503,7 @@ def run_local(
         TypeError: ``world_size`` is not an int, or ``timeout`` not a number.
         ValueError: ``world_size < 1`` or ``timeout <= 0``.
     """
-    if type(world_size) is not int:
-        raise TypeError(f"world_size must be an int >= 1, got {type(world_size).__name__} {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-        raise TypeError(f"timeout must be a positive number of seconds, got {type(timeout).__name__} {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    check_launch(world_size, timeout)
     context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
@@ -392,11 +512,4 @@ def run_local(
     ]
     for process in processes:
         process.start()
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    return [process.exitcode if process.exitcode is not None else -9 for process in processes]
+    return join_all(processes, timeout)

@@ -1,0 +1,72 @@
+"""Telling whether peer processes of this machine are still alive, without a pid-reuse race."""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+
+
+class ProcessWatch:
+    """Watches a set of processes, by pid, for their exit.
+
+    Each pid is opened as a pidfd (Linux 5.3+), which becomes readable when that
+    process exits, zombie included, and can never be confused with a later process
+    that reuses the pid.  Where pidfds are not available it falls back to
+    ``os.kill(pid, 0)``, which sees a zombie as alive and a reused pid as the same
+    process.  Not thread-safe; call :meth:`close` to release the descriptors.
+    """
+
+    __slots__ = ("_fds", "_pids", "_poll", "_polled", "_signalled")
+
+    def __init__(self) -> None:
+        self._pids: set[int] = set()
+        self._fds: dict[int, int] = {}  # pidfd -> pid
+        self._signalled: set[int] = set()  # pids watched by os.kill
+        self._poll = select.poll()
+        self._polled = False
+
+    def __len__(self) -> int:
+        """How many processes are watched."""
+        return len(self._pids)
+
+    def add(self, pid: int) -> None:
+        """Watch ``pid`` (a process that has exited already is reported dead at once); again: no-op."""
+        if pid in self._pids:
+            return
+        self._pids.add(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._signalled.add(pid)  # gone already: os.kill reports it
+            return
+        except (AttributeError, OSError) as error:
+            if isinstance(error, OSError) and error.errno not in (errno.ENOSYS, errno.EPERM):
+                raise
+            self._signalled.add(pid)
+            return
+        self._fds[fd] = pid
+        self._poll.register(fd, select.POLLIN)
+        self._polled = True
+
+    def dead(self) -> list[int]:
+        """The watched pids whose process has exited (one ``poll`` system call)."""
+        gone = [self._fds[fd] for fd, _ in self._poll.poll(0)] if self._polled else []
+        for pid in self._signalled:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone.append(pid)
+            except PermissionError:
+                pass  # alive, owned by another user
+        return gone
+
+    def close(self) -> None:
+        """Release the descriptors; the watch is then empty.  Idempotent."""
+        for fd in self._fds:
+            self._poll.unregister(fd)
+            os.close(fd)
+        self._fds.clear()
+        self._pids.clear()
+        self._signalled.clear()
+        self._polled = False

@@ -1,0 +1,265 @@
+"""The shared-memory segment of the ring: its layout, its lifecycle, its views.
+
+One segment per group of ranks, a file under ``/dev/shm`` named
+``metrale-ep-<creator pid>-<random>``: the creator's pid lets a later run remove
+what a crashed one left, and the random part makes every run's name new, so a stale
+segment can never be mistaken for a live one.
+
+Layout (byte offsets; every field is written by one rank only):
+
+========================  ==================================================================
+line 0 (identity)         magic u64, layout version, world size, slot count, slot bytes,
+                          head pid, head state, gather bell (u32 each)
+line 1 (writer)           publish counter u64 (its low half is the readers' futex word),
+                          writer-parked flag u32
+line 2 (parked)           one byte per reader: it sleeps on the publish word
+line 3 (gone)             one byte per reader: 0 while it serves, else why it left
+reader lines              one line per reader: consumed counter u64 (futex word), pid u32
+gather lines              one line per rank: generation, acknowledgement, count, 13 words
+slots (page-aligned)      per slot: one line (stamp u64 = message sequence number, message
+                          bytes u64), then ``slot_bytes`` of payload
+========================  ==================================================================
+
+A counter and each flag have their own cache line, or share one only with fields
+that are written rarely, so that the ranks do not invalidate each other's lines on
+every message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Final
+
+from ._errors import EpSetupError
+
+SHM_DIR: Final[str] = "/dev/shm"
+NAME_PREFIX: Final[str] = "metrale-ep-"
+LINE: Final[int] = 64
+"""Bytes per cache line: every field group starts on its own."""
+MAGIC: Final[int] = 0x3153_4D48_5350_454D  # b"MEPSHMS1", little-endian
+LAYOUT_VERSION: Final[int] = 1
+MAX_WORLD_SIZE: Final[int] = LINE
+"""Ranks in one segment at most: the parked and gone lines hold one byte per reader."""
+GATHER_WORDS: Final[int] = LINE // 4 - 3
+"""u32 words one rank can put into one gather."""
+
+HEAD_OPEN: Final[int] = 0
+HEAD_CLOSED: Final[int] = 1
+GONE_CLOSED: Final[int] = 1
+GONE_FAILED: Final[int] = 2
+
+# Fixed offsets, in bytes.
+WORLD_SIZE_AT: Final[int] = 12
+SLOTS_AT: Final[int] = 16
+SLOT_BYTES_AT: Final[int] = 20
+HEAD_PID_AT: Final[int] = 24
+HEAD_STATE_AT: Final[int] = 28
+BELL_AT: Final[int] = 32
+PUBLISH_AT: Final[int] = LINE
+WRITER_PARKED_AT: Final[int] = LINE + 8
+PARKED_AT: Final[int] = 2 * LINE
+GONE_AT: Final[int] = 3 * LINE
+_READERS_AT: Final[int] = 4 * LINE
+_PAGE: Final[int] = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything lies in a segment for ``world_size`` ranks and a ring of ``slots``."""
+
+    world_size: int
+    slots: int
+    slot_bytes: int
+
+    @property
+    def readers(self) -> int:
+        return self.world_size - 1
+
+    def reader_at(self, reader: int) -> int:
+        """Offset of reader ``reader``'s line (rank ``reader + 1``): consumed u64, then pid u32."""
+        return _READERS_AT + LINE * reader
+
+    def gather_at(self, rank: int) -> int:
+        """Offset of rank ``rank``'s gather line: generation, ack, count, then the words."""
+        return _READERS_AT + LINE * (self.readers + rank)
+
+    @property
+    def slots_at(self) -> int:
+        end = self.gather_at(self.world_size)
+        return -(-end // _PAGE) * _PAGE
+
+    @property
+    def slot_stride(self) -> int:
+        return LINE + self.slot_bytes
+
+    def slot_at(self, slot: int) -> int:
+        """Offset of slot ``slot``'s line (stamp u64, message bytes u64); its payload follows."""
+        return self.slots_at + self.slot_stride * slot
+
+    @property
+    def size(self) -> int:
+        return self.slot_at(self.slots)
+
+
+class Segment:
+    """A mapped segment with its byte, u32 and u64 views and its base address.
+
+    Not thread-safe.  :meth:`close` releases the views and the mapping; the
+    segment itself lives until its name is unlinked and every rank has closed it.
+    """
+
+    __slots__ = ("_file", "address", "bytes", "layout", "name", "u32", "u64")
+
+    def __init__(self, name: str, file: mmap.mmap, layout: Layout) -> None:
+        self.name = name
+        self.layout = layout
+        self._file = file
+        self.bytes = memoryview(file)
+        self.u32 = self.bytes.cast("I")
+        self.u64 = self.bytes.cast("Q")
+        anchor = ctypes.c_char.from_buffer(file)
+        self.address = ctypes.addressof(anchor)  # stays valid until close(); the anchor need not
+        del anchor
+
+    @property
+    def path(self) -> str:
+        return segment_path(self.name)
+
+    def close(self) -> None:
+        """Release the views and unmap.  Idempotent."""
+        if self._file.closed:
+            return
+        self.u64.release()
+        self.u32.release()
+        self.bytes.release()
+        self._file.close()
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def create_segment(layout: Layout, head_pid: int) -> Segment:
+    """Create, size and initialise a new segment for ``layout``; the caller is its head.
+
+    The pages are reserved at once (``posix_fallocate``), so that a full ``/dev/shm``
+    fails here with a clear message instead of killing a rank with ``SIGBUS`` later.
+
+    Raises:
+        OSError: ``/dev/shm`` lacks the space (``ENOSPC``, the message says how
+            much is free and needed) or cannot be written.
+    """
+    remove_stale_segments()
+    _check_free_space(layout.size)
+    name = f"{NAME_PREFIX}{head_pid}-{secrets.token_hex(8)}"
+    path = segment_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, layout.size)
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                raise _no_space(layout.size) from error
+            raise
+        file = mmap.mmap(fd, layout.size)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    segment = Segment(name, file, layout)
+    words = segment.u32
+    words[WORLD_SIZE_AT // 4] = layout.world_size
+    words[SLOTS_AT // 4] = layout.slots
+    words[SLOT_BYTES_AT // 4] = layout.slot_bytes
+    words[HEAD_PID_AT // 4] = head_pid
+    words[2] = LAYOUT_VERSION
+    segment.u64[0] = MAGIC  # last: a segment with its magic is initialised
+    return segment
+
+
+def attach_segment(name: str) -> Segment:
+    """Map the segment ``name`` that a head created, after checking what it is.
+
+    Raises:
+        EpSetupError: no such segment (a wrong name, or the head removed it), or it
+            is not a segment of this library's layout version.
+    """
+    if not name.startswith(NAME_PREFIX) or os.sep in name:
+        raise ValueError(f"name={name!r} is not a segment name of this library (they start with {NAME_PREFIX!r})")
+    try:
+        fd = os.open(segment_path(name), os.O_RDWR)
+    except FileNotFoundError:
+        raise EpSetupError(
+            f"no shared-memory segment {name!r} in {SHM_DIR}: the head has not created it, or removed it "
+            "(it does once every worker has attached)"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < _READERS_AT:
+            raise EpSetupError(f"{segment_path(name)} is {size} bytes: not an initialised ring segment")
+        file = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    identity = memoryview(file)[:LINE]
+    words = identity.cast("I")
+    magic, version = identity.cast("Q")[0], words[2]
+    layout = Layout(words[WORLD_SIZE_AT // 4], words[SLOTS_AT // 4], words[SLOT_BYTES_AT // 4])
+    words.release()
+    identity.release()
+    if magic != MAGIC or version != LAYOUT_VERSION or layout.size != size:
+        file.close()
+        raise EpSetupError(
+            f"{segment_path(name)} is not a ring of this library's layout version {LAYOUT_VERSION} "
+            f"(magic {magic:#x}, version {version}, {size} bytes)"
+        )
+    return Segment(name, file, layout)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove the segment's name (mappings stay valid); a missing one is no error."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(segment_path(name))
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments whose creating process no longer exists; return their names."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        pid_text = name[len(NAME_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(NAME_PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            unlink_segment(name)
+            removed.append(name)
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
+
+
+def _check_free_space(size: int) -> None:
+    stats = os.statvfs(SHM_DIR)
+    if stats.f_bavail * stats.f_frsize < size:
+        raise _no_space(size, stats.f_bavail * stats.f_frsize)
+
+
+def _no_space(size: int, free: int | None = None) -> OSError:
+    have = "" if free is None else f"{free / 2**20:.1f} MiB free, "
+    return OSError(
+        errno.ENOSPC,
+        f"{SHM_DIR} has {have}too little for the ring's {size / 2**20:.1f} MiB: pass fewer slots or smaller "
+        "slot_bytes, or give the machine (a container: docker run --shm-size) a larger /dev/shm",
+    )

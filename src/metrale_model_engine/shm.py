@@ -1,0 +1,785 @@
+"""The protocol over shared memory: one host's ranks exchange words in microseconds.
+
+:class:`ShmTransport` is an :class:`~metrale_model_engine.EpTransport` over a ring
+in a shared-memory segment, one writer (the head) and ``world_size - 1`` readers
+(the workers).  The head creates the segment (:meth:`ShmTransport.create`), passes
+its :attr:`~ShmTransport.name` to the workers by any means (process arguments, an
+environment variable), and each worker attaches by name
+(:meth:`ShmTransport.attach`).  Over a torch.distributed group,
+``metrale_model_engine.torch.open_transport("shm")`` does that rendezvous, and
+``TorchEp(transport="auto")`` uses it whenever every rank is on one host.  This
+module needs only the standard library and never imports torch.  Linux only (x86-64
+and arm64): it sleeps on futexes and watches peers through pidfds.
+
+The ring
+    ``slots`` slots of ``slot_bytes`` each.  Each broadcast is one message; a message
+    larger than a slot travels as consecutive chunks, one slot each, so any length
+    goes through a ring of any size (a 1,048,576-token array is 64 chunks of the
+    default 64 KiB).  The head writes and returns at once; it waits only when the
+    ring is full (back-pressure), for as long as the broadcast's timeout allows.
+
+Counters, not flags
+    The head owns one u64 counter, *published*: chunks ``0 ..= published - 1`` are
+    in the ring.  Each reader owns one u64 counter, *consumed*.  The head may write
+    chunk ``s`` into slot ``s % slots`` only when every reader's consumed count is
+    above ``s - slots``; a reader may read chunk ``s`` only when published is above
+    ``s``.  Each chunk's slot also carries ``s`` as a stamp, which the reader
+    checks.  So no reader sees a chunk twice, skips one, or reads a slot that is
+    being rewritten.  Each counter has one writer and its own cache line.
+
+Memory ordering
+    The rule: shared memory is the only source of truth; a wake-up is only a hint,
+    and every wait has a deadline.  Python promises no memory model; what this
+    relies on is how CPython's ``memoryview`` writes native items (one ``memcpy``
+    of the item size, which compilers turn into one aligned store for 4 and 8
+    bytes, so counters are never torn) and the processor's ordering:
+
+    * x86-64 keeps stores in program order and loads in program order (TSO), so
+      "payload, then counter" on the writer and "counter, then payload" on the
+      reader need no barrier, nor does "copy out, then consumed".  A store may
+      pass a later load, though, which breaks the sleep handshake (below) unless a
+      full barrier separates them.
+    * arm64 reorders all of these, so there a full barrier also goes between a
+      payload and the counter that publishes it, and between a counter and what
+      it guards.
+
+    The barrier is an uncontended lock's acquire and release
+    (:func:`~metrale_model_engine._futex.full_fence`): on x86-64 both are
+    ``lock``-prefixed instructions, full barriers.  On arm64 they are
+    acquire/release atomics, which order message passing but not, in every
+    case, a store before a later load: there a lost wake-up is possible in
+    principle, and the wait cap below bounds what it costs.
+
+Waiting
+    A reader that finds nothing spins, yielding the core (``sched_yield``), for
+    ``spin_time`` seconds, then sleeps in the kernel: it sets its parked byte,
+    re-reads the counter, and calls ``FUTEX_WAIT`` on the low half of the publish
+    counter with the value it saw, capped at :data:`CHECK_INTERVAL`.  After
+    publishing, the head passes a full barrier and wakes the readers only if a
+    parked byte is set.  Either the head sees the byte and wakes, or the reader's
+    kernel call sees the new counter and does not sleep: no wake-up is lost.  The
+    head waits for room the same way, on the slowest reader's consumed counter,
+    and readers wake it.  An idle worker therefore costs a few wake-ups a second.
+
+Faults
+    Every wait checks, at least every :data:`CHECK_INTERVAL`, that its peers are
+    alive (pidfds, so a reused pid is never taken for the peer) and that they have
+    not left.  A worker whose receive fails marks itself gone before it raises, and
+    the head's next broadcast raises for it at once; a worker killed outright is
+    found by the head's liveness check, which every broadcast runs at most once per
+    :data:`CHECK_INTERVAL`, and which every wait for room runs.  A dead or closed
+    head ends a worker's wait, once the worker has read everything the head
+    published.
+
+Lifecycle
+    The head unlinks the segment's name as soon as every worker has attached (at
+    the first :meth:`~ShmTransport.gather`, which ``WireEp`` runs at setup), so no
+    crash of any rank after setup can leave a file in ``/dev/shm``; the mappings
+    live on until each rank closes.  A segment left by a run that crashed during
+    setup is removed by the next :meth:`~ShmTransport.create` on the machine (its
+    creator's pid is dead), and never breaks a new run: every name is new.
+
+Not thread-safe: one thread of each rank uses its transport.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Final
+
+from typing_extensions import Buffer, Self, TypeVarTuple, Unpack
+
+from . import _futex
+from ._errors import EpReceiveError, EpSendError, EpSetupError
+from ._launch import check_launch, join_all
+from ._liveness import ProcessWatch
+from ._segment import (
+    BELL_AT,
+    GATHER_WORDS,
+    GONE_AT,
+    GONE_CLOSED,
+    GONE_FAILED,
+    HEAD_CLOSED,
+    HEAD_PID_AT,
+    HEAD_STATE_AT,
+    LINE,
+    MAX_WORLD_SIZE,
+    PARKED_AT,
+    PUBLISH_AT,
+    WRITER_PARKED_AT,
+    Layout,
+    Segment,
+    attach_segment,
+    create_segment,
+    unlink_segment,
+)
+
+__all__ = [
+    "CHECK_INTERVAL",
+    "DEFAULT_SETUP_TIMEOUT",
+    "DEFAULT_SLOTS",
+    "DEFAULT_SLOT_BYTES",
+    "DEFAULT_SPIN_TIME",
+    "MAX_WORLD_SIZE",
+    "ShmTransport",
+    "run_local",
+    "shm_supported",
+]
+
+DEFAULT_SLOTS: Final[int] = 64
+"""Slots in the ring: how many messages (or chunks) the head may run ahead of the slowest worker."""
+DEFAULT_SLOT_BYTES: Final[int] = 64 * 1024
+"""Bytes per slot: the chunk size of a long message.  64 slots of 64 KiB: a 4 MiB ring."""
+DEFAULT_SPIN_TIME: Final[float] = 0.001
+"""Seconds a waiting rank spins (yielding the core) before it sleeps in the kernel."""
+DEFAULT_SETUP_TIMEOUT: Final[float] = 300.0
+"""Seconds a gather (the setup exchange) waits for every rank to attach and answer."""
+CHECK_INTERVAL: Final[float] = 0.05
+"""Seconds between a waiting rank's checks of its peers, and the cap on every sleep."""
+
+_PUBLISH_WORD: Final[int] = PUBLISH_AT // 8
+_PARKED_WORD: Final[int] = PARKED_AT // 8
+"""The parked bytes of readers 1-8 as one u64: one load tells whether any sleeps."""
+_GONE_WORD: Final[int] = GONE_AT // 8
+_WRITER_PARKED_WORD: Final[int] = WRITER_PARKED_AT // 8
+_WIDE_PARKED: Final[slice] = slice(PARKED_AT + 8, PARKED_AT + LINE)
+"""The parked bytes of readers 9 and up, read only in rings of more than 9 ranks."""
+_WIDE_GONE: Final[slice] = slice(GONE_AT + 8, GONE_AT + LINE)
+
+
+def shm_supported() -> bool:
+    """Whether this platform can run the shared-memory transport (Linux on x86-64 or arm64)."""
+    return _futex.SUPPORTED and os.path.isdir("/dev/shm")
+
+
+class _Closed(Exception):
+    """The transport was closed on this rank."""
+
+
+class ShmTransport:
+    """A group of ranks of one host that rank 0 broadcasts u32 words to through shared memory.
+
+    Build it with :meth:`create` on the head and :meth:`attach` on each worker;
+    the constructor is theirs.  Use it like any transport: give it to a
+    :class:`~metrale_model_engine.WireEp` model, whose construction runs the first
+    :meth:`gather` (every rank must take part, within ``setup_timeout``).
+
+    A broadcast's ``timeout`` bounds its wait: on the head, for room in a full
+    ring; on a worker, for the message.  ``None`` waits as long as the peers live;
+    ``0`` or less checks once and does not wait.
+
+    Errors: a failed broadcast raises :class:`~metrale_model_engine.EpSendError` on
+    the head and :class:`~metrale_model_engine.EpReceiveError` on a worker (a
+    message of another length than the receive expects included: the message
+    names both), a failed gather :class:`~metrale_model_engine.EpSetupError`.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_address",
+        "_bytes",
+        "_chunk",
+        "_closed",
+        "_consumed_word",
+        "_finalizer",
+        "_first_slot",
+        "_gathers",
+        "_next",
+        "_next_check",
+        "_owner",
+        "_peers",
+        "_reader",
+        "_reader_words",
+        "_room_until",
+        "_segment",
+        "_setup_timeout",
+        "_slots",
+        "_spin_time",
+        "_stride",
+        "_u64",
+        "_unlinked",
+        "_wide",
+        "rank",
+        "world_size",
+    )
+
+    def __init__(self, segment: Segment, rank: int, *, spin_time: float, setup_timeout: float) -> None:
+        self._segment = segment
+        layout = segment.layout
+        # The hot paths read these plain attributes, not the layout's computed properties.
+        self._u64, self._bytes, self._address = segment.u64, segment.bytes, segment.address
+        self._slots, self._chunk, self._stride = layout.slots, layout.slot_bytes, layout.slot_stride
+        self._first_slot = layout.slots_at
+        self._wide = layout.readers > 8
+        self._consumed_word = layout.reader_at(rank - 1) // 8 if rank else -1
+        self.rank: Final = rank
+        self.world_size: Final = segment.layout.world_size
+        self._reader = rank - 1
+        self._spin_time = spin_time
+        self._setup_timeout = setup_timeout
+        self._owner = os.getpid()
+        self._peers = ProcessWatch()
+        self._next = 0  # the next chunk this rank writes (head) or reads (worker)
+        self._reader_words = tuple(layout.reader_at(reader) // 8 for reader in range(layout.readers))
+        # The head may write chunks below this without looking at the workers' counters.
+        self._room_until = layout.slots if layout.readers else 1 << 64
+        self._next_check = 0.0  # when the head next checks that its workers live
+        self._gathers = 0
+        self._unlinked = rank != 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _release, segment.name, self._owner if rank == 0 else None)
+
+    # -- building ------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        world_size: int,
+        *,
+        slots: int = DEFAULT_SLOTS,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        spin_time: float = DEFAULT_SPIN_TIME,
+        setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
+    ) -> Self:
+        """Create the ring for ``world_size`` ranks; this process is the head (rank 0).
+
+        Pass :attr:`name` to the workers.  The segment takes ``slots * (slot_bytes
+        + 64)`` bytes and a few pages of ``/dev/shm``.
+
+        Args:
+            world_size: ranks in the group, head included (``1 ..= 64``).
+            slots: ring slots (at least 2): how far the head may run ahead.
+            slot_bytes: bytes per slot, a positive multiple of 64: the chunk size.
+            spin_time: seconds a waiting rank spins before sleeping (``>= 0``).
+            setup_timeout: seconds a gather waits for every rank (``> 0``).
+
+        Raises:
+            TypeError, ValueError: an argument is out of its range (the message
+                names it).
+            OSError: ``/dev/shm`` lacks the space (the message says how much) or
+                cannot be written.
+            RuntimeError: this platform cannot run it (see :func:`shm_supported`).
+        """
+        _require_int("world_size", world_size, 1, MAX_WORLD_SIZE)
+        _require_int("slots", slots, 2, 1 << 20)
+        _require_int("slot_bytes", slot_bytes, LINE, 1 << 30)
+        if slot_bytes % LINE:
+            raise ValueError(f"slot_bytes must be a multiple of {LINE}, got {slot_bytes}")
+        _check_options(spin_time, setup_timeout)
+        _require_platform()
+        segment = create_segment(Layout(world_size, slots, slot_bytes), os.getpid())
+        return cls(segment, 0, spin_time=float(spin_time), setup_timeout=float(setup_timeout))
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        rank: int,
+        *,
+        spin_time: float = DEFAULT_SPIN_TIME,
+        setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
+    ) -> Self:
+        """Attach to the ring ``name`` that the head created, as worker ``rank`` (``>= 1``).
+
+        Attach before the head's first gather completes: it removes the name then.
+
+        Raises:
+            TypeError, ValueError: a bad argument, or ``rank`` outside
+                ``1 ..= world_size - 1``.
+            EpSetupError: no segment of that name, not this library's layout, or
+                ``rank`` already attached by a live process.
+            RuntimeError: this platform cannot run it.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str (the head's ShmTransport.name), got {type(name).__name__} {name!r}")
+        _require_int("rank", rank, 1, MAX_WORLD_SIZE - 1)
+        _check_options(spin_time, setup_timeout)
+        _require_platform()
+        segment = attach_segment(name)
+        world_size = segment.layout.world_size
+        pid_at = segment.layout.reader_at(rank - 1) // 4 + 2
+        try:
+            if rank >= world_size:
+                raise ValueError(
+                    f"rank={rank} is out of range for the ring's world_size={world_size} (1 ..= {world_size - 1})"
+                )
+            holder = segment.u32[pid_at]
+            if holder and _alive(holder):
+                raise EpSetupError(f"rank {rank} of ring {name!r} is attached already, by pid {holder}")
+            segment.u32[pid_at] = os.getpid()
+        except BaseException:
+            segment.close()
+            raise
+        transport = cls(segment, rank, spin_time=float(spin_time), setup_timeout=float(setup_timeout))
+        transport._peers.add(segment.u32[HEAD_PID_AT // 4])
+        return transport
+
+    # -- what callers ask -----------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The segment's name, for :meth:`attach`."""
+        return self._segment.name
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran on this rank."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<ShmTransport {self.name!r} rank {self.rank} of {self.world_size}, {state}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the ring.  Idempotent.
+
+        The head marks the ring closed (a worker's wait ends once it has read
+        everything published) and removes the segment's name if it is still there;
+        a worker marks itself gone (the head's next broadcast raises).  Later
+        broadcasts on this rank raise.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        segment = self._segment
+        if os.getpid() == self._owner:
+            if self.rank == 0:
+                segment.u32[HEAD_STATE_AT // 4] = HEAD_CLOSED
+                _futex.full_fence()
+                _futex.futex_wake(segment.address + PUBLISH_AT)
+            else:
+                self._leave(GONE_CLOSED)
+        self._finalizer()
+        self._peers.close()
+        segment.close()
+
+    # -- EpTransport -----------------------------------------------------------
+
+    def bind(self, words: Buffer) -> Callable[[float | None], None]:
+        """A broadcaster of ``words`` (a C-contiguous u32 buffer): each call is one message."""
+        data = memoryview(words).cast("B")
+        return partial(self._send if self.rank == 0 else self._receive, data)
+
+    def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``words`` (at most 13 u32 words, the same count on every rank), by rank.
+
+        Collective: waits for every rank, up to ``setup_timeout``.  The head's first
+        gather is the moment every worker has attached: it unlinks the segment's
+        name then.
+
+        Raises:
+            ValueError: too many words, or not u32 words.
+            EpSetupError: a rank did not answer in time, died, or sent another count.
+        """
+        self._require_open(EpSetupError)
+        values = list(words)
+        if len(values) > GATHER_WORDS or not all(type(v) is int and 0 <= v <= 0xFFFF_FFFF for v in values):
+            raise ValueError(f"gather takes at most {GATHER_WORDS} u32 words, got {values!r}")
+        layout, u32 = self._segment.layout, self._segment.u32
+        generation = self._gathers + 1
+        mine = layout.gather_at(self.rank) // 4
+        u32[mine + 2] = len(values)
+        for index, value in enumerate(values):
+            u32[mine + 3 + index] = value
+        _futex.full_fence()
+        u32[mine] = generation
+        self._ring_bell()
+        lines = [layout.gather_at(rank) // 4 for rank in range(self.world_size)]
+        self._wait_for_ranks(lambda: all(u32[line] >= generation for line in lines), "answer the gather")
+        everyone = [list(u32[line + 3 : line + 3 + u32[line + 2]]) for line in lines]
+        u32[mine + 1] = generation  # read: the others may overwrite their words after this
+        self._ring_bell()
+        self._wait_for_ranks(lambda: all(u32[line + 1] >= generation for line in lines), "finish the gather")
+        self._gathers = generation
+        if not self._unlinked:  # every worker has attached: nothing can leak from here on
+            unlink_segment(self.name)
+            self._unlinked = True
+        counts = {len(words) for words in everyone}
+        if len(counts) > 1:
+            per_rank = ", ".join(f"rank {r}: {len(w)}" for r, w in enumerate(everyone))
+            raise EpSetupError(f"rank {self.rank}: the ranks gathered different word counts ({per_rank})")
+        return everyone
+
+    # -- head ------------------------------------------------------------------
+
+    def _send(self, data: memoryview, timeout: float | None) -> None:
+        if self._closed:
+            raise EpSendError("this ShmTransport was closed")
+        u64, view = self._u64, self._bytes
+        now = time.monotonic()
+        if now >= self._next_check or u64[_GONE_WORD] or (self._wide and any(view[_WIDE_GONE])):
+            self._check_workers()
+            self._next_check = now + CHECK_INTERVAL
+        total, offset, deadline = len(data), 0, None
+        chunk, stride, first, slots = self._chunk, self._stride, self._first_slot, self._slots
+        while True:
+            seq = self._next
+            if seq >= self._room_until:
+                if deadline is None:
+                    deadline = _deadline(timeout)
+                self._wait_for_room(seq, deadline, timeout)
+            at = first + stride * (seq % slots)
+            end = offset + chunk if total - offset > chunk else total
+            view[at + LINE : at + LINE + end - offset] = data[offset:end] if offset or end < total else data
+            u64[at >> 3] = seq
+            u64[(at >> 3) + 1] = total
+            if not _futex.TOTAL_STORE_ORDER:
+                _futex.full_fence()
+            seq += 1
+            u64[_PUBLISH_WORD] = seq
+            self._next = seq
+            _futex.full_fence()  # the counter is visible before the parked bytes are read
+            if u64[_PARKED_WORD] or (self._wide and any(view[_WIDE_PARKED])):
+                _futex.futex_wake(self._address + PUBLISH_AT)
+            if end >= total:
+                return
+            offset = end
+
+    def _wait_for_room(self, seq: int, deadline: float | None, timeout: float | None) -> None:
+        """Return once every worker has consumed chunk ``seq - slots``: the ring is full until then."""
+        u64, words, slots = self._u64, self._reader_words, self._slots
+
+        def room() -> bool:
+            self._room_until = min(map(u64.__getitem__, words)) + slots
+            return seq < self._room_until
+
+        if room():
+            return
+
+        def slowest() -> int:
+            return 8 * min(words, key=u64.__getitem__)
+
+        try:
+            self._wait(room, slowest, WRITER_PARKED_AT, deadline, self._check_workers)
+        except TimeoutError:
+            lagging = [r + 1 for r, word in enumerate(words) if u64[word] <= seq - slots]
+            raise EpSendError(
+                f"the ring stayed full for {timeout} s: worker rank(s) {lagging} did not read "
+                f"message chunk {seq - slots} (a live worker that stopped receiving)"
+            ) from None
+
+    def _check_workers(self) -> None:
+        """Raise :class:`EpSendError` if a worker has left or died."""
+        if self._closed:
+            raise EpSendError("this ShmTransport was closed")
+        segment = self._segment
+        gone = segment.bytes[GONE_AT : GONE_AT + segment.layout.readers].tolist()
+        left = {r + 1: why for r, why in enumerate(gone) if why}
+        if left:
+            reasons = ", ".join(
+                f"worker rank {rank} {'closed its transport' if why == GONE_CLOSED else 'stopped: its receive failed'}"
+                for rank, why in left.items()
+            )
+            raise EpSendError(f"{reasons}; nothing more can reach every worker")
+        self._watch_new_workers()
+        dead = self._peers.dead()
+        if dead:
+            raise EpSendError(f"worker process(es) {sorted(dead)} died; nothing more can reach every worker")
+
+    def _watch_new_workers(self) -> None:
+        """Start watching the workers that have attached since the last look."""
+        layout, u32 = self._segment.layout, self._segment.u32
+        if len(self._peers) < layout.readers:
+            for reader in range(layout.readers):
+                pid = u32[layout.reader_at(reader) // 4 + 2]
+                if pid:
+                    self._peers.add(pid)
+
+    # -- worker ----------------------------------------------------------------
+
+    def _receive(self, data: memoryview, timeout: float | None) -> None:
+        try:
+            self._receive_message(data, timeout)
+        except _Closed:
+            raise EpReceiveError("this ShmTransport was closed") from None
+        except BaseException:
+            if not self._closed:
+                self._leave(GONE_FAILED)  # the head's next broadcast raises for this rank
+            raise
+
+    def _receive_message(self, data: memoryview, timeout: float | None) -> None:
+        if self._closed:
+            raise _Closed
+        u64, view = self._u64, self._bytes
+        expected, offset, deadline = len(data), 0, None
+        chunk, stride, first, slots = self._chunk, self._stride, self._first_slot, self._slots
+        while True:
+            seq = self._next
+            if u64[_PUBLISH_WORD] <= seq:
+                if deadline is None:
+                    deadline = _deadline(timeout)
+                self._wait_for_message(seq, deadline, timeout)
+            if not _futex.TOTAL_STORE_ORDER:
+                _futex.full_fence()
+            at = first + stride * (seq % slots)
+            stamp, total = u64[at >> 3], u64[(at >> 3) + 1]
+            if stamp != seq:
+                raise EpReceiveError(f"the ring is corrupt: the slot of message chunk {seq} holds chunk {stamp}")
+            if total != expected:
+                self._skip_message(total, deadline, timeout)
+                raise EpReceiveError(
+                    f"the head sent a message of {total // 4} words, but this rank expected {expected // 4} words "
+                    "(the message was consumed)"
+                )
+            end = offset + chunk if total - offset > chunk else total
+            data[offset:end] = view[at + LINE : at + LINE + end - offset]
+            self._consumed(seq + 1)
+            if end >= total:
+                return
+            offset = end
+
+    def _skip_message(self, total: int, deadline: float | None, timeout: float | None) -> None:
+        """Consume, unread, the message of ``total`` bytes whose first chunk is next."""
+        for _ in range(max(1, -(-total // self._chunk))):
+            if self._u64[_PUBLISH_WORD] <= self._next:
+                self._wait_for_message(self._next, deadline, timeout)
+            self._consumed(self._next + 1)
+
+    def _consumed(self, count: int) -> None:
+        """Publish that this worker has read ``count`` chunks; wake the head if it waits for room."""
+        self._next = count
+        if not _futex.TOTAL_STORE_ORDER:
+            _futex.full_fence()
+        u64 = self._u64
+        u64[self._consumed_word] = count
+        _futex.full_fence()  # the counter is visible before the head's parked flag is read
+        if u64[_WRITER_PARKED_WORD]:
+            _futex.futex_wake(self._address + 8 * self._consumed_word)
+
+    def _wait_for_message(self, seq: int, deadline: float | None, timeout: float | None) -> None:
+        u64 = self._segment.u64
+        try:
+            self._wait(
+                lambda: u64[PUBLISH_AT // 8] > seq,
+                lambda: PUBLISH_AT,
+                PARKED_AT + self._reader,
+                deadline,
+                self._check_head,
+            )
+        except TimeoutError:
+            raise EpReceiveError(f"timed out: no message from the head within {timeout} s") from None
+
+    def _check_head(self) -> None:
+        if self._closed:
+            raise _Closed
+        segment = self._segment
+        if segment.u32[HEAD_STATE_AT // 4] == HEAD_CLOSED:
+            raise EpReceiveError("the head closed the ring")
+        if self._peers.dead():
+            raise EpReceiveError(f"the head (pid {segment.u32[HEAD_PID_AT // 4]}) died")
+
+    def _leave(self, why: int) -> None:
+        """Mark this worker gone for the head, keeping the first reason (a failure, then close)."""
+        if not self._bytes[GONE_AT + self._reader]:
+            self._bytes[GONE_AT + self._reader] = why
+
+    # -- waiting -----------------------------------------------------------------
+
+    def _wait(
+        self,
+        ready: Callable[[], bool],
+        park_word: Callable[[], int],
+        parked_flag: int | None,
+        deadline: float | None,
+        check: Callable[[], None],
+    ) -> None:
+        """Return once ``ready()``; spin for ``spin_time``, then sleep on ``park_word()``'s u32.
+
+        ``parked_flag`` is the byte that tells the other side to wake this rank
+        (``None``: the other side always wakes).
+        ``check()`` runs at least every :data:`CHECK_INTERVAL` and raises for a dead
+        or gone peer.  Raises ``TimeoutError`` past ``deadline`` (``None``: none).
+        """
+        segment = self._segment
+        spin_until = time.monotonic() + self._spin_time
+        next_check = 0.0
+        while not ready():
+            now = time.monotonic()
+            if now >= next_check:
+                check()
+                next_check = now + CHECK_INTERVAL
+            if deadline is not None and now >= deadline:
+                if ready():
+                    return
+                raise TimeoutError
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            word = park_word()
+            if parked_flag is not None:
+                segment.bytes[parked_flag] = 1
+            seen = segment.u32[word // 4]
+            try:
+                if not ready():
+                    nap = CHECK_INTERVAL if deadline is None else min(CHECK_INTERVAL, deadline - now)
+                    _futex.futex_wait(segment.address + word, seen, max(nap, 1e-6))
+            finally:
+                if parked_flag is not None:
+                    segment.bytes[parked_flag] = 0
+
+    def _wait_for_ranks(self, ready: Callable[[], bool], doing: str) -> None:
+        """A gather's wait: for every rank, bounded by ``setup_timeout``, woken by the bell."""
+        segment, layout = self._segment, self._segment.layout
+        pid_words = [HEAD_PID_AT // 4] + [layout.reader_at(r) // 4 + 2 for r in range(layout.readers)]
+        watch = ProcessWatch()
+
+        def check() -> None:
+            if self._closed:
+                raise EpSetupError("this ShmTransport was closed")
+            for word in pid_words:
+                if segment.u32[word]:
+                    watch.add(segment.u32[word])
+            dead = watch.dead()
+            if dead:
+                raise EpSetupError(
+                    f"rank {self.rank}: process(es) {sorted(dead)} of the ring died before every rank could {doing}"
+                )
+
+        try:
+            self._wait(ready, lambda: BELL_AT, None, time.monotonic() + self._setup_timeout, check)
+        except TimeoutError:
+            missing = [r for r, word in enumerate(pid_words) if not segment.u32[word]]
+            hint = f"; rank(s) {missing} never attached" if missing else ""
+            raise EpSetupError(
+                f"rank {self.rank}: not every rank of the ring managed to {doing} within "
+                f"setup_timeout={self._setup_timeout} s{hint}"
+            ) from None
+        except EpSetupError:
+            if self.rank != 0:
+                unlink_segment(self.name)  # the head may be gone: nobody else would
+            raise
+        finally:
+            watch.close()
+
+    def _ring_bell(self) -> None:
+        segment = self._segment
+        bell = BELL_AT // 4
+        segment.u32[bell] = (segment.u32[bell] + 1) & 0xFFFF_FFFF
+        _futex.futex_wake(segment.address + BELL_AT)
+
+    def _require_open(self, error: type[Exception]) -> None:
+        if self._closed:
+            raise error("this ShmTransport was closed")
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """The monotonic deadline of a wait of ``timeout`` seconds; 0, negative and NaN mean "now"."""
+    if timeout is None:
+        return None
+    return time.monotonic() + (timeout if timeout > 0 else 0.0)
+
+
+def _release(name: str, head_pid: int | None) -> None:
+    """At close or garbage collection: the head's process unlinks the name if it is still there."""
+    if head_pid is not None and os.getpid() == head_pid:
+        unlink_segment(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _require_int(name: str, value: object, low: int, high: int) -> None:
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int in {low} ..= {high}, got {type(value).__name__} {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value} is out of range ({low} ..= {high})")
+
+
+def _check_options(spin_time: object, setup_timeout: object) -> None:
+    for name, value, low in (("spin_time", spin_time, "0 or more"), ("setup_timeout", setup_timeout, "positive")):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a {low}, finite number of seconds, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value) or value < 0 or (name == "setup_timeout" and value == 0):
+            raise ValueError(f"{name} must be a {low}, finite number of seconds, got {value}")
+
+
+def _require_platform() -> None:
+    if not shm_supported():
+        raise RuntimeError(
+            f"the shared-memory transport needs Linux on x86-64 or arm64 with /dev/shm; this is "
+            f"{os.uname().sysname} on {_futex.MACHINE}: use the torch.distributed transport"
+        )
+
+
+Ts = TypeVarTuple("Ts")
+
+
+def run_local(
+    target: Callable[[ShmTransport, Unpack[Ts]], None],
+    world_size: int,
+    *args: Unpack[Ts],
+    timeout: float = 300.0,
+    spin_time: float = DEFAULT_SPIN_TIME,
+) -> list[int]:
+    """Run ``target(transport, *args)`` in ``world_size`` fresh processes that share one ring.
+
+    Rank 0 creates the ring and hands its name to the others through pipes; each
+    rank's ``transport.rank`` says which it is, and its transport is closed when
+    ``target`` returns.  No torch needed.  ``target`` and ``args`` must be
+    picklable (the ``spawn`` start method).  Processes still running after
+    ``timeout`` seconds are killed.
+
+    Returns:
+        Every rank's exit code, by rank (0 for success; negative: killed by that signal).
+
+    Raises:
+        TypeError: ``world_size`` is not an int, or ``timeout`` not a number.
+        ValueError: ``world_size < 1`` or ``timeout <= 0``.
+    """
+    check_launch(world_size, timeout)
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(world_size - 1)]
+    names: list[list[Connection]] = [[send for _, send in pipes]] + [[receive] for receive, _ in pipes]
+    processes = [
+        context.Process(target=_local_rank, args=(target, rank, world_size, names[rank], spin_time, timeout, args))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    for receive, send in pipes:  # the ranks hold their own ends: a dead head closes the workers' pipes
+        receive.close()
+        send.close()
+    return join_all(processes, timeout)
+
+
+def _local_rank(
+    target: Callable[..., None],
+    rank: int,
+    world_size: int,
+    names: list[Connection],
+    spin_time: float,
+    timeout: float,
+    args: tuple[object, ...],
+) -> None:
+    if rank == 0:
+        transport = ShmTransport.create(world_size, spin_time=spin_time)
+        for pipe in names:
+            pipe.send(transport.name)
+            pipe.close()
+    else:
+        (pipe,) = names
+        if not pipe.poll(timeout):
+            raise EpSetupError(f"rank {rank}: the head sent no ring name within {timeout} s")
+        transport = ShmTransport.attach(pipe.recv(), rank, spin_time=spin_time)
+    with transport:
+        target(transport, *args)

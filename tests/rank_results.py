@@ -1,0 +1,41 @@
+"""What rank programs of the multi-process tests leave for the test that started them.
+
+Every program writes what it saw to ``<out>/rank<N>.pkl`` (a dict); the test reads
+them back with :func:`load`.  Torch-free, so the shared-memory tests can use it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+
+
+def save(out: str, rank: int, **result: object) -> None:
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as file:
+        pickle.dump(result, file)
+
+
+def load(out: Path, world_size: int) -> dict[int, dict[str, object]]:
+    """Every rank's saved dict, by rank (ranks that saved nothing are missing)."""
+    results = {}
+    for rank in range(world_size):
+        path = out / f"rank{rank}.pkl"
+        if path.exists():
+            results[rank] = pickle.loads(path.read_bytes())
+    return results
+
+
+def wait_until_dead(pid: int, *, timeout: float) -> None:
+    """Wait until process ``pid`` (a sibling, so not ours to join) has died: gone or a zombie."""
+    deadline = time.monotonic() + timeout
+    stat = Path(f"/proc/{pid}/stat")
+    while time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} still alive after {timeout} s")

@@ -1,0 +1,214 @@
+"""Rank programs for the shared-memory tests: each runs in a process of ``shm.run_local``.
+
+Each takes its rank's :class:`ShmTransport` first and writes what it saw with
+:func:`rank_results.save`.  Torch-free: these run on every Python version.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import signal
+import threading
+import time
+from array import array
+from collections.abc import MutableSequence
+
+from metrale_model_engine import EpProtocol, run_worker, shm
+from metrale_model_engine.shm import ShmTransport
+from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
+
+from rank_results import save, wait_until_dead
+
+SLOTS = 8
+CMD_CHECK = 50
+"""A test-only command with one follow-up word."""
+CMD_DIE = 51
+"""A test-only command with one follow-up word: the worker of that rank kills itself with SIGKILL."""
+GIANT_PROMPT = 1_048_576
+PROMPT_LENGTHS = (0, 1, 13, 14, 15, 40, 300, 4_096)
+
+
+class FaultyToy(ToyModel):
+    """The toy model plus the test-only commands."""
+
+    __slots__ = ()
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
+        if cmd == CMD_CHECK:
+            self.ep_recv_word()
+            return
+        if cmd == CMD_DIE:
+            if self.ep_recv_word() == self.rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+        super().ep_run_command(seq_id, cmd, slots)
+
+
+def drive_random(model: ToyModel, slots: list[ToyState | None], commands: int, seed: int) -> None:
+    """Head: ``commands`` random toy commands (alloc, prefill, decode, free) over the slots.
+
+    Prompts of every interesting length (empty, inline, just past a frame, longer
+    than a ring slot) and, half way, one of 1,048,576 tokens.
+    """
+    rng = random.Random(seed)
+    sent = 0
+    while sent < commands:
+        free = [s for s, state in enumerate(slots) if state is None]
+        live = [s for s, state in enumerate(slots) if state is not None]
+        roll = rng.random()
+        if free and (not live or roll < 0.1):
+            model.alloc(slots, rng.choice(free))
+        elif roll < 0.2:
+            seq_id = rng.choice(live)
+            length = GIANT_PROMPT if sent == commands // 2 else rng.choice(PROMPT_LENGTHS)
+            if length == 4_096 and rng.random() < 0.9:
+                length = 15  # keep long prompts rare: they cost every rank a Python loop
+            model.prefill(slots, seq_id, [rng.randrange(32_000) for _ in range(length)])
+        elif roll < 0.25:
+            model.free(slots, rng.choice(live))
+        else:
+            model.decode(slots, rng.choice(live))
+        sent += 1
+    model.ep_shutdown_workers()
+
+
+def soak(transport: ShmTransport, commands: int, seed: int, out: str) -> None:
+    """Random commands from the head; every rank saves its slot digest."""
+    model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if transport.rank == 0:
+        drive_random(model, slots, commands, seed)
+        save(out, 0, digest=slots_digest(slots), name=transport.name)
+    else:
+        summary = run_worker(model, slots)
+        save(out, transport.rank, digest=slots_digest(slots), summary=summary)
+
+
+def head_dies(transport: ShmTransport, mid_command: bool, out: str) -> None:
+    """The head kills itself while the workers wait: idle, or inside a command (after its header)."""
+    model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if transport.rank == 0:
+        model.alloc(slots, 0)
+        model.prefill(slots, 0, [1, 2, 3])
+        if mid_command:
+            model.ep_broadcast_cmd_for_seq(0, ToyCommand.DECODE)  # its token never follows
+        time.sleep(0.3)  # long past the spin time: the workers sleep in the kernel
+        save(out, 0, died_at=time.time(), name=transport.name)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        run_worker(model, slots)
+    except Exception as error:
+        save(out, transport.rank, error_type=type(error).__name__, error=str(error), at=time.time())
+        return
+    save(out, transport.rank, error_type=None, at=time.time())
+
+
+def worker_dies(transport: ShmTransport, out: str) -> None:
+    """Worker 1 kills itself inside a command; the head keeps sending until a send fails."""
+    pids = [words[0] for words in transport.gather([os.getpid()])]
+    model = FaultyToy(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=5.0)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if transport.rank != 0:
+        try:
+            run_worker(model, slots)
+        except Exception as error:
+            save(out, transport.rank, error_type=type(error).__name__, error=str(error))
+        return
+    model.alloc(slots, 0)
+    model.ep_broadcast_cmd_for_seq(0, CMD_DIE)
+    model.ep_broadcast_cmd(1)
+    wait_until_dead(pids[1], timeout=30.0)
+    died = time.monotonic()
+    sends = 0
+    try:
+        while time.monotonic() - died < 30.0:
+            model.decode(slots, 0)
+            sends += 1
+    except Exception as error:
+        save(out, 0, error_type=type(error).__name__, error=str(error), seconds=time.monotonic() - died, sends=sends)
+        return
+    save(out, 0, error_type=None, sends=sends)
+
+
+def head_stalls(transport: ShmTransport, stall: float, out: str) -> None:
+    """The head stalls inside a command longer than the workers' command timeout (1 s)."""
+    model = FaultyToy(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
+    slots: list[ToyState | None] = [None] * SLOTS
+    if transport.rank != 0:
+        try:
+            run_worker(model, slots)
+        except Exception as error:
+            save(out, transport.rank, error_type=type(error).__name__, error=str(error), at=time.time())
+        return
+    model.alloc(slots, 0)
+    model.ep_broadcast_cmd_for_seq(0, CMD_CHECK)  # its follow-up word comes too late
+    sent_at = time.time()
+    time.sleep(stall)
+    sends: list[str] = []
+    for _ in range(2):
+        try:
+            model.ep_broadcast_cmd(0)
+            sends.append("sent")
+        except Exception as error:
+            sends.append(f"{type(error).__name__}: {error}")
+    save(out, 0, sends=sends, header_sent_at=sent_at)
+
+
+def wakeups(transport: ShmTransport, gaps_s: list[float], out: str) -> None:
+    """Timestamps sent after idle gaps around the spin time; workers record each one's latency.
+
+    The sleep cap is raised to 2 s in every rank, so that a lost wake-up, which
+    only the cap would end, shows as a latency of a second or more.
+    """
+    shm.CHECK_INTERVAL = 2.0  # type: ignore[misc]  # deliberately, for this test
+    frame = array("I", bytes(8))
+    broadcast = transport.bind(frame)
+    if transport.rank == 0:
+        for gap in gaps_s:
+            deadline = time.perf_counter() + gap
+            while time.perf_counter() < deadline:
+                pass  # a busy wait: sleep() granularity is coarser than the gaps
+            now = time.perf_counter_ns()
+            frame[0], frame[1] = now & 0xFFFF_FFFF, now >> 32
+            broadcast(10.0)
+        return
+    latencies = []
+    for _ in gaps_s:
+        broadcast(10.0)
+        latencies.append((time.perf_counter_ns() - (frame[0] | frame[1] << 32)) / 1e9)
+    save(out, transport.rank, latencies=latencies)
+
+
+def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> None:
+    """Worker CPU over ``window`` seconds after ``idle`` seconds without a message, then the wake-up.
+
+    A sampler thread reads the worker's own ``getrusage`` while the main thread
+    waits in its receive.
+    """
+    frame = array("I", bytes(8))
+    broadcast = transport.bind(frame)
+    transport.gather([0])  # both ranks are here: the idle time starts now
+    if transport.rank == 0:
+        time.sleep(idle + window + 0.2)
+        now = time.perf_counter_ns()
+        frame[0], frame[1] = now & 0xFFFF_FFFF, now >> 32
+        broadcast(10.0)
+        return
+    samples: list[float] = []
+
+    def sample() -> None:
+        time.sleep(idle)
+        for _ in range(2):
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            samples.append(usage.ru_utime + usage.ru_stime)
+            time.sleep(window)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    broadcast(None)
+    latency = (time.perf_counter_ns() - (frame[0] | frame[1] << 32)) / 1e9
+    sampler.join()
+    save(out, transport.rank, cpu_fraction=(samples[1] - samples[0]) / window, wake_latency=latency)

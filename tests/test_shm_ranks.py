@@ -1,0 +1,120 @@
+"""The shared-memory transport between real processes: sessions, soak, faults, wake-ups, idle CPU.
+
+Every run is bounded (``shm.run_local`` kills what outlives its timeout) and leaves
+no segment in /dev/shm, which each test checks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typing_extensions import TypeVarTuple, Unpack
+
+from metrale_model_engine import WorkerSummary
+from metrale_model_engine.shm import ShmTransport, run_local, shm_supported
+
+import shm_programs as programs
+from rank_results import load
+
+pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64")
+
+RUN_TIMEOUT = 120.0
+Ts = TypeVarTuple("Ts")
+
+
+def run(
+    target: Callable[[ShmTransport, Unpack[Ts], str], None], world_size: int, tmp_path: Path, *args: Unpack[Ts]
+) -> tuple[list[int], dict[int, dict[str, object]]]:
+    before = set(ours_in_dev_shm())
+    codes = run_local(target, world_size, *args, str(tmp_path), timeout=RUN_TIMEOUT)
+    assert set(ours_in_dev_shm()) <= before, "a run left its segment in /dev/shm"
+    return codes, load(tmp_path, world_size)
+
+
+def ours_in_dev_shm() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith("metrale-ep-")]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_soak_of_random_commands_every_rank_agrees(world_size: int, tmp_path: Path) -> None:
+    commands = 100_000 if world_size == 3 else 20_000
+    codes, results = run(programs.soak, world_size, tmp_path, commands, 7)
+    assert codes == [0] * world_size
+    digest = results[0]["digest"]
+    for rank in range(1, world_size):
+        assert results[rank]["digest"] == digest
+        assert results[rank]["summary"] == WorkerSummary(commands_run=commands, commands_failed=0)
+    assert not os.path.exists(f"/dev/shm/{results[0]['name']}")
+
+
+@pytest.mark.parametrize("mid_command", [False, True], ids=["idle", "mid-command"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_head_killed_every_worker_exits_within_a_second(world_size: int, mid_command: bool, tmp_path: Path) -> None:
+    codes, results = run(programs.head_dies, world_size, tmp_path, mid_command)
+    assert codes == [-9] + [0] * (world_size - 1)
+    died_at = float(results[0]["died_at"])  # type: ignore[arg-type]
+    for rank in range(1, world_size):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert "died" in str(results[rank]["error"]), results[rank]["error"]
+        assert float(results[rank]["at"]) - died_at < 1.0  # type: ignore[arg-type]
+    assert not os.path.exists(f"/dev/shm/{results[0]['name']}")
+
+
+def test_worker_killed_the_heads_next_sends_fail(tmp_path: Path) -> None:
+    codes, results = run(programs.worker_dies, 3, tmp_path)
+    assert codes == [0, -9, 0]
+    head = results[0]
+    assert head["error_type"] == "EpSendError"
+    assert "died" in str(head["error"])
+    assert float(head["seconds"]) < 5.0  # type: ignore[arg-type]  # the command timeout
+    assert results[2]["error_type"] == "EpReceiveError"  # the head left: closed, or dead
+    assert "the head closed the ring" in str(results[2]["error"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_head_stalled_past_the_command_timeout(world_size: int, tmp_path: Path) -> None:
+    stall = 2.0
+    codes, results = run(programs.head_stalls, world_size, tmp_path, stall)
+    assert codes == [0] * world_size
+    sends = results[0]["sends"]
+    assert isinstance(sends, list) and len(sends) == 2
+    assert all(send.startswith("EpSendError: head: broadcast to the workers failed") for send in sends), sends
+    assert all("stopped: its receive failed" in send for send in sends), sends
+    sent_at = float(results[0]["header_sent_at"])  # type: ignore[arg-type]
+    for rank in range(1, world_size):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert "timed out" in str(results[rank]["error"])
+        assert 0.9 < float(results[rank]["at"]) - sent_at < stall  # type: ignore[arg-type]
+
+
+def test_no_wake_up_is_lost(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    spin = 0.001  # the default spin time: gaps on both sides of it, and some that park for long
+    gaps = [rng.choice([0.0, rng.uniform(0, 2 * spin), rng.uniform(0.5 * spin, 1.5 * spin), 0.02]) for _ in range(600)]
+    codes, results = run(programs.wakeups, 3, tmp_path, gaps)
+    assert codes == [0, 0, 0]
+    for rank in (1, 2):
+        latencies = results[rank]["latencies"]
+        assert isinstance(latencies, list) and len(latencies) == len(gaps)
+        # A lost wake-up ends only at the 2 s sleep cap these ranks run with.
+        assert max(latencies) < 0.5, (max(latencies), statistics.median(latencies))
+
+
+def test_an_idle_worker_sleeps(tmp_path: Path) -> None:
+    codes, results = run(programs.idle_cpu, 2, tmp_path, 1.0, 2.0)
+    assert codes == [0, 0]
+    # A spinning worker would use a whole core; a parked one wakes a few times a second.
+    assert float(results[1]["cpu_fraction"]) < 0.2  # type: ignore[arg-type]
+    assert float(results[1]["wake_latency"]) < 0.5  # type: ignore[arg-type]
+
+
+def test_run_local_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        run_local(programs.soak, 2.0, 1, 1, "")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        run_local(programs.soak, 2, 1, 1, "", timeout=0)
