@@ -39,13 +39,20 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    "args", [(), ("--world-size", "3", "--protocol", "v2", "--sequences", "3", "--decode-steps", "2")]
+    ("args", "transport"),
+    [
+        ((), "ShmTransport"),
+        (("--world-size", "3", "--protocol", "v2", "--sequences", "3", "--decode-steps", "2"), "ShmTransport"),
+        (("--world-size", "3", "--transport", "torch"), "TorchTransport"),
+        (("--world-size", "2", "--transport", "shm"), "ShmTransport"),
+    ],
 )
-def test_demo_runs_and_every_rank_agrees(args: tuple[str, ...]) -> None:
+def test_demo_runs_and_every_rank_agrees(args: tuple[str, ...], transport: str) -> None:
     result = demo(*args)
     assert result.returncode == 0, result.stderr
     world_size = int(args[1]) if args else 2
     lines = result.stdout.splitlines()
+    assert any(line.endswith(f"({transport} over gloo)") for line in lines), lines
     digests = {line.split()[-1] for line in lines if "slot digest" in line}
     assert len(digests) == 1 and sum("slot digest" in line for line in lines) == world_size
     assert f"all {world_size} ranks agree" in lines
@@ -57,6 +64,7 @@ def test_demo_runs_and_every_rank_agrees(args: tuple[str, ...]) -> None:
     [
         (("--world-size", "0"), "argument --world-size: must be at least 1, got 0"),
         (("--sequences", "many"), "argument --sequences: must be a whole number, got 'many'"),
+        (("--transport", "tcp"), "argument --transport: invalid choice: 'tcp'"),
     ],
 )
 def test_demo_refuses_bad_arguments(args: tuple[str, ...], message: str) -> None:
@@ -139,7 +147,7 @@ def test_a_large_run_stays_bounded_and_its_summary_adds_up(tmp_path: Path) -> No
     assert summary["commands"] == 2 * sequences + sequences * steps + sequences - 1
     assert summary["words"] == sequences * steps  # one token word per decode
     assert summary["tokens"] == sequences * prompt
-    assert (summary["transport"], summary["backend"], summary["ranks"]) == ("TorchTransport", "gloo", 2)
+    assert (summary["transport"], summary["backend"], summary["ranks"]) == ("ShmTransport", "gloo", 2)
     latency = summary["command_latency_us"]
     assert 0 < latency["median"] <= latency["p99"]
     served = next(line for line in lines if line.startswith("[worker 1] served"))

@@ -159,3 +159,26 @@ def test_failed_commands_with_follow_ups_keep_workers_in_step(world_size: int, t
             assert f"expected a token array of {expected} tokens, but the head sent a token array of {sent}" in failure
         assert results[rank]["run"] == 3  # alloc, prefill and decode of slot 1
         assert results[rank]["slots"] == head_slots[:2]
+
+
+def test_the_same_commands_give_the_same_state_over_shared_memory_and_gloo(tmp_path: Path) -> None:
+    digests = {}
+    for kind, expected in (("shm", "ShmTransport"), ("torch", "TorchTransport"), ("auto", "ShmTransport")):
+        out = tmp_path / kind
+        out.mkdir()
+        codes, results = run(sessions.soak_session, 3, out, kind, 3_000, 11)
+        assert codes == [0, 0, 0]
+        assert {results[rank]["transport"] for rank in range(3)} == {expected}
+        assert len({results[rank]["digest"] for rank in range(3)}) == 1
+        digests[kind] = results[0]["digest"]
+    assert len(set(digests.values())) == 1, digests
+
+
+def test_ranks_that_ask_for_different_transports_all_fail(tmp_path: Path) -> None:
+    codes, results = run(sessions.transport_mismatch, 3, tmp_path)
+    assert codes == [0, 0, 0]
+    for rank in range(3):
+        assert results[rank]["error_type"] == "EpSetupError"
+        assert "the ranks disagree on the transport (rank 0: 'auto', rank 1: 'shm', rank 2: 'auto')" in str(
+            results[rank]["error"]
+        )

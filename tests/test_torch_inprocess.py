@@ -137,3 +137,10 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
 
     with pytest.raises(RuntimeError, match=r"backend 'nccl' needs a CUDA device, and this machine has none"):
         init_local_group(0, 1, port=free_port(), backend="nccl")
+
+
+def test_open_transport_checks_the_kind_before_touching_the_group() -> None:
+    with pytest.raises(ValueError, match=r"transport='gloo' is not a transport kind; accepted: auto, shm, torch"):
+        ep_torch.open_transport("gloo")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"transport must be one of \('auto', 'shm', 'torch'\), got int 1"):
+        ep_torch.open_transport(1)  # type: ignore[arg-type]

@@ -292,3 +292,32 @@ def wire_faults(rank: int, world_size: int, out: str) -> None:
     model.decode(slots, 1)
     model.ep_shutdown_workers()
     save(out, rank, slots=slots)
+
+
+def soak_session(rank: int, world_size: int, kind: str, commands: int, seed: int, out: str) -> None:
+    """The shared-memory soak's random command stream, over the transport ``kind`` picks."""
+    from metrale_model_engine.torch import open_transport
+
+    from shm_programs import SLOTS as SOAK_SLOTS
+    from shm_programs import drive_random
+
+    transport = open_transport(kind)  # type: ignore[arg-type]  # the test passes a valid kind
+    model = ToyModel(transport, num_slots=SOAK_SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    slots: list[ToyState | None] = [None] * SOAK_SLOTS
+    if rank == 0:
+        drive_random(model, slots, commands, seed)
+    else:
+        run_worker(model, slots)
+    save(out, rank, digest=slots_digest(slots), transport=type(transport).__name__)
+
+
+def transport_mismatch(rank: int, world_size: int, out: str) -> None:
+    """Rank 1 asks for shared memory, the others for the default."""
+    from metrale_model_engine.torch import open_transport
+
+    try:
+        open_transport("shm" if rank == 1 else "auto")
+    except Exception as error:
+        save(out, rank, error_type=type(error).__name__, error=str(error))
+        return
+    save(out, rank, error_type=None)

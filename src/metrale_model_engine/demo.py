@@ -59,6 +59,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with a CUDA device per rank, else gloo"
     )
+    add(
+        "--transport",
+        choices=["auto", "shm", "torch"],
+        default="auto",
+        help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
+        "a host (auto, the default)",
+    )
     add("--json", type=Path, default=None, metavar="PATH", help="also write the head's summary to PATH as JSON")
     return parser.parse_args(argv)
 
@@ -68,6 +75,7 @@ class Work:
     """What every rank is asked to do (picklable, for spawned ranks)."""
 
     protocol: EpProtocol
+    transport: str
     sequences: int
     prompt_tokens: int
     decode_steps: int
@@ -116,9 +124,10 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     """One rank's part: build the model, drive (head) or serve (worker), compare digests."""
     import torch.distributed as dist
 
-    from .torch import TorchTransport
+    from .torch import open_transport
 
-    model = CountingToy(TorchTransport(), num_slots=work.sequences, protocol=work.protocol)
+    transport = open_transport(work.transport)  # type: ignore[arg-type]  # argparse checked the choice
+    model = CountingToy(transport, num_slots=work.sequences, protocol=work.protocol)
     model.traffic = Traffic()
     slots: list[ToyState | None] = [None] * work.sequences
     if rank == 0:
@@ -265,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if speaks:
             print(f"error: {error}", file=sys.stderr)
         return 2
-    work = Work(protocol, args.sequences, args.prompt_tokens, args.decode_steps, args.json)
+    work = Work(protocol, args.transport, args.sequences, args.prompt_tokens, args.decode_steps, args.json)
     if all(name in os.environ for name in _TORCHRUN_VARS):
         return _under_torchrun(args.backend, work)
     codes = ep_torch.run_local(serve, args.world_size, work, backend=args.backend)
