@@ -11,6 +11,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -30,7 +31,7 @@ from metrale_model_engine.shm import ShmTransport
 
 pytestmark = pytest.mark.skipif(not shm.shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64")
 
-Send = Callable[[float | None], None]
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -54,9 +55,9 @@ def receive(worker: ShmTransport, words: int, timeout: float | None = 5.0) -> ar
     return buffer
 
 
-def in_thread(function: Callable[[], object]) -> Callable[[], object]:
+def in_thread(function: Callable[[], T]) -> Callable[[], T]:
     """Start ``function`` in a thread; the returned call joins it and returns (or raises) its result."""
-    outcome: list[object] = []
+    outcome: list[T] = []
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -68,7 +69,7 @@ def in_thread(function: Callable[[], object]) -> Callable[[], object]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
 
-    def join() -> object:
+    def join() -> T:
         thread.join(30)
         assert not thread.is_alive(), "the thread did not finish"
         if failure:
@@ -189,7 +190,7 @@ def test_a_parked_worker_is_woken(pair: tuple[ShmTransport, ShmTransport]) -> No
     assert head._segment.bytes[_segment.PARKED_AT] == 1
     sent_at = time.perf_counter()
     head.bind(payload(0, 2))(1.0)
-    received, received_at = got()  # type: ignore[misc]
+    received, received_at = got()
     assert received == payload(0, 2)
     assert received_at - sent_at < 0.5 * shm.CHECK_INTERVAL  # woken, not timed out of its nap
 
@@ -316,7 +317,7 @@ def test_a_small_dev_shm_is_reported_before_anything_is_created(monkeypatch: pyt
     class Small:
         f_bavail, f_frsize = 1, real.f_frsize
 
-    monkeypatch.setattr(_segment.os, "statvfs", lambda path: Small())
+    monkeypatch.setattr(os, "statvfs", lambda path: Small())
     before = set(os.listdir("/dev/shm"))
     with pytest.raises(OSError, match=r"/dev/shm has 0.0 MiB free, too little for the ring's 4.0 MiB") as raised:
         ShmTransport.create(2)
@@ -371,8 +372,13 @@ def test_futex_wait_returns_at_once_when_the_word_moved_and_sleeps_until_woken()
     started = time.monotonic()
     _futex.futex_wait(address, 4, 5.0)  # not 4: no sleep
     assert time.monotonic() - started < 1.0
-    woke = in_thread(lambda: (_futex.futex_wait(address, 5, 10.0), time.monotonic())[1])
+
+    def sleep_on_five() -> float:
+        _futex.futex_wait(address, 5, 10.0)
+        return time.monotonic()
+
+    woke = in_thread(sleep_on_five)
     time.sleep(0.1)
     word[0] = 6
     _futex.futex_wake(address)
-    assert float(woke()) - started < 5.0  # type: ignore[arg-type]
+    assert woke() - started < 5.0
