@@ -36,8 +36,8 @@ T = TypeVar("T")
 
 @pytest.fixture
 def pair() -> Iterator[tuple[ShmTransport, ShmTransport]]:
-    """A head and its one worker, in this process, on a ring of 4 slots of 64 bytes."""
-    head = ShmTransport.create(2, slots=4, slot_bytes=64)
+    """A head and its one worker, in this process, on a ring of four 128-byte records (64-byte chunks)."""
+    head = ShmTransport.create(2, ring_bytes=512, chunk_bytes=64)
     worker = ShmTransport.attach(head.name, 1)
     yield head, worker
     worker.close()
@@ -87,7 +87,7 @@ def test_a_message_of_any_length_arrives_whole(pair: tuple[ShmTransport, ShmTran
     head, worker = pair
     sent = payload(9, words)
     got = in_thread(lambda: receive(worker, words))
-    head.bind(sent)(5.0)  # 1000 words: 63 chunks through 4 slots, so the reader must keep up
+    head.bind(sent)(5.0)  # 1000 words: 63 records through a ring of 4, so the reader must keep up
     assert got() == sent
 
 
@@ -110,24 +110,20 @@ def test_fifo_through_a_full_ring_with_a_slow_reader(pair: tuple[ShmTransport, S
     assert got() == [payload(seq, words) for seq, words in enumerate(sizes)]
 
 
-def test_counters_past_the_32_bit_boundary(pair: tuple[ShmTransport, ShmTransport]) -> None:
-    """The futex word is the low half of a u64 counter: crossing 2**32 changes nothing."""
+def test_positions_past_the_32_bit_boundary(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    """The futex word is the low half of a u64 stamp or counter: crossing 2**32 changes nothing."""
     head, worker = pair
-    start = 2**32 - 5
-    # Test-only surgery: both ranks as if 2**32 - 5 chunks had passed already.
+    start = 2**32 - 3 * 128
+    # Test-only surgery: both ranks as if 2**32 - 384 bytes had gone through already.
     segment = head._segment
-    slots_at, stride = segment.layout.slots_at, segment.layout.slot_stride
-    segment.u64[_segment.PUBLISH_AT // 8] = start
     segment.u64[segment.layout.reader_at(0) // 8] = start
-    for slot in range(segment.layout.slots):
-        segment.u64[(slots_at + stride * slot) // 8] = start - segment.layout.slots + slot
     head._next = worker._next = start
-    head._room_until = start + segment.layout.slots
+    head._room_until = start + segment.layout.ring_bytes
     got = in_thread(lambda: [receive(worker, 16) for _ in range(12)])
     for seq in range(12):
         head.bind(payload(seq, 16))(5.0)
     assert got() == [payload(seq, 16) for seq in range(12)]
-    assert segment.u64[_segment.PUBLISH_AT // 8] == start + 12  # 16 words: one chunk each
+    assert head._next == worker._next == start + 12 * 128  # 16 words: one 128-byte record each
 
 
 def test_a_receive_of_another_length_names_both_and_consumes_the_message(
@@ -153,11 +149,11 @@ def test_a_receive_times_out(pair: tuple[ShmTransport, ShmTransport], timeout: f
 @pytest.mark.parametrize("timeout", [0, -5.0, 0.05])
 def test_a_full_ring_fails_the_head_after_its_timeout(pair: tuple[ShmTransport, ShmTransport], timeout: float) -> None:
     head, _ = pair
-    for seq in range(4):
-        head.bind(payload(seq, 1))(timeout)  # room: no waiting, whatever the timeout
+    for seq in range(3):  # three 128-byte records, and the stamp after them: 392 of 512 bytes
+        head.bind(payload(seq, 16))(timeout)  # room: no waiting, whatever the timeout
     started = time.monotonic()
     with pytest.raises(EpSendError, match=r"the ring stayed full .*worker rank\(s\) \[1\] did not read"):
-        head.bind(payload(4, 1))(timeout)
+        head.bind(payload(3, 16))(timeout)
     assert time.monotonic() - started < 1.0
 
 
@@ -285,10 +281,11 @@ def test_attach_refuses_what_is_not_a_live_ring() -> None:
         ({"world_size": 2.0}, TypeError, "world_size must be an int in 1 ..= 64, got float"),
         ({"world_size": 0}, ValueError, r"world_size=0 is out of range \(1 ..= 64\)"),
         ({"world_size": 65}, ValueError, r"world_size=65 is out of range"),
-        ({"slots": 1}, ValueError, r"slots=1 is out of range \(2 ..= "),
-        ({"slots": True}, TypeError, "slots must be an int"),
-        ({"slot_bytes": 100}, ValueError, "slot_bytes must be a multiple of 64, got 100"),
-        ({"slot_bytes": 0}, ValueError, r"slot_bytes=0 is out of range"),
+        ({"ring_bytes": 192, "chunk_bytes": 64}, ValueError, r"ring_bytes=192 is out of range \(256 ..= "),
+        ({"ring_bytes": True}, TypeError, "ring_bytes must be an int"),
+        ({"ring_bytes": 200_032}, ValueError, "ring_bytes must be a multiple of 64, got 200032"),
+        ({"chunk_bytes": 100}, ValueError, "chunk_bytes must be a multiple of 64, got 100"),
+        ({"chunk_bytes": 0}, ValueError, r"chunk_bytes=0 is out of range \(64 ..= "),
         ({"spin_time": -1.0}, ValueError, "spin_time must be a 0 or more, finite number of seconds, got -1.0"),
         ({"spin_time": float("inf")}, ValueError, "spin_time must be"),
         ({"spin_time": "1"}, TypeError, "spin_time must be a 0 or more, finite number of seconds, got str"),
@@ -319,7 +316,7 @@ def test_a_small_dev_shm_is_reported_before_anything_is_created(monkeypatch: pyt
 
     monkeypatch.setattr(os, "statvfs", lambda path: Small())
     before = set(os.listdir("/dev/shm"))
-    with pytest.raises(OSError, match=r"/dev/shm has 0.0 MiB free, too little for the ring's 4.0 MiB") as raised:
+    with pytest.raises(OSError, match=r"/dev/shm has 0.0 MiB free, too little for the ring's 1.0 MiB") as raised:
         ShmTransport.create(2)
     assert raised.value.errno == errno.ENOSPC
     assert set(os.listdir("/dev/shm")) == before

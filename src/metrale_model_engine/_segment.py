@@ -8,16 +8,17 @@ segment can never be mistaken for a live one.
 Layout (byte offsets; every field is written by one rank only):
 
 ========================  ==================================================================
-line 0 (identity)         magic u64, layout version, world size, slot count, slot bytes,
+line 0 (identity)         magic u64, layout version, world size, ring bytes, chunk bytes,
                           head pid, head state, gather bell (u32 each)
-line 1 (writer)           publish counter u64 (its low half is the readers' futex word),
-                          writer-parked flag u32
-line 2 (parked)           one byte per reader: it sleeps on the publish word
+line 1 (writer)           writer-parked flag u32
+line 2 (parked)           one byte per reader: it sleeps on a record's stamp
 line 3 (gone)             one byte per reader: 0 while it serves, else why it left
-reader lines              one line per reader: consumed counter u64 (futex word), pid u32
+reader lines              one line per reader: consumed position u64 (the head's futex
+                          word when the ring is full), pid u32
 gather lines              one line per rank: generation, acknowledgement, count, 13 words
-slots (page-aligned)      per slot: one line (stamp u64 = message sequence number, message
-                          bytes u64), then ``slot_bytes`` of payload
+ring (page-aligned)       ``ring_bytes`` of records, each at a 64-byte boundary: a line
+                          with the stamp u64 and the message bytes u64, then up to
+                          ``chunk_bytes`` of payload
 ========================  ==================================================================
 
 A counter and each flag have their own cache line, or share one only with fields
@@ -56,26 +57,34 @@ GONE_FAILED: Final[int] = 2
 
 # Fixed offsets, in bytes.
 WORLD_SIZE_AT: Final[int] = 12
-SLOTS_AT: Final[int] = 16
-SLOT_BYTES_AT: Final[int] = 20
+RING_BYTES_AT: Final[int] = 16
+CHUNK_BYTES_AT: Final[int] = 20
 HEAD_PID_AT: Final[int] = 24
 HEAD_STATE_AT: Final[int] = 28
 BELL_AT: Final[int] = 32
-PUBLISH_AT: Final[int] = LINE
-WRITER_PARKED_AT: Final[int] = LINE + 8
+WRITER_PARKED_AT: Final[int] = LINE
 PARKED_AT: Final[int] = 2 * LINE
 GONE_AT: Final[int] = 3 * LINE
 _READERS_AT: Final[int] = 4 * LINE
 _PAGE: Final[int] = mmap.PAGESIZE
 
 
+RECORD_HEADER: Final[int] = LINE
+"""Bytes before a record's payload: a line of its own for the stamp and the message's length,
+so that the line a waiting reader polls is written twice per record (length, stamp), not
+once per payload store."""
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Where everything lies in a segment for ``world_size`` ranks and a ring of ``slots``."""
+    """Where everything lies in a segment for ``world_size`` ranks and a ring of ``ring_bytes``.
+
+    A record carries at most ``chunk_bytes`` of payload.
+    """
 
     world_size: int
-    slots: int
-    slot_bytes: int
+    ring_bytes: int
+    chunk_bytes: int
 
     @property
     def readers(self) -> int:
@@ -90,21 +99,14 @@ class Layout:
         return _READERS_AT + LINE * (self.readers + rank)
 
     @property
-    def slots_at(self) -> int:
+    def ring_at(self) -> int:
+        """Offset of the ring (page-aligned)."""
         end = self.gather_at(self.world_size)
         return -(-end // _PAGE) * _PAGE
 
     @property
-    def slot_stride(self) -> int:
-        return LINE + self.slot_bytes
-
-    def slot_at(self, slot: int) -> int:
-        """Offset of slot ``slot``'s line (stamp u64, message bytes u64); its payload follows."""
-        return self.slots_at + self.slot_stride * slot
-
-    @property
     def size(self) -> int:
-        return self.slot_at(self.slots)
+        return self.ring_at + self.ring_bytes
 
 
 class Segment:
@@ -177,8 +179,8 @@ def create_segment(layout: Layout, head_pid: int) -> Segment:
     segment = Segment(name, file, layout)
     words = segment.u32
     words[WORLD_SIZE_AT // 4] = layout.world_size
-    words[SLOTS_AT // 4] = layout.slots
-    words[SLOT_BYTES_AT // 4] = layout.slot_bytes
+    words[RING_BYTES_AT // 4] = layout.ring_bytes
+    words[CHUNK_BYTES_AT // 4] = layout.chunk_bytes
     words[HEAD_PID_AT // 4] = head_pid
     words[2] = LAYOUT_VERSION
     segment.u64[0] = MAGIC  # last: a segment with its magic is initialised
@@ -211,7 +213,7 @@ def attach_segment(name: str) -> Segment:
     identity = memoryview(file)[:LINE]
     words = identity.cast("I")
     magic, version = identity.cast("Q")[0], words[2]
-    layout = Layout(words[WORLD_SIZE_AT // 4], words[SLOTS_AT // 4], words[SLOT_BYTES_AT // 4])
+    layout = Layout(words[WORLD_SIZE_AT // 4], words[RING_BYTES_AT // 4], words[CHUNK_BYTES_AT // 4])
     words.release()
     identity.release()
     if magic != MAGIC or version != LAYOUT_VERSION or layout.size != size:
@@ -260,6 +262,6 @@ def _no_space(size: int, free: int | None = None) -> OSError:
     have = "" if free is None else f"{free / 2**20:.1f} MiB free, "
     return OSError(
         errno.ENOSPC,
-        f"{SHM_DIR} has {have}too little for the ring's {size / 2**20:.1f} MiB: pass fewer slots or smaller "
-        "slot_bytes, or give the machine (a container: docker run --shm-size) a larger /dev/shm",
+        f"{SHM_DIR} has {have}too little for the ring's {size / 2**20:.1f} MiB: pass a smaller ring_bytes, "
+        "or give the machine (a container: docker run --shm-size) a larger /dev/shm",
     )

@@ -12,20 +12,26 @@ module needs only the standard library and never imports torch.  Linux only (x86
 and arm64): it sleeps on futexes and watches peers through pidfds.
 
 The ring
-    ``slots`` slots of ``slot_bytes`` each.  Each broadcast is one message; a message
-    larger than a slot travels as consecutive chunks, one slot each, so any length
-    goes through a ring of any size (a 1,048,576-token array is 64 chunks of the
-    default 64 KiB).  The head writes and returns at once; it waits only when the
-    ring is full (back-pressure), for as long as the broadcast's timeout allows.
+    ``ring_bytes`` of records, one after another, each at a 64-byte boundary: a
+    stamp, the length of its message, then its payload.  Each broadcast is one
+    message; a message longer than ``chunk_bytes`` travels as consecutive records,
+    so that a worker copies one out while the head writes the next, and any length
+    goes through a ring of any size (a 1,048,576-token array is 32 records of the
+    default 128 KiB).  A small message takes 128 bytes, so the default 1 MiB ring
+    holds 8,192 of them.  A record that does not fit before the ring's end is
+    preceded by a marker that sends the readers back to its start.  The head writes
+    and returns at once; it waits only when the ring is full (back-pressure), for
+    as long as the broadcast's timeout allows.
 
-Counters, not flags
-    The head owns one u64 counter, *published*: chunks ``0 ..= published - 1`` are
-    in the ring.  Each reader owns one u64 counter, *consumed*.  The head may write
-    chunk ``s`` into slot ``s % slots`` only when every reader's consumed count is
-    above ``s - slots``; a reader may read chunk ``s`` only when published is above
-    ``s``.  Each chunk's slot also carries ``s`` as a stamp, which the reader
-    checks.  So no reader sees a chunk twice, skips one, or reads a slot that is
-    being rewritten.  Each counter has one writer and its own cache line.
+Positions, not flags
+    Every rank counts bytes since the ring's start (u64, never wrapping).  The
+    record at position ``p`` lies at ``p % ring_bytes`` and is published when its
+    stamp reads ``p + 1``; the head clears the stamp of the record after it before
+    publishing it, so the stamp a worker waits on is either 0 or the right one,
+    never a stale value that might match.  Each worker publishes its *consumed*
+    position; the head writes below ``min(consumed) + ring_bytes`` only.  So no
+    worker sees a record twice, skips one, or reads bytes being rewritten.  Each
+    counter has one writer and its own cache line.
 
 Memory ordering
     The rule: shared memory is the only source of truth; a wake-up is only a hint,
@@ -35,13 +41,13 @@ Memory ordering
     bytes, so counters are never torn) and the processor's ordering:
 
     * x86-64 keeps stores in program order and loads in program order (TSO), so
-      "payload, then counter" on the writer and "counter, then payload" on the
+      "payload, then stamp" on the writer and "stamp, then payload" on the
       reader need no barrier, nor does "copy out, then consumed".  A store may
       pass a later load, though, which breaks the sleep handshake (below) unless a
       full barrier separates them.
     * arm64 reorders all of these, so there a full barrier also goes between a
-      payload and the counter that publishes it, and between a counter and what
-      it guards.
+      payload and the stamp that publishes it, and between a stamp or counter
+      and what it guards.
 
     The barrier is an uncontended lock's acquire and release
     (:func:`~metrale_model_engine._futex.full_fence`): on x86-64 both are
@@ -53,11 +59,11 @@ Memory ordering
 Waiting
     A reader that finds nothing spins, yielding the core (``sched_yield``), for
     ``spin_time`` seconds, then sleeps in the kernel: it sets its parked byte,
-    re-reads the counter, and calls ``FUTEX_WAIT`` on the low half of the publish
-    counter with the value it saw, capped at :data:`CHECK_INTERVAL`.  After
-    publishing, the head passes a full barrier and wakes the readers only if a
-    parked byte is set.  Either the head sees the byte and wakes, or the reader's
-    kernel call sees the new counter and does not sleep: no wake-up is lost.  The
+    re-reads the stamp, and calls ``FUTEX_WAIT`` on the stamp's low half with the
+    value it saw, capped at :data:`CHECK_INTERVAL`.  After publishing, the head
+    passes a full barrier and wakes the record's sleepers only if a parked byte is
+    set.  Either the head sees the byte and wakes, or the reader's kernel call sees
+    the new stamp and does not sleep: no wake-up is lost.  The
     head waits for room the same way, on the slowest reader's consumed counter,
     and readers wake it.  An idle worker therefore costs a few wake-ups a second.
 
@@ -112,7 +118,7 @@ from ._segment import (
     LINE,
     MAX_WORLD_SIZE,
     PARKED_AT,
-    PUBLISH_AT,
+    RECORD_HEADER,
     WRITER_PARKED_AT,
     Layout,
     Segment,
@@ -123,9 +129,9 @@ from ._segment import (
 
 __all__ = [
     "CHECK_INTERVAL",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_RING_BYTES",
     "DEFAULT_SETUP_TIMEOUT",
-    "DEFAULT_SLOTS",
-    "DEFAULT_SLOT_BYTES",
     "DEFAULT_SPIN_TIME",
     "MAX_WORLD_SIZE",
     "ShmTransport",
@@ -133,10 +139,13 @@ __all__ = [
     "shm_supported",
 ]
 
-DEFAULT_SLOTS: Final[int] = 64
-"""Slots in the ring: how many messages (or chunks) the head may run ahead of the slowest worker."""
-DEFAULT_SLOT_BYTES: Final[int] = 64 * 1024
-"""Bytes per slot: the chunk size of a long message.  64 slots of 64 KiB: a 4 MiB ring."""
+DEFAULT_RING_BYTES: Final[int] = 1 << 20
+"""Bytes of the ring: how far the head may run ahead of the slowest worker (a frame takes 128)."""
+DEFAULT_CHUNK_BYTES: Final[int] = 128 * 1024
+"""Payload bytes per record at most: a longer message travels as consecutive records.
+
+Measured on a 2-core machine (a 256 KiB message): 16 KiB records cost twice the time of
+64-128 KiB ones; each record costs both sides a few microseconds of Python."""
 DEFAULT_SPIN_TIME: Final[float] = 0.001
 """Seconds a waiting rank spins (yielding the core) before it sleeps in the kernel."""
 DEFAULT_SETUP_TIMEOUT: Final[float] = 300.0
@@ -144,10 +153,13 @@ DEFAULT_SETUP_TIMEOUT: Final[float] = 300.0
 CHECK_INTERVAL: Final[float] = 0.05
 """Seconds between a waiting rank's checks of its peers, and the cap on every sleep."""
 
-_PUBLISH_WORD: Final[int] = PUBLISH_AT // 8
 _PARKED_WORD: Final[int] = PARKED_AT // 8
 """The parked bytes of readers 1-8 as one u64: one load tells whether any sleeps."""
 _GONE_WORD: Final[int] = GONE_AT // 8
+_SPIN_BURST: Final[range] = range(16)
+"""Looks between two yields of the core while spinning."""
+_WRAP: Final[int] = (1 << 64) - 1
+"""The message length of a record that only says: the next record is at the ring's start."""
 _WRITER_PARKED_WORD: Final[int] = WRITER_PARKED_AT // 8
 _WIDE_PARKED: Final[slice] = slice(PARKED_AT + 8, PARKED_AT + LINE)
 """The parked bytes of readers 9 and up, read only in rings of more than 9 ranks."""
@@ -189,7 +201,6 @@ class ShmTransport:
         "_closed",
         "_consumed_word",
         "_finalizer",
-        "_first_slot",
         "_gathers",
         "_next",
         "_next_check",
@@ -197,12 +208,12 @@ class ShmTransport:
         "_peers",
         "_reader",
         "_reader_words",
+        "_ring",
+        "_ring_at",
         "_room_until",
         "_segment",
         "_setup_timeout",
-        "_slots",
         "_spin_time",
-        "_stride",
         "_u64",
         "_unlinked",
         "_wide",
@@ -215,8 +226,7 @@ class ShmTransport:
         layout = segment.layout
         # The hot paths read these plain attributes, not the layout's computed properties.
         self._u64, self._bytes, self._address = segment.u64, segment.bytes, segment.address
-        self._slots, self._chunk, self._stride = layout.slots, layout.slot_bytes, layout.slot_stride
-        self._first_slot = layout.slots_at
+        self._ring, self._ring_at, self._chunk = layout.ring_bytes, layout.ring_at, layout.chunk_bytes
         self._wide = layout.readers > 8
         self._consumed_word = layout.reader_at(rank - 1) // 8 if rank else -1
         self.rank: Final = rank
@@ -226,10 +236,10 @@ class ShmTransport:
         self._setup_timeout = setup_timeout
         self._owner = os.getpid()
         self._peers = ProcessWatch()
-        self._next = 0  # the next chunk this rank writes (head) or reads (worker)
+        self._next = 0  # the ring position (bytes since the start) of the next record to write or read
         self._reader_words = tuple(layout.reader_at(reader) // 8 for reader in range(layout.readers))
-        # The head may write chunks below this without looking at the workers' counters.
-        self._room_until = layout.slots if layout.readers else 1 << 64
+        # The head may write below this position without looking at the workers' counters.
+        self._room_until = layout.ring_bytes if layout.readers else 1 << 64
         self._next_check = 0.0  # when the head next checks that its workers live
         self._gathers = 0
         self._unlinked = rank != 0
@@ -243,20 +253,23 @@ class ShmTransport:
         cls,
         world_size: int,
         *,
-        slots: int = DEFAULT_SLOTS,
-        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        ring_bytes: int = DEFAULT_RING_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         spin_time: float = DEFAULT_SPIN_TIME,
         setup_timeout: float = DEFAULT_SETUP_TIMEOUT,
     ) -> Self:
         """Create the ring for ``world_size`` ranks; this process is the head (rank 0).
 
-        Pass :attr:`name` to the workers.  The segment takes ``slots * (slot_bytes
-        + 64)`` bytes and a few pages of ``/dev/shm``.
+        Pass :attr:`name` to the workers.  The segment takes ``ring_bytes`` and a few
+        pages of ``/dev/shm``.
 
         Args:
             world_size: ranks in the group, head included (``1 ..= 64``).
-            slots: ring slots (at least 2): how far the head may run ahead.
-            slot_bytes: bytes per slot, a positive multiple of 64: the chunk size.
+            ring_bytes: bytes of the ring, a multiple of 64 and at least
+                ``2 * (chunk_bytes + 64)``: how far the head may run ahead.
+            chunk_bytes: payload bytes per record at most, a positive multiple of
+                64: longer messages are cut into records of this size, which the
+                workers copy out while the head writes the next.
             spin_time: seconds a waiting rank spins before sleeping (``>= 0``).
             setup_timeout: seconds a gather waits for every rank (``> 0``).
 
@@ -268,13 +281,14 @@ class ShmTransport:
             RuntimeError: this platform cannot run it (see :func:`shm_supported`).
         """
         _require_int("world_size", world_size, 1, MAX_WORLD_SIZE)
-        _require_int("slots", slots, 2, 1 << 20)
-        _require_int("slot_bytes", slot_bytes, LINE, 1 << 30)
-        if slot_bytes % LINE:
-            raise ValueError(f"slot_bytes must be a multiple of {LINE}, got {slot_bytes}")
+        _require_int("chunk_bytes", chunk_bytes, LINE, 1 << 28)
+        _require_int("ring_bytes", ring_bytes, 2 * (chunk_bytes + LINE), 1 << 30)
+        for name, value in (("chunk_bytes", chunk_bytes), ("ring_bytes", ring_bytes)):
+            if value % LINE:
+                raise ValueError(f"{name} must be a multiple of {LINE}, got {value}")
         _check_options(spin_time, setup_timeout)
         _require_platform()
-        segment = create_segment(Layout(world_size, slots, slot_bytes), os.getpid())
+        segment = create_segment(Layout(world_size, ring_bytes, chunk_bytes), os.getpid())
         return cls(segment, 0, spin_time=float(spin_time), setup_timeout=float(setup_timeout))
 
     @classmethod
@@ -359,7 +373,7 @@ class ShmTransport:
             if self.rank == 0:
                 segment.u32[HEAD_STATE_AT // 4] = HEAD_CLOSED
                 _futex.full_fence()
-                _futex.futex_wake(segment.address + PUBLISH_AT)
+                _futex.futex_wake(self._address + self._ring_at + self._next % self._ring)  # where workers wait
             else:
                 self._leave(GONE_CLOSED)
         self._finalizer()
@@ -424,37 +438,46 @@ class ShmTransport:
             self._check_workers()
             self._next_check = now + CHECK_INTERVAL
         total, offset, deadline = len(data), 0, None
-        chunk, stride, first, slots = self._chunk, self._stride, self._first_slot, self._slots
+        chunk, ring, base = self._chunk, self._ring, self._ring_at
         while True:
-            seq = self._next
-            if seq >= self._room_until:
+            at = self._next
+            spot = at % ring
+            end = offset + chunk if total - offset > chunk else total
+            size = (RECORD_HEADER + end - offset + LINE - 1) & -LINE
+            wrap = spot + size > ring  # no room before the ring's end: a marker, then the record at its start
+            if wrap:
+                size = ring - spot
+            if at + size + 8 > self._room_until:  # the record, and the next record's stamp
                 if deadline is None:
                     deadline = _deadline(timeout)
-                self._wait_for_room(seq, deadline, timeout)
-            at = first + stride * (seq % slots)
-            end = offset + chunk if total - offset > chunk else total
-            view[at + LINE : at + LINE + end - offset] = data[offset:end] if offset or end < total else data
-            u64[at >> 3] = seq
-            u64[(at >> 3) + 1] = total
+                self._wait_for_room(at + size + 8, deadline, timeout)
+            record = base + spot
+            if not wrap:
+                start = record + RECORD_HEADER
+                view[start : start + end - offset] = data[offset:end] if offset or end < total else data
+            # The next record's stamp is cleared before this one's is set, so that what a
+            # worker finds there is 0 or a new stamp, never a stale one that might match.
+            u64[(base + (spot + size) % ring) >> 3] = 0
             if not _futex.TOTAL_STORE_ORDER:
                 _futex.full_fence()
-            seq += 1
-            u64[_PUBLISH_WORD] = seq
-            self._next = seq
-            _futex.full_fence()  # the counter is visible before the parked bytes are read
+            u64[(record >> 3) + 1] = _WRAP if wrap else total  # the polled line, touched last
+            u64[record >> 3] = at + 1  # the stamp: the record is published
+            self._next = at + size
+            _futex.full_fence()  # the stamp is visible before the parked bytes are read
             if u64[_PARKED_WORD] or (self._wide and any(view[_WIDE_PARKED])):
-                _futex.futex_wake(self._address + PUBLISH_AT)
-            if end >= total:
-                return
-            offset = end
+                _futex.futex_wake(self._address + record)
+            if not wrap:
+                if end >= total:
+                    return
+                offset = end
 
-    def _wait_for_room(self, seq: int, deadline: float | None, timeout: float | None) -> None:
-        """Return once every worker has consumed chunk ``seq - slots``: the ring is full until then."""
-        u64, words, slots = self._u64, self._reader_words, self._slots
+    def _wait_for_room(self, need: int, deadline: float | None, timeout: float | None) -> None:
+        """Return once every worker has consumed the ring up to ``need - ring_bytes``."""
+        u64, words, ring = self._u64, self._reader_words, self._ring
 
         def room() -> bool:
-            self._room_until = min(map(u64.__getitem__, words)) + slots
-            return seq < self._room_until
+            self._room_until = min(map(u64.__getitem__, words)) + ring
+            return need <= self._room_until
 
         if room():
             return
@@ -465,10 +488,10 @@ class ShmTransport:
         try:
             self._wait(room, slowest, WRITER_PARKED_AT, deadline, self._check_workers)
         except TimeoutError:
-            lagging = [r + 1 for r, word in enumerate(words) if u64[word] <= seq - slots]
+            lagging = [r + 1 for r, word in enumerate(words) if u64[word] < need - ring]
             raise EpSendError(
                 f"the ring stayed full for {timeout} s: worker rank(s) {lagging} did not read "
-                f"message chunk {seq - slots} (a live worker that stopped receiving)"
+                "what the head sent before (a live worker that stopped receiving)"
             ) from None
 
     def _check_workers(self) -> None:
@@ -514,61 +537,60 @@ class ShmTransport:
         if self._closed:
             raise _Closed
         u64, view = self._u64, self._bytes
-        expected, offset, deadline = len(data), 0, None
-        chunk, stride, first, slots = self._chunk, self._stride, self._first_slot, self._slots
+        expected, offset, deadline, mismatch = len(data), 0, None, -1
+        chunk, ring, base = self._chunk, self._ring, self._ring_at
         while True:
-            seq = self._next
-            if u64[_PUBLISH_WORD] <= seq:
+            at = self._next
+            record = base + at % ring
+            if u64[record >> 3] != at + 1:
                 if deadline is None:
                     deadline = _deadline(timeout)
-                self._wait_for_message(seq, deadline, timeout)
+                self._wait_for_record(at, record, deadline, timeout)
             if not _futex.TOTAL_STORE_ORDER:
                 _futex.full_fence()
-            at = first + stride * (seq % slots)
-            stamp, total = u64[at >> 3], u64[(at >> 3) + 1]
-            if stamp != seq:
-                raise EpReceiveError(f"the ring is corrupt: the slot of message chunk {seq} holds chunk {stamp}")
-            if total != expected:
-                self._skip_message(total, deadline, timeout)
-                raise EpReceiveError(
-                    f"the head sent a message of {total // 4} words, but this rank expected {expected // 4} words "
-                    "(the message was consumed)"
-                )
+            total = u64[(record >> 3) + 1]
+            if total == _WRAP:
+                self._consumed(at + ring - at % ring)
+                continue
+            if offset == 0 and total != expected:
+                mismatch = total  # consumed to its end, unread, then reported
             end = offset + chunk if total - offset > chunk else total
-            data[offset:end] = view[at + LINE : at + LINE + end - offset]
-            self._consumed(seq + 1)
+            if mismatch < 0:
+                start = record + RECORD_HEADER
+                data[offset:end] = view[start : start + end - offset]
+            self._consumed(at + ((RECORD_HEADER + end - offset + LINE - 1) & -LINE))
             if end >= total:
-                return
+                break
             offset = end
+        if mismatch >= 0:
+            raise EpReceiveError(
+                f"the head sent a message of {mismatch // 4} words, but this rank expected {expected // 4} words "
+                "(the message was consumed)"
+            )
 
-    def _skip_message(self, total: int, deadline: float | None, timeout: float | None) -> None:
-        """Consume, unread, the message of ``total`` bytes whose first chunk is next."""
-        for _ in range(max(1, -(-total // self._chunk))):
-            if self._u64[_PUBLISH_WORD] <= self._next:
-                self._wait_for_message(self._next, deadline, timeout)
-            self._consumed(self._next + 1)
-
-    def _consumed(self, count: int) -> None:
-        """Publish that this worker has read ``count`` chunks; wake the head if it waits for room."""
-        self._next = count
+    def _consumed(self, position: int) -> None:
+        """Publish that this worker has read the ring up to ``position``; wake the head if it waits for room."""
+        self._next = position
         if not _futex.TOTAL_STORE_ORDER:
             _futex.full_fence()
         u64 = self._u64
-        u64[self._consumed_word] = count
+        u64[self._consumed_word] = position
         _futex.full_fence()  # the counter is visible before the head's parked flag is read
         if u64[_WRITER_PARKED_WORD]:
             _futex.futex_wake(self._address + 8 * self._consumed_word)
 
-    def _wait_for_message(self, seq: int, deadline: float | None, timeout: float | None) -> None:
-        u64 = self._segment.u64
+    def _wait_for_record(self, at: int, record: int, deadline: float | None, timeout: float | None) -> None:
+        """Wait until the record at position ``at`` (offset ``record``) is published."""
+        u64, stamp = self._u64, record >> 3
+
+        def published() -> bool:
+            found = u64[stamp]
+            if found and found != at + 1:
+                raise EpReceiveError(f"the ring is corrupt: the record at position {at} has stamp {found - 1}")
+            return found != 0
+
         try:
-            self._wait(
-                lambda: u64[PUBLISH_AT // 8] > seq,
-                lambda: PUBLISH_AT,
-                PARKED_AT + self._reader,
-                deadline,
-                self._check_head,
-            )
+            self._wait(published, lambda: record, PARKED_AT + self._reader, deadline, self._check_head)
         except TimeoutError:
             raise EpReceiveError(f"timed out: no message from the head within {timeout} s") from None
 
@@ -604,8 +626,8 @@ class ShmTransport:
         or gone peer.  Raises ``TimeoutError`` past ``deadline`` (``None``: none).
         """
         segment = self._segment
-        spin_until = time.monotonic() + self._spin_time
-        next_check = 0.0
+        started = time.monotonic()
+        spin_until, next_check = started + self._spin_time, started + CHECK_INTERVAL
         while not ready():
             now = time.monotonic()
             if now >= next_check:
@@ -616,6 +638,9 @@ class ShmTransport:
                     return
                 raise TimeoutError
             if now < spin_until:
+                for _ in _SPIN_BURST:  # a few microseconds of looking, then the core for others
+                    if ready():
+                        return
                 os.sched_yield()
                 continue
             word = park_word()
