@@ -283,7 +283,7 @@ def test_attach_refuses_what_is_not_a_live_ring() -> None:
         ({"world_size": 65}, ValueError, r"world_size=65 is out of range"),
         ({"ring_bytes": 192, "chunk_bytes": 64}, ValueError, r"ring_bytes=192 is out of range \(256 ..= "),
         ({"ring_bytes": True}, TypeError, "ring_bytes must be an int"),
-        ({"ring_bytes": 200_032}, ValueError, "ring_bytes must be a multiple of 64, got 200032"),
+        ({"ring_bytes": 300_016}, ValueError, "ring_bytes must be a multiple of 64, got 300016"),
         ({"chunk_bytes": 100}, ValueError, "chunk_bytes must be a multiple of 64, got 100"),
         ({"chunk_bytes": 0}, ValueError, r"chunk_bytes=0 is out of range \(64 ..= "),
         ({"spin_time": -1.0}, ValueError, "spin_time must be a 0 or more, finite number of seconds, got -1.0"),
