@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 
-from metrale_model_engine import SequenceState
+from metrale_model_engine import SequenceState, check_u32
 
 
 class KvState(SequenceState):
@@ -80,3 +80,33 @@ def test_extend_checks_in_c_and_keeps_the_messages() -> None:
     state.extend([Token.A, 8])
     state.extend(iter([9]))
     assert list(state.tokens) == [1, 7, 8, 9] and all(type(t) is int for t in state.tokens)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [],
+        [0, 1, 2**31 - 1],
+        [2**31, 2**32 - 1, 5],  # past the marshal pass's 2**31: the array path
+        [5] * 1000,
+        [False, 1],
+        [1, True, 2**31, 2**31, 3],  # a bool and big ints whose lengths would balance in marshal's output
+        ["", 1],  # marshal writes '' in 5 bytes too
+        [1, -(2**31)],
+        [[1, 2]],
+    ],
+)
+def test_the_fast_check_agrees_with_the_token_by_token_check(tokens: list[object]) -> None:
+    def one_by_one() -> list[int] | str:
+        try:
+            return [check_u32(f"tokens[{i}]", t) for i, t in enumerate(tokens)]
+        except (TypeError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
+
+    state = SequenceState(0)
+    try:
+        state.extend(tokens)  # type: ignore[arg-type]
+        outcome: list[int] | str = list(state.tokens)
+    except (TypeError, ValueError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    assert outcome == one_by_one()
