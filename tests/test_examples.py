@@ -51,6 +51,12 @@ def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
     assert f"protocol {protocol}: the worker's slots equal the head's" in done.stdout
 
 
+def test_shm_example_runs_without_torch_and_every_rank_agrees() -> None:
+    done = run_example("shm_local.py")
+    digests = [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if ": slot digest " in line]
+    assert len(digests) == 3 and len(set(digests)) == 1, done.stdout
+
+
 def slot_lines(output: str) -> list[str]:
     return [line.split(": ", 1)[1] for line in output.splitlines() if re.match(r"rank \d+ of \d+: slots", line)]
 

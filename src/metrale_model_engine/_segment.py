@@ -118,6 +118,17 @@ class Segment:
 
     __slots__ = ("_file", "address", "bytes", "layout", "name", "u32", "u64")
 
+    name: str
+    layout: Layout
+    bytes: memoryview
+    """The segment as bytes."""
+    u32: memoryview
+    """The segment as native u32 words."""
+    u64: memoryview
+    """The segment as native u64 words."""
+    address: int
+    """Where the mapping starts in this process, for futex calls; valid until :meth:`close`."""
+
     def __init__(self, name: str, file: mmap.mmap, layout: Layout) -> None:
         self.name = name
         self.layout = layout
@@ -126,7 +137,7 @@ class Segment:
         self.u32 = self.bytes.cast("I")
         self.u64 = self.bytes.cast("Q")
         anchor = ctypes.c_char.from_buffer(file)
-        self.address = ctypes.addressof(anchor)  # stays valid until close(); the anchor need not
+        self.address = ctypes.addressof(anchor)  # the anchor may go; the address stays valid
         del anchor
 
     @property
