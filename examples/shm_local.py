@@ -19,7 +19,7 @@ def serve(transport: ShmTransport) -> None:
         model.ep_shutdown_workers()
     else:
         run_worker(model, slots)
-    print(f"rank {transport.rank}: slot digest {slots_digest(slots)}\n", end="", flush=True)  # one write: no interleaving
+    print(f"rank {transport.rank}: slot digest {slots_digest(slots)}\n", end="", flush=True)  # one write per line
 
 
 def main() -> None:
