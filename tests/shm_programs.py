@@ -74,6 +74,32 @@ def drive_random(model: ToyModel, slots: list[ToyState | None], commands: int, s
     model.ep_shutdown_workers()
 
 
+def serve_until_error(model: ToyModel, slots: list[ToyState | None], out: str) -> None:
+    """Worker: run until shutdown or an error; save the error's type, text and time (``None`` if none)."""
+    try:
+        run_worker(model, slots)
+    except Exception as error:
+        save(out, model.rank, error_type=type(error).__name__, error=str(error), at=time.time())
+        return  # a normal exit: the process must end by itself
+    save(out, model.rank, error_type=None, at=time.time())
+
+
+def stall_inside_a_command(model: ToyModel, slots: list[ToyState | None], check: int, stall: float, out: str) -> None:
+    """Head: a header whose follow-up word comes ``stall`` seconds late, then two sends; save what they raised."""
+    model.alloc(slots, 0)
+    model.ep_broadcast_cmd_for_seq(0, check)
+    sent_at = time.time()
+    time.sleep(stall)
+    sends: list[str] = []
+    for _ in range(2):
+        try:
+            model.ep_broadcast_cmd(0)
+            sends.append("sent")
+        except Exception as error:
+            sends.append(f"{type(error).__name__}: {error}")
+    save(out, 0, sends=sends, header_sent_at=sent_at)
+
+
 def soak(transport: ShmTransport, commands: int, seed: int, out: str) -> None:
     """Random commands from the head; every rank saves its slot digest."""
     model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
@@ -98,12 +124,7 @@ def head_dies(transport: ShmTransport, mid_command: bool, out: str) -> None:
         time.sleep(0.3)  # long past the spin time: the workers sleep in the kernel
         save(out, 0, died_at=time.time(), name=transport.name)
         os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        run_worker(model, slots)
-    except Exception as error:
-        save(out, transport.rank, error_type=type(error).__name__, error=str(error), at=time.time())
-        return
-    save(out, transport.rank, error_type=None, at=time.time())
+    serve_until_error(model, slots, out)
 
 
 def worker_dies(transport: ShmTransport, out: str) -> None:
@@ -112,10 +133,7 @@ def worker_dies(transport: ShmTransport, out: str) -> None:
     model = FaultyToy(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=5.0)
     slots: list[ToyState | None] = [None] * SLOTS
     if transport.rank != 0:
-        try:
-            run_worker(model, slots)
-        except Exception as error:
-            save(out, transport.rank, error_type=type(error).__name__, error=str(error))
+        serve_until_error(model, slots, out)
         return
     model.alloc(slots, 0)
     model.ep_broadcast_cmd_for_seq(0, CMD_DIE)
@@ -138,23 +156,9 @@ def head_stalls(transport: ShmTransport, stall: float, out: str) -> None:
     model = FaultyToy(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
     slots: list[ToyState | None] = [None] * SLOTS
     if transport.rank != 0:
-        try:
-            run_worker(model, slots)
-        except Exception as error:
-            save(out, transport.rank, error_type=type(error).__name__, error=str(error), at=time.time())
-        return
-    model.alloc(slots, 0)
-    model.ep_broadcast_cmd_for_seq(0, CMD_CHECK)  # its follow-up word comes too late
-    sent_at = time.time()
-    time.sleep(stall)
-    sends: list[str] = []
-    for _ in range(2):
-        try:
-            model.ep_broadcast_cmd(0)
-            sends.append("sent")
-        except Exception as error:
-            sends.append(f"{type(error).__name__}: {error}")
-    save(out, 0, sends=sends, header_sent_at=sent_at)
+        serve_until_error(model, slots, out)
+    else:
+        stall_inside_a_command(model, slots, CMD_CHECK, stall, out)
 
 
 def wakeups(transport: ShmTransport, gaps_s: list[float], out: str) -> None:

@@ -286,10 +286,10 @@ def test_attach_refuses_what_is_not_a_live_ring() -> None:
         ({"ring_bytes": 300_016}, ValueError, "ring_bytes must be a multiple of 64, got 300016"),
         ({"chunk_bytes": 100}, ValueError, "chunk_bytes must be a multiple of 64, got 100"),
         ({"chunk_bytes": 0}, ValueError, r"chunk_bytes=0 is out of range \(64 ..= "),
-        ({"spin_time": -1.0}, ValueError, "spin_time must be a 0 or more, finite number of seconds, got -1.0"),
+        ({"spin_time": -1.0}, ValueError, "spin_time must be a finite number of seconds >= 0, got -1.0"),
         ({"spin_time": float("inf")}, ValueError, "spin_time must be"),
-        ({"spin_time": "1"}, TypeError, "spin_time must be a 0 or more, finite number of seconds, got str"),
-        ({"setup_timeout": 0}, ValueError, "setup_timeout must be a positive, finite number of seconds, got 0"),
+        ({"spin_time": "1"}, TypeError, "spin_time must be a finite number of seconds >= 0, got str"),
+        ({"setup_timeout": 0}, ValueError, "setup_timeout must be a finite number of seconds > 0, got 0"),
         ({"setup_timeout": True}, TypeError, "setup_timeout must be"),
     ],
 )

@@ -18,6 +18,7 @@ from metrale_model_engine.torch import TorchEp, TorchTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
 from rank_results import save, wait_until_dead
+from shm_programs import serve_until_error, stall_inside_a_command
 
 SLOTS = 4
 CMD_CHECK = 50
@@ -237,23 +238,9 @@ def follow_up_timeout(rank: int, world_size: int, stall: float, out: str) -> Non
     model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
     slots: list[ToyState | None] = [None] * SLOTS
     if rank != 0:
-        try:
-            run_worker(model, slots)
-        except Exception as error:
-            save(out, rank, error_type=type(error).__name__, error=str(error), at=time.time())
-        return  # a normal exit: the process must end by itself
-    model.alloc(slots, 0)
-    model.ep_broadcast_cmd_for_seq(0, CMD_CHECK)  # its follow-up word comes too late
-    sent_at = time.time()
-    time.sleep(stall)
-    sends: list[str] = []
-    for _ in range(2):
-        try:
-            model.ep_broadcast_cmd(0)
-            sends.append("sent")
-        except Exception as error:
-            sends.append(f"{type(error).__name__}: {error}")
-    save(out, rank, sends=sends, header_sent_at=sent_at)
+        serve_until_error(model, slots, out)
+    else:
+        stall_inside_a_command(model, slots, CMD_CHECK, stall, out)
 
 
 LONG_PROMPT = list(range(1000, 1040))

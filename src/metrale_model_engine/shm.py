@@ -731,11 +731,11 @@ def _require_int(name: str, value: object, low: int, high: int) -> None:
 
 
 def _check_options(spin_time: object, setup_timeout: object) -> None:
-    for name, value, low in (("spin_time", spin_time, "0 or more"), ("setup_timeout", setup_timeout, "positive")):
+    for name, value, bound in (("spin_time", spin_time, ">= 0"), ("setup_timeout", setup_timeout, "> 0")):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError(f"{name} must be a {low}, finite number of seconds, got {type(value).__name__} {value!r}")
+            raise TypeError(f"{name} must be a finite number of seconds {bound}, got {type(value).__name__} {value!r}")
         if not math.isfinite(value) or value < 0 or (name == "setup_timeout" and value == 0):
-            raise ValueError(f"{name} must be a {low}, finite number of seconds, got {value}")
+            raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value}")
 
 
 def _require_platform() -> None:
