@@ -52,13 +52,7 @@ class ProcessWatch:
     def dead(self) -> list[int]:
         """The watched pids whose process has exited (one ``poll`` system call)."""
         gone = [self._fds[fd] for fd, _ in self._poll.poll(0)] if self._polled else []
-        for pid in self._signalled:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                gone.append(pid)
-            except PermissionError:
-                pass  # alive, owned by another user
+        gone += [pid for pid in self._signalled if not process_exists(pid)]
         return gone
 
     def close(self) -> None:
@@ -70,3 +64,14 @@ class ProcessWatch:
         self._pids.clear()
         self._signalled.clear()
         self._polled = False
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts; so would a later one reusing the pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True

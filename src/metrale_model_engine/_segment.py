@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ._errors import EpSetupError
+from ._liveness import process_exists
 
 SHM_DIR: Final[str] = "/dev/shm"
 NAME_PREFIX: Final[str] = "metrale-ep-"
@@ -253,13 +254,9 @@ def remove_stale_segments() -> list[str]:
         pid_text = name[len(NAME_PREFIX) :].split("-", 1)[0]
         if not name.startswith(NAME_PREFIX) or not pid_text.isdigit():
             continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
+        if not process_exists(int(pid_text)):
             unlink_segment(name)
             removed.append(name)
-        except PermissionError:
-            pass  # alive, another user's
     return removed
 
 

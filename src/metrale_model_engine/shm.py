@@ -105,7 +105,7 @@ from typing_extensions import Buffer, Self, TypeVarTuple, Unpack
 from . import _futex
 from ._errors import EpReceiveError, EpSendError, EpSetupError
 from ._launch import check_launch, join_all
-from ._liveness import ProcessWatch
+from ._liveness import ProcessWatch, process_exists
 from ._segment import (
     BELL_AT,
     GATHER_WORDS,
@@ -325,7 +325,7 @@ class ShmTransport:
                     f"rank={rank} is out of range for the ring's world_size={world_size} (1 ..= {world_size - 1})"
                 )
             holder = segment.u32[pid_at]
-            if holder and _alive(holder):
+            if holder and process_exists(holder):
                 raise EpSetupError(f"rank {rank} of ring {name!r} is attached already, by pid {holder}")
             segment.u32[pid_at] = os.getpid()
         except BaseException:
@@ -398,7 +398,8 @@ class ShmTransport:
             ValueError: too many words, or not u32 words.
             EpSetupError: a rank did not answer in time, died, or sent another count.
         """
-        self._require_open(EpSetupError)
+        if self._closed:
+            raise EpSetupError("this ShmTransport was closed")
         values = list(words)
         if len(values) > GATHER_WORDS or not all(type(v) is int and 0 <= v <= 0xFFFF_FFFF for v in values):
             raise ValueError(f"gather takes at most {GATHER_WORDS} u32 words, got {values!r}")
@@ -695,10 +696,6 @@ class ShmTransport:
         segment.u32[bell] = (segment.u32[bell] + 1) & 0xFFFF_FFFF
         _futex.futex_wake(segment.address + BELL_AT)
 
-    def _require_open(self, error: type[Exception]) -> None:
-        if self._closed:
-            raise error("this ShmTransport was closed")
-
 
 def _deadline(timeout: float | None) -> float | None:
     """The monotonic deadline of a wait of ``timeout`` seconds; 0, negative and NaN mean "now"."""
@@ -711,16 +708,6 @@ def _release(name: str, head_pid: int | None) -> None:
     """At close or garbage collection: the head's process unlinks the name if it is still there."""
     if head_pid is not None and os.getpid() == head_pid:
         unlink_segment(name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _require_int(name: str, value: object, low: int, high: int) -> None:
