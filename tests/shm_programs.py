@@ -14,6 +14,7 @@ import threading
 import time
 from array import array
 from collections.abc import MutableSequence
+from multiprocessing.connection import Connection
 
 from metrale_model_engine import EpProtocol, run_worker, shm
 from metrale_model_engine.shm import ShmTransport
@@ -216,3 +217,12 @@ def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> N
     latency = (time.perf_counter_ns() - (frame[0] | frame[1] << 32)) / 1e9
     sampler.join()
     save(out, transport.rank, cpu_fraction=(samples[1] - samples[0]) / window, wake_latency=latency)
+
+
+def forked_worker(name: str, rank: int, digests: Connection) -> None:
+    """A worker started by ``fork``: it attaches by name, serves, and sends its slot digest back."""
+    with ShmTransport.attach(name, rank) as transport:
+        model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V1)
+        slots: list[ToyState | None] = [None] * SLOTS
+        run_worker(model, slots)
+        digests.send(slots_digest(slots))

@@ -6,6 +6,7 @@ no segment in /dev/shm, which each test checks.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import statistics
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 from typing_extensions import TypeVarTuple, Unpack
 
-from metrale_model_engine import WorkerSummary
+from metrale_model_engine import EpProtocol, WorkerSummary
 from metrale_model_engine.shm import ShmTransport, run_local, shm_supported
+from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
 import shm_programs as programs
 from rank_results import load
@@ -118,3 +120,22 @@ def test_run_local_checks_its_arguments() -> None:
         run_local(programs.soak, 2.0, 1, 1, "")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         run_local(programs.soak, 2, 1, 1, "", timeout=0)
+
+
+def test_workers_started_by_fork_attach_by_name(tmp_path: Path) -> None:
+    """The head in this process, two forked workers; the forked copies of the head's object stay inert."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    with ShmTransport.create(3) as head:
+        workers = [context.Process(target=programs.forked_worker, args=(head.name, rank, send)) for rank in (1, 2)]
+        for worker in workers:
+            worker.start()
+        model = ToyModel(head, num_slots=programs.SLOTS, protocol=EpProtocol.V1)
+        assert not os.path.exists(f"/dev/shm/{head.name}")  # every worker attached: the name is gone
+        slots: list[ToyState | None] = [None] * programs.SLOTS
+        programs.drive_random(model, slots, 2_000, 5)
+        digests = [receive.recv() for _ in workers if receive.poll(60)]
+        for worker in workers:
+            worker.join(60)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert digests == [slots_digest(slots)] * 2
