@@ -31,8 +31,8 @@ SUPPORTED: Final[bool] = platform.system() == "Linux" and MACHINE in _FUTEX_SYSC
 TOTAL_STORE_ORDER: Final[bool] = MACHINE == "x86_64"
 """Whether plain stores become visible in program order, and loads are not reordered
 with each other (x86-64).  Where false (arm64), the ring adds :func:`full_fence`
-between a payload and the counter that publishes it, and between reading a counter
-and reading what it guards."""
+between a payload and the stamp that publishes it, and between reading a stamp or
+counter and reading what it guards."""
 
 
 class _Timespec(ctypes.Structure):

@@ -17,14 +17,13 @@ class ProcessWatch:
     process.  Not thread-safe; call :meth:`close` to release the descriptors.
     """
 
-    __slots__ = ("_fds", "_pids", "_poll", "_polled", "_signalled")
+    __slots__ = ("_fds", "_pids", "_poll", "_signalled")
 
     def __init__(self) -> None:
         self._pids: set[int] = set()
         self._fds: dict[int, int] = {}  # pidfd -> pid
         self._signalled: set[int] = set()  # pids watched by os.kill
         self._poll = select.poll()
-        self._polled = False
 
     def __len__(self) -> int:
         """How many processes are watched."""
@@ -47,11 +46,10 @@ class ProcessWatch:
             return
         self._fds[fd] = pid
         self._poll.register(fd, select.POLLIN)
-        self._polled = True
 
     def dead(self) -> list[int]:
         """The watched pids whose process has exited (one ``poll`` system call)."""
-        gone = [self._fds[fd] for fd, _ in self._poll.poll(0)] if self._polled else []
+        gone = [self._fds[fd] for fd, _ in self._poll.poll(0)] if self._fds else []
         gone += [pid for pid in self._signalled if not process_exists(pid)]
         return gone
 
@@ -63,7 +61,6 @@ class ProcessWatch:
         self._fds.clear()
         self._pids.clear()
         self._signalled.clear()
-        self._polled = False
 
 
 def process_exists(pid: int) -> bool:

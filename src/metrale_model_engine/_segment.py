@@ -95,6 +95,10 @@ class Layout:
         """Offset of reader ``reader``'s line (rank ``reader + 1``): consumed u64, then pid u32."""
         return _READERS_AT + LINE * reader
 
+    def pid_at(self, reader: int) -> int:
+        """Offset of reader ``reader``'s pid (u32), in its line after the consumed counter."""
+        return self.reader_at(reader) + 8
+
     def gather_at(self, rank: int) -> int:
         """Offset of rank ``rank``'s gather line: generation, ack, count, then the words."""
         return _READERS_AT + LINE * (self.readers + rank)

@@ -126,6 +126,7 @@ from ._segment import (
     create_segment,
     unlink_segment,
 )
+from ._transport import Broadcast
 
 __all__ = [
     "CHECK_INTERVAL",
@@ -228,7 +229,6 @@ class ShmTransport:
         self._u64, self._bytes, self._address = segment.u64, segment.bytes, segment.address
         self._ring, self._ring_at, self._chunk = layout.ring_bytes, layout.ring_at, layout.chunk_bytes
         self._wide = layout.readers > 8
-        self._consumed_word = layout.reader_at(rank - 1) // 8 if rank else -1
         self.rank: Final = rank
         self.world_size: Final = segment.layout.world_size
         self._reader = rank - 1
@@ -238,6 +238,7 @@ class ShmTransport:
         self._peers = ProcessWatch()
         self._next = 0  # the ring position (bytes since the start) of the next record to write or read
         self._reader_words = tuple(layout.reader_at(reader) // 8 for reader in range(layout.readers))
+        self._consumed_word = self._reader_words[self._reader] if rank else -1
         # The head may write below this position without looking at the workers' counters.
         self._room_until = layout.ring_bytes if layout.readers else 1 << 64
         self._next_check = 0.0  # when the head next checks that its workers live
@@ -318,7 +319,7 @@ class ShmTransport:
         _require_platform()
         segment = attach_segment(name)
         world_size = segment.layout.world_size
-        pid_at = segment.layout.reader_at(rank - 1) // 4 + 2
+        pid_at = segment.layout.pid_at(rank - 1) // 4
         try:
             if rank >= world_size:
                 raise ValueError(
@@ -382,7 +383,7 @@ class ShmTransport:
 
     # -- EpTransport -----------------------------------------------------------
 
-    def bind(self, words: Buffer) -> Callable[[float | None], None]:
+    def bind(self, words: Buffer) -> Broadcast:
         """A broadcaster of ``words`` (a C-contiguous u32 buffer): each call is one message."""
         data = memoryview(words).cast("B")
         return partial(self._send if self.rank == 0 else self._receive, data)
@@ -518,7 +519,7 @@ class ShmTransport:
         layout, u32 = self._segment.layout, self._segment.u32
         if len(self._peers) < layout.readers:
             for reader in range(layout.readers):
-                pid = u32[layout.reader_at(reader) // 4 + 2]
+                pid = u32[layout.pid_at(reader) // 4]
                 if pid:
                     self._peers.add(pid)
 
@@ -659,7 +660,7 @@ class ShmTransport:
     def _wait_for_ranks(self, ready: Callable[[], bool], doing: str) -> None:
         """A gather's wait: for every rank, bounded by ``setup_timeout``, woken by the bell."""
         segment, layout = self._segment, self._segment.layout
-        pid_words = [HEAD_PID_AT // 4] + [layout.reader_at(r) // 4 + 2 for r in range(layout.readers)]
+        pid_words = [HEAD_PID_AT // 4] + [layout.pid_at(r) // 4 for r in range(layout.readers)]
         watch = ProcessWatch()
 
         def check() -> None:
