@@ -226,3 +226,16 @@ def forked_worker(name: str, rank: int, digests: Connection) -> None:
         slots: list[ToyState | None] = [None] * SLOTS
         run_worker(model, slots)
         digests.send(slots_digest(slots))
+
+
+def stoppable_worker(name: str, report: Connection) -> None:
+    """A worker started by ``fork`` that serves until an error, then reports it and its slot state."""
+    with ShmTransport.attach(name, 1) as transport:
+        model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=30.0)
+        slots: list[ToyState | None] = [None] * SLOTS
+        try:
+            run_worker(model, slots)
+            outcome = "shut down"
+        except Exception as error:
+            outcome = f"{type(error).__name__}: {error}"
+        report.send((outcome, {s.seq_id: list(s.tokens) for s in slots if s is not None}))

@@ -10,10 +10,13 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from metrale_model_engine import (
     EpProtocol,
@@ -157,6 +160,115 @@ def test_a_full_ring_fails_the_head_after_its_timeout(pair: tuple[ShmTransport, 
     assert time.monotonic() - started < 1.0
 
 
+def test_a_send_cut_short_is_never_taken_for_a_whole_message() -> None:
+    """The issue's case: a 4 KiB ring, 1 KiB records, 3,072 words sent while the worker does not read."""
+    with ShmTransport.create(2, ring_bytes=4096, chunk_bytes=1024) as head, ShmTransport.attach(head.name, 1) as worker:
+        head.bind(payload(0, 5))(1.0)
+        with pytest.raises(EpSendError, match=r"the ring stayed full for 0\.05 s"):
+            head.bind(payload(1, 3072))(0.05)  # three records fit, then the wait for room times out
+        started = time.monotonic()
+        with pytest.raises(
+            EpSendError, match=r"the ring is broken since an earlier send failed \(the ring stayed full"
+        ):
+            head.bind(payload(2, 3072))(5.0)  # the caller caught the error and goes on: refused at once
+        assert time.monotonic() - started < 0.01
+        assert receive(worker, 5) == payload(0, 5)  # whole messages before the cut arrive whole
+        with pytest.raises(EpReceiveError, match=r"a send of the head failed after 3072 of the 12288 bytes of its"):
+            receive(worker, 3072)
+        assert head._segment.bytes[_segment.GONE_AT] == _segment.GONE_FAILED  # the worker left, and says so
+
+
+def test_a_send_that_fails_before_publishing_ends_the_ring_after_the_whole_messages(
+    pair: tuple[ShmTransport, ShmTransport],
+) -> None:
+    head, worker = pair
+    for seq in range(3):
+        head.bind(payload(seq, 16))(1.0)
+    with pytest.raises(EpSendError, match="the ring stayed full"):
+        head.bind(payload(3, 100))(0)  # no room for its first record: nothing of it is published
+    for seq in range(3):
+        assert receive(worker, 16) == payload(seq, 16)
+    with pytest.raises(EpReceiveError, match="a send of the head failed; the ring is broken, nothing more comes"):
+        receive(worker, 100)
+
+
+@pytest.mark.parametrize("forged", ["offset", "total"])
+def test_a_record_that_does_not_continue_its_message_is_corruption(
+    pair: tuple[ShmTransport, ShmTransport], forged: str
+) -> None:
+    head, worker = pair
+    head.bind(payload(0, 32))(1.0)  # 128 bytes: two records of 64
+    second = head._ring_at + 128  # the second record's line: stamp, total, offset
+    field = 2 if forged == "offset" else 1
+    head._u64[(second >> 3) + field] += 4
+    with pytest.raises(EpReceiveError, match="the ring is corrupt: the record at position 128 holds bytes from"):
+        receive(worker, 32)
+
+
+def _reader_outcomes(worker: ShmTransport, sizes: list[int], stalls: dict[int, float]) -> list[array[int] | str]:
+    """Receive every message in order, sleeping before some; stop at the first error (its text)."""
+    outcomes: list[array[int] | str] = []
+    for index, words in enumerate(sizes):
+        time.sleep(stalls.get(index, 0.0))
+        try:
+            outcomes.append(receive(worker, words, 10.0))
+        except EpReceiveError as error:
+            outcomes.append(f"EpReceiveError: {error}")
+            break
+    return outcomes
+
+
+@settings(max_examples=int(os.environ.get("METRALE_RING_EXAMPLES", "40")), deadline=None, derandomize=True)
+@given(data=st.data())
+def test_every_receive_is_exactly_what_was_sent_or_an_error(data: st.DataObject) -> None:
+    """Random rings, records, message sizes up to 3x the ring, stalled readers and short head timeouts.
+
+    Whatever point a send fails at, a reader gets the messages before it exactly, then
+    an EpReceiveError at the cut message, never a cut or mixed message; the head's
+    later sends are refused at once.
+    """
+    chunk = 64 * data.draw(st.integers(1, 8), label="chunk lines")
+    ring = 64 * data.draw(st.integers(2 * (chunk + 64) // 64, 64), label="ring lines")
+    readers = data.draw(st.integers(1, 2), label="readers")
+    sizes = data.draw(st.lists(st.integers(0, 3 * ring // 4), min_size=1, max_size=10), label="message words")
+    timeouts = data.draw(st.lists(st.sampled_from([0.0, 0.002, 0.02, 2.0]), min_size=len(sizes), max_size=len(sizes)))
+    stalls = [
+        data.draw(st.dictionaries(st.integers(0, len(sizes) - 1), st.sampled_from([0.001, 0.01, 0.04]), max_size=3))
+        for _ in range(readers)
+    ]
+    with ShmTransport.create(readers + 1, ring_bytes=ring, chunk_bytes=chunk) as head:
+        workers = [ShmTransport.attach(head.name, rank) for rank in range(1, readers + 1)]
+        try:
+            joins = [
+                in_thread(partial(_reader_outcomes, w, sizes, stall)) for w, stall in zip(workers, stalls, strict=True)
+            ]
+            failed_at = len(sizes)
+            for index, (words, timeout) in enumerate(zip(sizes, timeouts, strict=True)):
+                try:
+                    head.bind(payload(index, words))(timeout)
+                except EpSendError:
+                    failed_at = index
+                    break
+            if failed_at < len(sizes):
+                with pytest.raises(EpSendError, match="the ring is broken since an earlier send failed"):
+                    head.bind(payload(failed_at + 1, 1))(2.0)
+            head.close()
+            for outcomes in (join() for join in joins):
+                last = outcomes[-1]
+                event("no send failed" if failed_at == len(sizes) else "a send failed")
+                if isinstance(last, str):
+                    event("a reader saw a cut message" if " after " in last else "a reader saw nothing of it")
+                assert outcomes[:failed_at] == [payload(index, words) for index, words in enumerate(sizes[:failed_at])]
+                if failed_at < len(sizes):
+                    assert len(outcomes) == failed_at + 1
+                    assert isinstance(outcomes[-1], str) and "a send of the head failed" in outcomes[-1], outcomes[-1]
+                else:
+                    assert len(outcomes) == len(sizes)
+        finally:
+            for worker in workers:
+                worker.close()
+
+
 def test_a_closed_worker_fails_the_heads_next_send(pair: tuple[ShmTransport, ShmTransport]) -> None:
     head, worker = pair
     worker.close()
@@ -253,6 +365,73 @@ def test_a_stale_segment_of_a_dead_process_is_removed_and_never_reused(tmp_path:
         assert head.name != stale.name
 
 
+def _stale_name_of_a_dead_process() -> str:
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join()
+    return f"{_segment.NAME_PREFIX}{child.pid}-{os.urandom(8).hex()}"
+
+
+def test_a_stale_segment_that_cannot_be_removed_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm is sticky: another user's stale segment cannot be removed, and must not stop this run."""
+    stale = Path("/dev/shm", _stale_name_of_a_dead_process())
+    stale.write_bytes(b"")
+    real_unlink = os.unlink
+
+    def unlink(path: str) -> None:
+        if os.path.basename(path) == stale.name:
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        real_unlink(path)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        assert stale.name not in _segment.remove_stale_segments()
+        with ShmTransport.create(2) as head:
+            assert head.name.startswith(_segment.NAME_PREFIX) and stale.exists()
+    finally:
+        real_unlink(stale)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a part of the test as a second uid")
+def test_another_users_stale_segment_never_blocks_a_create() -> None:
+    """A segment root left behind, and a create by uid 65534 (nobody) in a forked child, as on a shared host."""
+    stale = Path("/dev/shm", _stale_name_of_a_dead_process())
+    stale.write_bytes(bytes(4096))  # owned by root, mode 0644, in the sticky /dev/shm
+    receive, send = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the interpreter is loaded already, so dropping privileges costs no file access
+        outcome = "no outcome"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with ShmTransport.create(2) as head:
+                outcome = f"created {head.name} as uid {os.getuid()}"
+        except BaseException as error:  # noqa: BLE001  (reported to the parent)
+            outcome = f"{type(error).__name__}: {error}"
+        finally:
+            os.write(send, outcome.encode())
+            os._exit(0)
+    os.close(send)
+    try:
+        _, status = os.waitpid(pid, 0)
+        outcome = os.read(receive, 4096).decode()
+    finally:
+        os.close(receive)
+        stale.unlink()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert outcome.startswith("created metrale-ep-") and outcome.endswith("as uid 65534"), outcome
+
+
+def test_segment_names_are_unguessable() -> None:
+    names = set()
+    for _ in range(3):
+        with ShmTransport.create(2) as head:
+            names.add(head.name)
+            suffix = head.name.rsplit("-", 1)[1]
+            assert len(suffix) == 16 and int(suffix, 16) >= 0  # 64 random bits from secrets
+    assert len(names) == 3
+
+
 def test_attach_refuses_what_is_not_a_live_ring() -> None:
     with pytest.raises(EpSetupError, match="no shared-memory segment"):
         ShmTransport.attach(f"{_segment.NAME_PREFIX}{os.getpid()}-missing", 1)
@@ -261,7 +440,9 @@ def test_attach_refuses_what_is_not_a_live_ring() -> None:
     garbage = Path("/dev/shm", f"{_segment.NAME_PREFIX}{os.getpid()}-garbage")
     garbage.write_bytes(bytes(8192))
     try:
-        with pytest.raises(EpSetupError, match="is not a ring of this library's layout version 1"):
+        with pytest.raises(
+            EpSetupError, match=f"is not a ring of this library's layout version {_segment.LAYOUT_VERSION}"
+        ):
             ShmTransport.attach(garbage.name, 1)
     finally:
         garbage.unlink()

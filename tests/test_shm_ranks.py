@@ -9,14 +9,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import signal
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from typing_extensions import TypeVarTuple, Unpack
 
-from metrale_model_engine import EpProtocol, WorkerSummary
+from metrale_model_engine import EpProtocol, EpSendError, WorkerSummary
 from metrale_model_engine.shm import ShmTransport, run_local, shm_supported
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
@@ -74,8 +76,8 @@ def test_worker_killed_the_heads_next_sends_fail(tmp_path: Path) -> None:
     assert head["error_type"] == "EpSendError"
     assert "died" in str(head["error"])
     assert float(head["seconds"]) < 5.0  # type: ignore[arg-type]  # the command timeout
-    assert results[2]["error_type"] == "EpReceiveError"  # the head left: closed, or dead
-    assert "the head closed the ring" in str(results[2]["error"])
+    assert results[2]["error_type"] == "EpReceiveError"  # the head's failed send broke the ring
+    assert "a send of the head failed; the ring is broken" in str(results[2]["error"])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -139,3 +141,36 @@ def test_workers_started_by_fork_attach_by_name(tmp_path: Path) -> None:
             worker.join(60)
     assert [worker.exitcode for worker in workers] == [0, 0]
     assert digests == [slots_digest(slots)] * 2
+
+
+def test_a_worker_stopped_past_the_heads_timeout_never_takes_a_cut_message(tmp_path: Path) -> None:
+    """The issue's case end to end: a 4 KiB ring, 1 KiB records, a 3,072-token prompt, a SIGSTOPped worker."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    with ShmTransport.create(2, ring_bytes=4096, chunk_bytes=1024) as head:
+        worker = context.Process(target=programs.stoppable_worker, args=(head.name, send))
+        worker.start()
+        try:
+            model = ToyModel(head, num_slots=programs.SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
+            slots: list[ToyState | None] = [None] * programs.SLOTS
+            model.alloc(slots, 0)
+            assert worker.pid is not None
+            os.kill(worker.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(EpSendError, match=r"the ring stayed full for 1\.0 s: worker rank"):
+                model.prefill(slots, 0, list(range(3_072)))
+            assert 0.9 < time.monotonic() - started < 5.0
+            started = time.monotonic()
+            with pytest.raises(EpSendError, match="the ring is broken since an earlier send failed"):
+                model.decode(slots, 0)  # the caller caught the error and goes on: refused at once
+            assert time.monotonic() - started < 0.1
+        finally:
+            if worker.pid is not None:
+                os.kill(worker.pid, signal.SIGCONT)
+        assert receive.poll(30), "the worker did not report"
+        outcome, worker_slots = receive.recv()
+        worker.join(30)
+    assert worker.exitcode == 0
+    assert outcome.startswith("EpReceiveError: ") and "a send of the head failed after" in outcome, outcome
+    assert "of the 12288 bytes of its message, which is abandoned" in outcome, outcome
+    assert worker_slots == {0: []}  # the prompt never reached the slot

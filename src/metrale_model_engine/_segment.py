@@ -17,8 +17,8 @@ reader lines              one line per reader: consumed position u64 (the head's
                           word when the ring is full), pid u32
 gather lines              one line per rank: generation, acknowledgement, count, 13 words
 ring (page-aligned)       ``ring_bytes`` of records, each at a 64-byte boundary: a line
-                          with the stamp u64 and the message bytes u64, then up to
-                          ``chunk_bytes`` of payload
+                          with the stamp u64, the message's bytes u64 and the record's
+                          offset in its message u64, then up to ``chunk_bytes`` of payload
 ========================  ==================================================================
 
 A counter and each flag have their own cache line, or share one only with fields
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import secrets
@@ -45,7 +46,8 @@ NAME_PREFIX: Final[str] = "metrale-ep-"
 LINE: Final[int] = 64
 """Bytes per cache line: every field group starts on its own."""
 MAGIC: Final[int] = 0x3153_4D48_5350_454D  # b"MEPSHMS1", little-endian
-LAYOUT_VERSION: Final[int] = 1
+LAYOUT_VERSION: Final[int] = 2
+"""2: every record carries its offset in its message, so a continuation is checked against its message."""
 MAX_WORLD_SIZE: Final[int] = LINE
 """Ranks in one segment at most: the parked and gone lines hold one byte per reader."""
 GATHER_WORDS: Final[int] = LINE // 4 - 3
@@ -53,6 +55,8 @@ GATHER_WORDS: Final[int] = LINE // 4 - 3
 
 HEAD_OPEN: Final[int] = 0
 HEAD_CLOSED: Final[int] = 1
+HEAD_BROKEN: Final[int] = 2
+"""A send of the head failed: what it published last may be a cut message, and nothing follows."""
 GONE_CLOSED: Final[int] = 1
 GONE_FAILED: Final[int] = 2
 
@@ -68,12 +72,13 @@ PARKED_AT: Final[int] = 2 * LINE
 GONE_AT: Final[int] = 3 * LINE
 _READERS_AT: Final[int] = 4 * LINE
 _PAGE: Final[int] = mmap.PAGESIZE
+_LOGGER = logging.getLogger("metrale_model_engine.shm")
 
 
 RECORD_HEADER: Final[int] = LINE
-"""Bytes before a record's payload: a line of its own for the stamp and the message's length,
-so that the line a waiting reader polls is written twice per record (length, stamp), not
-once per payload store."""
+"""Bytes before a record's payload: a line of its own for the stamp, the message's length and
+the record's offset in its message, so that the line a waiting reader polls is written a
+few times per record, not once per payload store."""
 
 
 @dataclass(frozen=True)
@@ -248,7 +253,12 @@ def unlink_segment(name: str) -> None:
 
 
 def remove_stale_segments() -> list[str]:
-    """Unlink the segments whose creating process no longer exists; return their names."""
+    """Unlink the segments whose creating process no longer exists; return their names.
+
+    What cannot be removed is skipped (logged at debug level): ``/dev/shm`` is sticky,
+    so another user's stale segment, or a file any local user planted under the
+    prefix, is theirs to remove, and must never stop this user's runs.
+    """
     removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
@@ -258,9 +268,16 @@ def remove_stale_segments() -> list[str]:
         pid_text = name[len(NAME_PREFIX) :].split("-", 1)[0]
         if not name.startswith(NAME_PREFIX) or not pid_text.isdigit():
             continue
-        if not process_exists(int(pid_text)):
-            unlink_segment(name)
-            removed.append(name)
+        if process_exists(int(pid_text)):
+            continue
+        try:
+            os.unlink(segment_path(name))
+        except FileNotFoundError:
+            continue  # another run removed it first
+        except OSError as error:
+            _LOGGER.debug("left the stale segment %s in place: %s", name, error)
+            continue
+        removed.append(name)
     return removed
 
 

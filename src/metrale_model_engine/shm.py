@@ -77,6 +77,12 @@ Faults
     head ends a worker's wait, once the worker has read everything the head
     published.
 
+    A failed send ends the ring for the head, as a failed broadcast ends a gloo
+    group: it may have published part of a message, so every later send raises at
+    once, and each worker reads the whole messages before the cut, then raises.
+    Every record carries its offset in its message and the message's length, so a
+    record that does not continue the message being read is corruption, never data.
+
 Lifecycle
     The head unlinks the segment's name as soon as every worker has attached (at
     the first :meth:`~ShmTransport.gather`, which ``WireEp`` runs at setup), so no
@@ -112,7 +118,9 @@ from ._segment import (
     GONE_AT,
     GONE_CLOSED,
     GONE_FAILED,
+    HEAD_BROKEN,
     HEAD_CLOSED,
+    HEAD_OPEN,
     HEAD_PID_AT,
     HEAD_STATE_AT,
     LINE,
@@ -189,7 +197,8 @@ class ShmTransport:
     ``0`` or less checks once and does not wait.
 
     Errors: a failed broadcast raises :class:`~metrale_model_engine.EpSendError` on
-    the head and :class:`~metrale_model_engine.EpReceiveError` on a worker (a
+    the head (and every later one too: the ring is broken, see the module's
+    "Faults") and :class:`~metrale_model_engine.EpReceiveError` on a worker (a
     message of another length than the receive expects included: the message
     names both), a failed gather :class:`~metrale_model_engine.EpSetupError`.
     """
@@ -197,6 +206,7 @@ class ShmTransport:
     __slots__ = (
         "__weakref__",
         "_address",
+        "_broken",
         "_bytes",
         "_chunk",
         "_closed",
@@ -245,6 +255,7 @@ class ShmTransport:
         self._gathers = 0
         self._unlinked = rank != 0
         self._closed = False
+        self._broken: str | None = None  # why a send failed: the ring is then over for the head
         self._finalizer = weakref.finalize(self, _release, segment.name, self._owner if rank == 0 else None)
 
     # -- building ------------------------------------------------------------
@@ -372,7 +383,8 @@ class ShmTransport:
         segment = self._segment
         if os.getpid() == self._owner:
             if self.rank == 0:
-                segment.u32[HEAD_STATE_AT // 4] = HEAD_CLOSED
+                if segment.u32[HEAD_STATE_AT // 4] == HEAD_OPEN:  # a broken ring stays broken
+                    segment.u32[HEAD_STATE_AT // 4] = HEAD_CLOSED
                 _futex.full_fence()
                 _futex.futex_wake(self._address + self._ring_at + self._next % self._ring)  # where workers wait
             else:
@@ -434,6 +446,15 @@ class ShmTransport:
     def _send(self, data: memoryview, timeout: float | None) -> None:
         if self._closed:
             raise EpSendError("this ShmTransport was closed")
+        if self._broken is not None:
+            raise EpSendError(f"the ring is broken since an earlier send failed ({self._broken}); nothing more is sent")
+        try:
+            self._publish(data, timeout)
+        except BaseException as error:
+            self._break(error)
+            raise
+
+    def _publish(self, data: memoryview, timeout: float | None) -> None:
         u64, view = self._u64, self._bytes
         now = time.monotonic()
         if now >= self._next_check or u64[_GONE_WORD] or (self._wide and any(view[_WIDE_GONE])):
@@ -462,8 +483,10 @@ class ShmTransport:
             u64[(base + (spot + size) % ring) >> 3] = 0
             if not _futex.TOTAL_STORE_ORDER:
                 _futex.full_fence()
-            u64[(record >> 3) + 1] = _WRAP if wrap else total  # the polled line, touched last
-            u64[record >> 3] = at + 1  # the stamp: the record is published
+            line = record >> 3
+            u64[line + 1] = _WRAP if wrap else total  # the polled line, touched last
+            u64[line + 2] = offset  # where this record's bytes sit in the message
+            u64[line] = at + 1  # the stamp: the record is published
             self._next = at + size
             _futex.full_fence()  # the stamp is visible before the parked bytes are read
             if u64[_PARKED_WORD] or (self._wide and any(view[_WIDE_PARKED])):
@@ -472,6 +495,21 @@ class ShmTransport:
                 if end >= total:
                     return
                 offset = end
+
+    def _break(self, error: BaseException) -> None:
+        """After a failed send: no more sends, and the workers learn it when they reach the cut.
+
+        A send can fail after publishing part of a message (the ring stayed full for
+        the whole timeout, a worker died); those records stay in the ring.  Rather
+        than let a worker take the next message for the rest of this one, the ring
+        ends here for the head: the workers read every whole message before the cut,
+        then raise.
+        """
+        self._broken = str(error) or type(error).__name__
+        if os.getpid() == self._owner and not self._closed:
+            self._segment.u32[HEAD_STATE_AT // 4] = HEAD_BROKEN
+            _futex.full_fence()
+            _futex.futex_wake(self._address + self._ring_at + self._next % self._ring)  # where workers wait
 
     def _wait_for_room(self, need: int, deadline: float | None, timeout: float | None) -> None:
         """Return once every worker has consumed the ring up to ``need - ring_bytes``."""
@@ -539,23 +577,32 @@ class ShmTransport:
         if self._closed:
             raise _Closed
         u64, view = self._u64, self._bytes
-        expected, offset, deadline, mismatch = len(data), 0, None, -1
+        expected, offset, deadline, mismatch, message = len(data), 0, None, -1, 0
         chunk, ring, base = self._chunk, self._ring, self._ring_at
         while True:
             at = self._next
             record = base + at % ring
-            if u64[record >> 3] != at + 1:
+            line = record >> 3
+            if u64[line] != at + 1:
                 if deadline is None:
                     deadline = _deadline(timeout)
-                self._wait_for_record(at, record, deadline, timeout)
+                self._wait_for_record(at, record, deadline, timeout, offset, message)
             if not _futex.TOTAL_STORE_ORDER:
                 _futex.full_fence()
-            total = u64[(record >> 3) + 1]
+            total = u64[line + 1]
             if total == _WRAP:
                 self._consumed(at + ring - at % ring)
                 continue
-            if offset == 0 and total != expected:
-                mismatch = total  # consumed to its end, unread, then reported
+            placed = u64[line + 2]
+            if placed != offset or (offset and total != message):
+                raise EpReceiveError(
+                    f"the ring is corrupt: the record at position {at} holds bytes from {placed} of a {total}-byte "
+                    f"message, but this rank is reading bytes from {offset} of a {message}-byte message"
+                )
+            if offset == 0:
+                message = total
+                if total != expected:
+                    mismatch = total  # consumed to its end, unread, then reported
             end = offset + chunk if total - offset > chunk else total
             if mismatch < 0:
                 start = record + RECORD_HEADER
@@ -581,9 +628,16 @@ class ShmTransport:
         if u64[_WRITER_PARKED_WORD]:
             _futex.futex_wake(self._address + 8 * self._consumed_word)
 
-    def _wait_for_record(self, at: int, record: int, deadline: float | None, timeout: float | None) -> None:
-        """Wait until the record at position ``at`` (offset ``record``) is published."""
+    def _wait_for_record(
+        self, at: int, record: int, deadline: float | None, timeout: float | None, offset: int, message: int
+    ) -> None:
+        """Wait until the record at position ``at`` (offset ``record``) is published.
+
+        ``offset`` bytes of a ``message``-byte message have arrived so far (0: the
+        record starts a message).
+        """
         u64, stamp = self._u64, record >> 3
+        check = partial(self._check_head, offset, message)
 
         def published() -> bool:
             found = u64[stamp]
@@ -592,15 +646,19 @@ class ShmTransport:
             return found != 0
 
         try:
-            self._wait(published, lambda: record, PARKED_AT + self._reader, deadline, self._check_head)
+            self._wait(published, lambda: record, PARKED_AT + self._reader, deadline, check)
         except TimeoutError:
             raise EpReceiveError(f"timed out: no message from the head within {timeout} s") from None
 
-    def _check_head(self) -> None:
+    def _check_head(self, offset: int = 0, message: int = 0) -> None:
         if self._closed:
             raise _Closed
         segment = self._segment
-        if segment.u32[HEAD_STATE_AT // 4] == HEAD_CLOSED:
+        state = segment.u32[HEAD_STATE_AT // 4]
+        if state == HEAD_BROKEN:
+            cut = f" after {offset} of the {message} bytes of its message, which is abandoned" if offset else ""
+            raise EpReceiveError(f"a send of the head failed{cut}; the ring is broken, nothing more comes")
+        if state == HEAD_CLOSED:
             raise EpReceiveError("the head closed the ring")
         if self._peers.dead():
             raise EpReceiveError(f"the head (pid {segment.u32[HEAD_PID_AT // 4]}) died")
