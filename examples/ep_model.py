@@ -17,36 +17,37 @@ from collections.abc import MutableSequence
 
 import torch.distributed as dist
 
-from metrale_model_engine import SequenceState, TokenArray, as_u32_buffer, run_worker
-from metrale_model_engine.torch import TorchEp, init_group_from_env, run_local
+from metrale_model_engine import EpLink, LinkedEp, SequenceState, TokenArray, as_u32_buffer, run_worker
+from metrale_model_engine.torch import init_group_from_env, open_link, run_group
 
 PREFILL, DECODE = 1, 2
 
 
-class MyModel(TorchEp[SequenceState]):
-    __slots__ = ()
+class MyModel(LinkedEp[SequenceState]):
+    __slots__ = ("ep_link",)
 
-    # head side of each command: check everything, then broadcast, then apply locally
+    def __init__(self, link: EpLink) -> None:
+        self.ep_link = link  # the engine: setup agreement, sends, receives
+
+    # head side of each command: check everything, then send it (one message), then apply it locally
     def prefill(self, slots: list[SequenceState | None], seq_id: int, prompt: TokenArray) -> None:
         tokens = as_u32_buffer("prompt", prompt)  # bad tokens raise here; nothing is sent
-        self.ep_broadcast_cmd_for_seq(seq_id, PREFILL)
-        self.ep_broadcast_tokens(tokens)
+        self.ep_link.send_command(seq_id, PREFILL, tokens)
         slots[seq_id] = SequenceState(seq_id, memoryview(tokens).tolist())
 
     def decode(self, slots: list[SequenceState | None], seq_id: int, token: int) -> None:
         state = slots[seq_id]
         if state is None:
             raise KeyError(f"decode: slot {seq_id} is free")
-        self.ep_broadcast_cmd_for_seq(seq_id, DECODE)
-        self.ep_broadcast_cmd(token)
+        self.ep_link.send_command(seq_id, DECODE, token)
         state.append(token)
 
     # worker side: read the whole command, then apply it
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
         if cmd == PREFILL:
-            slots[seq_id] = SequenceState(seq_id, self.ep_recv_tokens())
+            slots[seq_id] = SequenceState(seq_id, self.ep_link.recv_tokens())
         elif cmd == DECODE:
-            token = self.ep_recv_word()
+            token = self.ep_link.recv_word()
             state = slots[seq_id]
             if state is None:
                 raise KeyError(f"decode: slot {seq_id} is free")
@@ -56,19 +57,19 @@ class MyModel(TorchEp[SequenceState]):
 
 
 def serve(rank: int, world_size: int) -> None:
-    """One rank's part; the model's construction is collective over the group."""
-    model = MyModel(num_slots=8)
-    slots: list[SequenceState | None] = [None] * 8
-    if model.rank == 0:
-        model.prefill(slots, 5, [11, 12, 13])
-        model.prefill(slots, 2, list(range(100, 140)))  # longer than a frame: count + bulk
-        for step in range(3):
-            model.decode(slots, 5, 20 + step)
-            model.decode(slots, 2, 30 + step)
-        model.ep_shutdown_workers()
-    else:
-        summary = run_worker(model, slots)  # until the shutdown header
-        say(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed")
+    """One rank's part; opening the link is collective over the group."""
+    with MyModel(open_link(num_slots=8)) as model:  # leaving the block closes the link
+        slots: list[SequenceState | None] = [None] * 8
+        if rank == 0:
+            model.prefill(slots, 5, [11, 12, 13])
+            model.prefill(slots, 2, list(range(100, 140)))
+            for step in range(3):
+                model.decode(slots, 5, 20 + step)
+                model.decode(slots, 2, 30 + step)
+            model.ep_link.shutdown_workers()
+        else:
+            summary = run_worker(model, slots)  # until the shutdown header
+            say(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed")
     live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
     say(f"rank {rank} of {world_size}: slots {live}")
 
@@ -85,7 +86,7 @@ def main() -> None:
         serve(dist.get_rank(), dist.get_world_size())
         dist.destroy_process_group()  # leave the group before the interpreter exits
     else:
-        codes = run_local(serve, 2)
+        codes = run_group(serve, 2)
         if any(codes):
             raise SystemExit(f"rank exit codes {codes}")
 

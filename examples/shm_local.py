@@ -3,27 +3,27 @@
 python examples/shm_local.py
 """
 
-from metrale_model_engine import EpProtocol, run_worker
-from metrale_model_engine.shm import ShmTransport, run_local
+from metrale_model_engine import EpLink, ProtocolVersion, run_worker
+from metrale_model_engine.shm import ShmTransport, run_ring
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
 
 def serve(transport: ShmTransport) -> None:
-    model = ToyModel(transport, num_slots=4, protocol=EpProtocol.V2)  # collective: every rank builds its model
+    model = ToyModel(EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2))  # collective: every rank
     slots: list[ToyState | None] = [None] * 4
     if transport.rank == 0:
         model.alloc(slots, 1)
-        model.prefill(slots, 1, list(range(100_000)))  # 400 KB: four records of the ring
+        model.prefill(slots, 1, list(range(100_000)))  # 400 KB: one message, four records of the ring
         for _ in range(3):
             model.decode(slots, 1)
-        model.ep_shutdown_workers()
+        model.ep_link.shutdown_workers()
     else:
         run_worker(model, slots)
     print(f"rank {transport.rank}: slot digest {slots_digest(slots)}\n", end="", flush=True)  # one write per line
 
 
 def main() -> None:
-    codes = run_local(serve, 3)  # spawned processes; rank 0 creates the ring, the others attach
+    codes = run_ring(serve, 3)  # spawned processes; rank 0 creates the ring, the others attach
     if any(codes):
         raise SystemExit(f"rank exit codes {codes}")
 

@@ -5,17 +5,17 @@ Run as ``python tests/exit_without_teardown.py`` with torchrun's env:// variable
 
 import torch.distributed as dist
 
-from metrale_model_engine import EpProtocol, run_worker
+from metrale_model_engine import EpLink, ProtocolVersion, run_worker
 from metrale_model_engine.torch import TorchTransport
 from metrale_model_engine.toy import ToyModel, ToyState
 
 dist.init_process_group("gloo")
-model = ToyModel(TorchTransport(), num_slots=2, protocol=EpProtocol.V2, command_timeout=20)
+model = ToyModel(EpLink(TorchTransport(), num_slots=2, protocol=ProtocolVersion.V2, command_timeout=20))
 slots: list[ToyState | None] = [None, None]
-if model.rank == 0:
+if model.ep_link.rank == 0:
     model.alloc(slots, 1)
     model.prefill(slots, 1, list(range(30)))
     model.decode(slots, 1)
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()  # and no close, no destroy_process_group: the exit hook's job
 else:
     run_worker(model, slots)

@@ -1,4 +1,4 @@
-"""Rank programs for the shared-memory tests: each runs in a process of ``shm.run_local``.
+"""Rank programs for the shared-memory tests: each runs in a process of ``shm.run_ring``.
 
 Each takes its rank's :class:`ShmTransport` first and writes what it saw with
 :func:`rank_results.save`.  Torch-free: these run on every Python version.
@@ -16,7 +16,7 @@ from array import array
 from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 
-from metrale_model_engine import EpProtocol, run_worker, shm
+from metrale_model_engine import EpLink, ProtocolVersion, _waiting, run_worker
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
@@ -38,10 +38,10 @@ class FaultyToy(ToyModel):
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
         if cmd == CMD_CHECK:
-            self.ep_recv_word()
+            self.ep_link.recv_word()
             return
         if cmd == CMD_DIE:
-            if self.ep_recv_word() == self.rank:
+            if self.ep_link.recv_word() == self.ep_link.rank:
                 os.kill(os.getpid(), signal.SIGKILL)
             return
         super().ep_run_command(seq_id, cmd, slots)
@@ -72,7 +72,7 @@ def drive_random(model: ToyModel, slots: list[ToyState | None], commands: int, s
         else:
             model.decode(slots, rng.choice(live))
         sent += 1
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()
 
 
 def serve_until_error(model: ToyModel, slots: list[ToyState | None], out: str) -> None:
@@ -80,9 +80,9 @@ def serve_until_error(model: ToyModel, slots: list[ToyState | None], out: str) -
     try:
         run_worker(model, slots)
     except Exception as error:
-        save(out, model.rank, error_type=type(error).__name__, error=str(error), at=time.time())
+        save(out, model.ep_link.rank, error_type=type(error).__name__, error=str(error), at=time.time())
         return  # a normal exit: the process must end by itself
-    save(out, model.rank, error_type=None, at=time.time())
+    save(out, model.ep_link.rank, error_type=None, at=time.time())
 
 
 def stall_inside_a_command(model: ToyModel, slots: list[ToyState | None], check: int, stall: float, out: str) -> None:
@@ -103,11 +103,12 @@ def stall_inside_a_command(model: ToyModel, slots: list[ToyState | None], check:
 
 def soak(transport: ShmTransport, commands: int, seed: int, out: str) -> None:
     """Random commands from the head; every rank saves its slot digest."""
-    model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
     slots: list[ToyState | None] = [None] * SLOTS
     if transport.rank == 0:
+        name = transport.name
         drive_random(model, slots, commands, seed)
-        save(out, 0, digest=slots_digest(slots), name=transport.name)
+        save(out, 0, digest=slots_digest(slots), name=name)
     else:
         summary = run_worker(model, slots)
         save(out, transport.rank, digest=slots_digest(slots), summary=summary)
@@ -115,7 +116,7 @@ def soak(transport: ShmTransport, commands: int, seed: int, out: str) -> None:
 
 def head_dies(transport: ShmTransport, mid_command: bool, out: str) -> None:
     """The head kills itself while the workers wait: idle, or inside a command (after its header)."""
-    model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
     slots: list[ToyState | None] = [None] * SLOTS
     if transport.rank == 0:
         model.alloc(slots, 0)
@@ -131,7 +132,7 @@ def head_dies(transport: ShmTransport, mid_command: bool, out: str) -> None:
 def worker_dies(transport: ShmTransport, out: str) -> None:
     """Worker 1 kills itself inside a command; the head keeps sending until a send fails."""
     pids = [words[0] for words in transport.gather([os.getpid()])]
-    model = FaultyToy(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=5.0)
+    model = FaultyToy(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=5.0))
     slots: list[ToyState | None] = [None] * SLOTS
     if transport.rank != 0:
         serve_until_error(model, slots, out)
@@ -154,7 +155,7 @@ def worker_dies(transport: ShmTransport, out: str) -> None:
 
 def head_stalls(transport: ShmTransport, stall: float, out: str) -> None:
     """The head stalls inside a command longer than the workers' command timeout (1 s)."""
-    model = FaultyToy(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
+    model = FaultyToy(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=1.0))
     slots: list[ToyState | None] = [None] * SLOTS
     if transport.rank != 0:
         serve_until_error(model, slots, out)
@@ -166,24 +167,22 @@ def wakeups(transport: ShmTransport, gaps_s: list[float], out: str) -> None:
     """Timestamps sent after idle gaps around the spin time; workers record each one's latency.
 
     The sleep cap is raised to 2 s in every rank, so that a lost wake-up, which
-    only the cap would end, shows as a latency of a second or more.
+    only the cap would end, shows as a latency of a second or more.  Run it with
+    the spin learning off (``max_spin_time=spin_time``): the gaps must reach the
+    futex, not a learned spin.
     """
-    shm.CHECK_INTERVAL = 2.0  # type: ignore[misc]  # deliberately, for this test
-    frame = array("I", bytes(8))
-    broadcast = transport.bind(frame)
+    _waiting.CHECK_INTERVAL = 2.0  # type: ignore[misc]  # deliberately, for this test
     if transport.rank == 0:
         for gap in gaps_s:
             deadline = time.perf_counter() + gap
             while time.perf_counter() < deadline:
                 pass  # a busy wait: sleep() granularity is coarser than the gaps
-            now = time.perf_counter_ns()
-            frame[0], frame[1] = now & 0xFFFF_FFFF, now >> 32
-            broadcast(10.0)
+            transport.send((array("Q", [time.perf_counter_ns()]),), 10.0)
         return
     latencies = []
     for _ in gaps_s:
-        broadcast(10.0)
-        latencies.append((time.perf_counter_ns() - (frame[0] | frame[1] << 32)) / 1e9)
+        sent = array("Q", transport.receive(10.0).tobytes())[0]
+        latencies.append((time.perf_counter_ns() - sent) / 1e9)
     save(out, transport.rank, latencies=latencies)
 
 
@@ -193,14 +192,10 @@ def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> N
     A sampler thread reads the worker's own ``getrusage`` while the main thread
     waits in its receive.
     """
-    frame = array("I", bytes(8))
-    broadcast = transport.bind(frame)
     transport.gather([0])  # both ranks are here: the idle time starts now
     if transport.rank == 0:
         time.sleep(idle + window + 0.2)
-        now = time.perf_counter_ns()
-        frame[0], frame[1] = now & 0xFFFF_FFFF, now >> 32
-        broadcast(10.0)
+        transport.send((array("Q", [time.perf_counter_ns()]),), 10.0)
         return
     samples: list[float] = []
 
@@ -213,8 +208,8 @@ def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> N
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    broadcast(None)
-    latency = (time.perf_counter_ns() - (frame[0] | frame[1] << 32)) / 1e9
+    sent = array("Q", transport.receive(None).tobytes())[0]
+    latency = (time.perf_counter_ns() - sent) / 1e9
     sampler.join()
     save(out, transport.rank, cpu_fraction=(samples[1] - samples[0]) / window, wake_latency=latency)
 
@@ -222,7 +217,7 @@ def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> N
 def forked_worker(name: str, rank: int, digests: Connection) -> None:
     """A worker started by ``fork``: it attaches by name, serves, and sends its slot digest back."""
     with ShmTransport.attach(name, rank) as transport:
-        model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V1)
+        model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V1))
         slots: list[ToyState | None] = [None] * SLOTS
         run_worker(model, slots)
         digests.send(slots_digest(slots))
@@ -231,7 +226,7 @@ def forked_worker(name: str, rank: int, digests: Connection) -> None:
 def stoppable_worker(name: str, report: Connection) -> None:
     """A worker started by ``fork`` that serves until an error, then reports it and its slot state."""
     with ShmTransport.attach(name, 1) as transport:
-        model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=30.0)
+        model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=30.0))
         slots: list[ToyState | None] = [None] * SLOTS
         try:
             run_worker(model, slots)

@@ -7,8 +7,16 @@ import metrale_model_engine
 def test_every_public_name_is_exported() -> None:
     for name in metrale_model_engine.__all__:
         assert getattr(metrale_model_engine, name) is not None
-    for required in ("ModelEp", "EpCommandFailed", "SequenceState", "EpProtocol", "run_worker"):
-        assert required in metrale_model_engine.__all__
+    for name in (
+        "ModelEp",
+        "EpCommandFailed",
+        "SequenceState",
+        "ProtocolVersion",
+        "run_worker",
+        "EpLink",
+        "LinkedEp",
+    ):
+        assert name in metrale_model_engine.__all__
 
 
 def test_importing_the_core_never_imports_torch() -> None:

@@ -1,6 +1,6 @@
 """The shared-memory transport between real processes: sessions, soak, faults, wake-ups, idle CPU.
 
-Every run is bounded (``shm.run_local`` kills what outlives its timeout) and leaves
+Every run is bounded (``shm.run_ring`` kills what outlives its timeout, and raises) and leaves
 no segment in /dev/shm, which each test checks.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from typing_extensions import TypeVarTuple, Unpack
 
-from metrale_model_engine import EpProtocol, EpSendError, WorkerSummary
-from metrale_model_engine.shm import ShmTransport, run_local, shm_supported
+from metrale_model_engine import EpLink, EpSendError, ProtocolVersion, WorkerSummary, shm
+from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
 import shm_programs as programs
@@ -32,10 +32,14 @@ Ts = TypeVarTuple("Ts")
 
 
 def run(
-    target: Callable[[ShmTransport, Unpack[Ts], str], None], world_size: int, tmp_path: Path, *args: Unpack[Ts]
+    target: Callable[[ShmTransport, Unpack[Ts], str], None],
+    world_size: int,
+    tmp_path: Path,
+    *args: Unpack[Ts],
+    max_spin_time: float = shm.DEFAULT_MAX_SPIN_TIME,
 ) -> tuple[list[int], dict[int, dict[str, object]]]:
     before = set(ours_in_dev_shm())
-    codes = run_local(target, world_size, *args, str(tmp_path), timeout=RUN_TIMEOUT)
+    codes = run_ring(target, world_size, *args, str(tmp_path), timeout=RUN_TIMEOUT, max_spin_time=max_spin_time)
     assert set(ours_in_dev_shm()) <= before, "a run left its segment in /dev/shm"
     return codes, load(tmp_path, world_size)
 
@@ -100,7 +104,7 @@ def test_no_wake_up_is_lost(tmp_path: Path) -> None:
     rng = random.Random(3)
     spin = 0.001  # the default spin time: gaps on both sides of it, and some that park for long
     gaps = [rng.choice([0.0, rng.uniform(0, 2 * spin), rng.uniform(0.5 * spin, 1.5 * spin), 0.02]) for _ in range(600)]
-    codes, results = run(programs.wakeups, 3, tmp_path, gaps)
+    codes, results = run(programs.wakeups, 3, tmp_path, gaps, max_spin_time=spin)
     assert codes == [0, 0, 0]
     for rank in (1, 2):
         latencies = results[rank]["latencies"]
@@ -117,11 +121,13 @@ def test_an_idle_worker_sleeps(tmp_path: Path) -> None:
     assert float(results[1]["wake_latency"]) < 0.5  # type: ignore[arg-type]
 
 
-def test_run_local_checks_its_arguments() -> None:
-    with pytest.raises(TypeError, match="world_size must be an int"):
-        run_local(programs.soak, 2.0, 1, 1, "")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout must be a positive number"):
-        run_local(programs.soak, 2, 1, 1, "", timeout=0)
+def test_run_ring_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match=r"world_size must be an int in 1 \.\.= 64, got float"):
+        run_ring(programs.soak, 2.0, 1, 1, "")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"world_size must be an int in 1 \.\.= 64, got int 65"):
+        run_ring(programs.soak, 65, 1, 1, "")
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0 or None, got int 0"):
+        run_ring(programs.soak, 2, 1, 1, "", timeout=0)
 
 
 def test_workers_started_by_fork_attach_by_name(tmp_path: Path) -> None:
@@ -132,7 +138,7 @@ def test_workers_started_by_fork_attach_by_name(tmp_path: Path) -> None:
         workers = [context.Process(target=programs.forked_worker, args=(head.name, rank, send)) for rank in (1, 2)]
         for worker in workers:
             worker.start()
-        model = ToyModel(head, num_slots=programs.SLOTS, protocol=EpProtocol.V1)
+        model = ToyModel(EpLink(head, num_slots=programs.SLOTS, protocol=ProtocolVersion.V1))
         assert not os.path.exists(f"/dev/shm/{head.name}")  # every worker attached: the name is gone
         slots: list[ToyState | None] = [None] * programs.SLOTS
         programs.drive_random(model, slots, 2_000, 5)
@@ -151,7 +157,7 @@ def test_a_worker_stopped_past_the_heads_timeout_never_takes_a_cut_message(tmp_p
         worker = context.Process(target=programs.stoppable_worker, args=(head.name, send))
         worker.start()
         try:
-            model = ToyModel(head, num_slots=programs.SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
+            model = ToyModel(EpLink(head, num_slots=programs.SLOTS, protocol=ProtocolVersion.V2, command_timeout=1.0))
             slots: list[ToyState | None] = [None] * programs.SLOTS
             model.alloc(slots, 0)
             assert worker.pid is not None
@@ -172,5 +178,6 @@ def test_a_worker_stopped_past_the_heads_timeout_never_takes_a_cut_message(tmp_p
         worker.join(30)
     assert worker.exitcode == 0
     assert outcome.startswith("EpReceiveError: ") and "a send of the head failed after" in outcome, outcome
-    assert "of the 12288 bytes of its message, which is abandoned" in outcome, outcome
+    # The prefill is one message: its header (12 bytes), the array's prefix (8) and the prompt (12,288).
+    assert "of the 12308 bytes of its message, which is abandoned" in outcome, outcome
     assert worker_slots == {0: []}  # the prompt never reached the slot

@@ -7,16 +7,17 @@ import pytest
 
 from metrale_model_engine import (
     CMD_SHUTDOWN,
-    EpProtocol,
+    EpLink,
     EpReceiveError,
     EpSetupError,
+    LinkedEp,
+    ProtocolVersion,
     SequenceState,
-    WireEp,
     WorkerSummary,
 )
 from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
 
-from frames import header, tokens, word
+from messages import header, tokens, word
 
 
 def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:
@@ -31,14 +32,21 @@ def test_records_events_and_wire(v2: bool) -> None:
     model: RecordingEp[SequenceState] = RecordingEp(protocol_v2=v2, num_slots=4)
     assert model.is_ep() is True and model.ep_protocol_v2() is v2
     schedule_step(model, 3, [10, 11])
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()
     assert model.events == [
         EpEvent("cmd_for_seq", (3, 2)),
         EpEvent("cmd", (2,)),
         EpEvent("tokens", (10, 11)),
         EpEvent("shutdown", ()),
     ]
-    assert model.wire == [header(2, 3), word(2), *tokens([10, 11]), header(CMD_SHUTDOWN)]
+    assert model.wire == [header(2, 3), word(2), tokens([10, 11]), header(CMD_SHUTDOWN)]
+
+
+def test_a_one_message_command_records_the_same_events() -> None:
+    model: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    model.ep_link.send_command(3, 2, 2, [10, 11])
+    assert model.events == [EpEvent("cmd_for_seq", (3, 2)), EpEvent("cmd", (2,)), EpEvent("tokens", (10, 11))]
+    assert model.wire == [header(2, 3) + word(2) + tokens([10, 11])]
 
 
 def test_single_gpu_recorder_records_calls_but_nothing_on_the_wire() -> None:
@@ -60,14 +68,19 @@ def test_invalid_calls_raise_like_the_real_thing_and_are_not_recorded() -> None:
     assert model.events == [] and model.wire == []
 
 
-class EchoWorker(WireEp[SequenceState]):
+class EchoWorker(LinkedEp[SequenceState]):
     """A worker that applies the prefill that schedule_step sends."""
+
+    __slots__ = ("ep_link",)
+
+    def __init__(self, num_slots: int, protocol: ProtocolVersion) -> None:
+        self.ep_link = EpLink(ReplayTransport(()), num_slots=num_slots, protocol=protocol)  # no process group
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
         if cmd != 2:
             super().ep_run_command(seq_id, cmd, slots)
-        count = self.ep_recv_word()
-        slots[seq_id] = SequenceState(seq_id, self.ep_recv_tokens(count))
+        count = self.ep_link.recv_word()
+        slots[seq_id] = SequenceState(seq_id, self.ep_link.recv_tokens(count))
 
 
 def test_replay_into_a_worker(caplog: pytest.LogCaptureFixture) -> None:
@@ -75,7 +88,7 @@ def test_replay_into_a_worker(caplog: pytest.LogCaptureFixture) -> None:
     schedule_step(head, 1, [5, 6, 7])
     head.ep_broadcast_cmd_for_seq(0, 99)  # unknown to the worker: fails, the loop goes on
     schedule_step(head, 2, [8])
-    worker = EchoWorker(ReplayTransport(()), num_slots=3, protocol=EpProtocol.V2)  # no process group
+    worker = EchoWorker(3, ProtocolVersion.V2)
     slots: list[SequenceState | None] = [None, None, None]
     with caplog.at_level(logging.ERROR):
         summary = head.replay(worker, slots)
@@ -83,23 +96,23 @@ def test_replay_into_a_worker(caplog: pytest.LogCaptureFixture) -> None:
     assert slots == [None, SequenceState(1, [5, 6, 7]), SequenceState(2, [8])]
     assert "unknown command word 99" in caplog.text
     assert head.replay(worker, [None, None, None]) == summary
-    with pytest.raises(EpReceiveError, match="the recording has no more broadcasts"):
-        worker.ep_worker_step(slots)  # back on its own (empty) transport
+    with pytest.raises(EpReceiveError, match="the recording has no more messages"):
+        worker.ep_worker_step(slots)  # back on its own (empty) link
 
 
 def test_replay_refuses_a_mismatched_worker() -> None:
     head: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=3)
-    worker = EchoWorker(ReplayTransport(()), num_slots=3, protocol=EpProtocol.V1)
+    worker = EchoWorker(3, ProtocolVersion.V1)
     with pytest.raises(EpSetupError, match=r"the ranks disagree on the protocol \(rank 0: v2, rank 1: v1\)"):
         head.replay(worker, [None] * 3)
-    other = EchoWorker(ReplayTransport(()), num_slots=4, protocol=EpProtocol.V2)
+    other = EchoWorker(4, ProtocolVersion.V2)
     with pytest.raises(EpSetupError, match=r"the ranks disagree on the slot count \(rank 0: 3, rank 1: 4\)"):
         head.replay(other, [None] * 4)
 
 
 def test_replay_needs_a_multi_rank_recording() -> None:
     head: RecordingEp[SequenceState] = RecordingEp(is_ep=False)
-    worker = EchoWorker(ReplayTransport(()), num_slots=8, protocol=EpProtocol.V1)
+    worker = EchoWorker(8, ProtocolVersion.V1)
     with pytest.raises(ValueError, match="replay\\(\\) needs a recording made with is_ep=True"):
         head.replay(worker, [None] * 8)
 
@@ -110,7 +123,7 @@ def test_replay_of_a_mismatched_command_fails_it_and_stays_in_step(caplog: pytes
     head.ep_broadcast_cmd(3)
     head.ep_broadcast_tokens([1, 2])  # says 3, sends 2
     schedule_step(head, 1, [9])
-    worker = EchoWorker(ReplayTransport(()), num_slots=2, protocol=EpProtocol.V2)
+    worker = EchoWorker(2, ProtocolVersion.V2)
     slots: list[SequenceState | None] = [None, None]
     with caplog.at_level(logging.ERROR):
         assert head.replay(worker, slots) == WorkerSummary(commands_run=1, commands_failed=1)
@@ -118,15 +131,7 @@ def test_replay_of_a_mismatched_command_fails_it_and_stays_in_step(caplog: pytes
     assert slots == [None, SequenceState(1, [9])]
 
 
-def test_replay_transport_checks_lengths() -> None:
-    from array import array
-
-    replay = ReplayTransport([(1, 2)])
-    with pytest.raises(ValueError, match="out of step with the head: the worker expects 3 words, the head sent 2"):
-        replay.bind(array("I", [0, 0, 0]))(None)
-
-
 def test_replay_transport_past_the_end() -> None:
-    worker = EchoWorker(ReplayTransport([]), num_slots=1, protocol=EpProtocol.V1)
-    with pytest.raises(EpReceiveError, match="the recording has no more broadcasts"):
+    worker = EchoWorker(1, ProtocolVersion.V1)
+    with pytest.raises(EpReceiveError, match="the recording has no more messages"):
         worker.ep_worker_step([None])

@@ -3,8 +3,9 @@ from array import array
 
 import pytest
 
-from metrale_model_engine import U32_MAX, U32_TYPECODE, SequenceState, WireEp, as_u32_buffer
+from metrale_model_engine import U32_MAX, EpLink, as_u32_buffer
 from metrale_model_engine.testing import ReplayTransport
+from metrale_model_engine.wire import U32_TYPECODE
 
 
 def test_u32_array_is_returned_as_is() -> None:
@@ -52,8 +53,14 @@ def test_float_and_multidimensional_buffers_are_refused() -> None:
         as_u32_buffer("tokens", square)
 
 
-def test_bools_count_as_ints_like_array_does() -> None:
-    assert memoryview(as_u32_buffer("tokens", [True, False])).tolist() == [1, 0]
+@pytest.mark.parametrize("tokens", [[True, False], (1, True), [7, True], [2**31, False]])
+def test_a_bool_is_not_a_token_anywhere(tokens: list[int]) -> None:
+    from metrale_model_engine import SequenceState
+
+    bad = next(i for i, token in enumerate(tokens) if isinstance(token, bool))
+    for check in (lambda: as_u32_buffer("tokens", tokens), lambda: SequenceState(0, tokens)):
+        with pytest.raises(TypeError, match=rf"tokens\[{bad}\] must be an int .* got bool"):
+            check()
 
 
 FOREIGN = ">" if sys.byteorder == "little" else "<"
@@ -70,8 +77,8 @@ def test_foreign_byte_order_is_converted_once() -> None:
 
 def test_receive_into_a_foreign_byte_order_buffer_is_a_type_error() -> None:
     numpy = pytest.importorskip("numpy")
-    worker: WireEp[SequenceState] = WireEp(ReplayTransport(()), num_slots=1)
+    worker = EpLink(ReplayTransport(()), num_slots=1)
     with pytest.raises(
         TypeError, match=rf"buffer must hold u32 items in this machine's byte order .* \(byte order '{FOREIGN}'\)"
     ):
-        worker.ep_recv_tokens_into(numpy.zeros(2, dtype=f"{FOREIGN}u4"))
+        worker.recv_tokens_into(numpy.zeros(2, dtype=f"{FOREIGN}u4"))

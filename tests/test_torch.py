@@ -12,7 +12,7 @@ from typing_extensions import TypeVarTuple, Unpack
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine import WorkerSummary  # noqa: E402
-from metrale_model_engine.torch import run_local  # noqa: E402
+from metrale_model_engine.torch import run_group  # noqa: E402
 from metrale_model_engine.toy import ToyState  # noqa: E402
 
 import torch_sessions as sessions  # noqa: E402
@@ -27,7 +27,7 @@ Ts = TypeVarTuple("Ts")
 def run(
     target: Callable[[int, int, Unpack[Ts], str], None], world_size: int, tmp_path: Path, *args: Unpack[Ts]
 ) -> tuple[list[int], dict[int, dict[str, object]]]:
-    codes = run_local(target, world_size, *args, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
+    codes = run_group(target, world_size, *args, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
     return codes, load(tmp_path, world_size)
 
 
@@ -109,7 +109,7 @@ def test_idle_worker_outlives_the_command_timeout(tmp_path: Path) -> None:
 
 
 def test_tensor_and_numpy_tokens(tmp_path: Path) -> None:
-    codes, results = run(sessions.tensor_tokens, 2, tmp_path)
+    codes, results = run(sessions.tensor_tokens_session, 2, tmp_path)
     assert codes == [0, 0]
     assert results[0]["errors"] == [
         "tokens[1]=-1 is outside the u32 range 0 ..= 4294967295 (0xFFFFFFFF)",
@@ -182,3 +182,39 @@ def test_ranks_that_ask_for_different_transports_all_fail(tmp_path: Path) -> Non
         assert "the ranks disagree on the transport (rank 0: 'auto', rank 1: 'shm', rank 2: 'auto')" in str(
             results[rank]["error"]
         )
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_an_nn_module_and_a_model_with_colliding_names_serve_over_a_real_transport(kind: str, tmp_path: Path) -> None:
+    codes, results = run(sessions.module_models, 2, tmp_path, kind)
+    assert codes == [0, 0]
+    for rank in (0, 1):
+        facts = results[rank]["facts"]
+        assert isinstance(facts, dict)
+        assert facts["dtype"] == "torch.float64" and facts["training"] is False
+        assert facts["state"] == ["proj.bias", "proj.weight", "scale"]
+        assert facts["modules"] == ["", "proj"] and facts["parameters"] == ["proj.weight", "proj.bias"]
+        assert facts["users"] == ["the user's rank", 99, "pigeons", "http", -1, "the user's _apply"]
+        expected = "ShmTransport" if kind == "shm" else "TorchTransport"
+        assert facts["transports"] == [expected, expected]
+        assert results[rank]["closed"] == [True, True]  # leaving the with blocks closed both links
+    assert results[1]["slots"] == results[0]["slots"]
+    assert (
+        str(results[0]["slots"])
+        == "[SequenceState(seq_id=0, tokens=[42]), SequenceState(seq_id=1, tokens=[10, 11, 12])]"
+    )
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_head_that_leaves_its_with_block_ends_every_worker_at_once(
+    kind: str, world_size: int, tmp_path: Path
+) -> None:
+    codes, results = run(sessions.head_leaves_its_with_block, world_size, tmp_path, kind)
+    assert codes == [0] * world_size
+    left_at = float(results[0]["left_at"])  # type: ignore[arg-type]
+    for rank in range(1, world_size):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert "the head closed its link before shutting the workers down" in str(results[rank]["error"])
+        assert float(results[rank]["at"]) - left_at < 2.0  # type: ignore[arg-type]  # not a timeout: at once
+        assert str(results[rank]["slots"]).startswith("[ToyState(seq_id=0, tokens=[])")  # the alloc ran

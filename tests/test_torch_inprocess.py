@@ -16,7 +16,7 @@ numpy = pytest.importorskip("numpy", reason="numpy is needed by torch's tensor.n
 
 from metrale_model_engine import U32_MAX, as_u32_buffer  # noqa: E402
 from metrale_model_engine import torch as ep_torch  # noqa: E402
-from metrale_model_engine.torch import TorchTransport, init_local_group, run_local  # noqa: E402
+from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
 
 import torch_sessions as sessions  # noqa: E402
 
@@ -33,14 +33,14 @@ def test_transport_needs_an_initialised_group() -> None:
 def test_local_group_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match=r"rank=2 is out of range for world_size=2 \(0 \.\.= 1\)"):
         init_local_group(2, 2, port=1)
-    with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got 0"):
-        run_local(print, 0)
+    with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got int 0"):
+        run_group(print, 0)
     with pytest.raises(TypeError, match=r"world_size must be an int >= 1, got str '2'"):
-        run_local(print, "2")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds, got 0"):
-        run_local(print, 1, timeout=0)
-    with pytest.raises(TypeError, match=r"timeout must be a positive number of seconds, got str '5'"):
-        run_local(print, 1, timeout="5")  # type: ignore[arg-type]
+        run_group(print, "2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0 or None, got int 0"):
+        run_group(print, 1, timeout=0)
+    with pytest.raises(TypeError, match=r"timeout must be a finite number of seconds > 0 or None, got str '5'"):
+        run_group(print, 1, timeout="5")  # type: ignore[arg-type]
 
 
 def test_import_without_torch_names_the_extra() -> None:
@@ -70,7 +70,7 @@ def test_demo_without_torch_says_which_extra_to_install() -> None:
 
 @given(st.lists(u32, min_size=1, max_size=300))
 def test_token_tensor_round_trips(tokens: list[int]) -> None:
-    words = ep_torch._tensor_as_u32(torch.tensor(tokens, dtype=torch.int64))
+    words = tensor_tokens(torch.tensor(tokens, dtype=torch.int64))
     assert memoryview(words).tolist() == tokens
 
 
@@ -81,13 +81,13 @@ def test_out_of_range_tokens_are_always_refused(tokens: list[int]) -> None:
         with pytest.raises(ValueError, match=rf"tokens\[{tokens.index(bad[0])}\]={bad[0]} is outside"):
             as_u32_buffer("tokens", tokens)
         with pytest.raises(ValueError, match=rf"tokens\[{tokens.index(bad[0])}\]={bad[0]} is outside"):
-            ep_torch._tensor_as_u32(torch.tensor(tokens, dtype=torch.int64))
+            tensor_tokens(torch.tensor(tokens, dtype=torch.int64))
     else:
         assert memoryview(as_u32_buffer("tokens", tokens)).tolist() == tokens
 
 
 def _session_digests(backend: str, device: str | None, out: Path) -> list[object]:
-    codes = run_local(sessions.full_session_on, 2, "v2", device, str(out), backend=backend, timeout=300)
+    codes = run_group(sessions.full_session_on, 2, "v2", device, str(out), backend=backend, timeout=300)
     assert codes == [0, 0]
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes())["digest"] for r in range(2)]
 
@@ -125,10 +125,11 @@ def test_composes_with_nn_module() -> None:
         model.ep_broadcast_cmd(-1)
 
 
-def test_torch_ep_stays_slotted() -> None:
-    from metrale_model_engine.torch import TorchEp
-
-    assert "__dict__" not in dir(TorchEp) and TorchEp.__slots__ == ()
+def test_torch_ep_was_replaced_and_says_by_what() -> None:
+    with pytest.raises(
+        AttributeError, match=r"TorchEp was replaced: subclass LinkedEp and hold the link that open_link"
+    ):
+        ep_torch.TorchEp  # noqa: B018
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -140,7 +141,7 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
 
 
 def test_open_transport_checks_the_kind_before_touching_the_group() -> None:
-    with pytest.raises(ValueError, match=r"transport='gloo' is not a transport kind; accepted: auto, shm, torch"):
-        ep_torch.open_transport("gloo")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"transport must be one of \('auto', 'shm', 'torch'\), got int 1"):
+    with pytest.raises(ValueError, match=r"transport must be one of 'auto', 'shm', 'torch', got str 'gloo'"):
+        ep_torch.open_transport("gloo")
+    with pytest.raises(TypeError, match=r"transport must be one of 'auto', 'shm', 'torch', got int 1"):
         ep_torch.open_transport(1)  # type: ignore[arg-type]

@@ -1,12 +1,22 @@
 """The toy model's head and worker sides in one process, over the in-memory transports."""
 
+from collections.abc import Sequence
+
 import pytest
 
-from metrale_model_engine import EpCommandFailed, EpProtocol, WorkerSummary, run_worker
+from metrale_model_engine import EpCommandFailed, EpLink, ProtocolVersion, WorkerSummary, run_worker
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
-from frames import header
+from messages import header, tokens, word
+
+
+def head_on(recording: RecordingTransport, num_slots: int, protocol: ProtocolVersion) -> ToyModel:
+    return ToyModel(EpLink(recording, num_slots=num_slots, protocol=protocol))
+
+
+def worker_on(messages: Sequence[Sequence[int]], num_slots: int, protocol: ProtocolVersion) -> ToyModel:
+    return ToyModel(EpLink(ReplayTransport(messages), num_slots=num_slots, protocol=protocol))
 
 
 def run_session(head: ToyModel, slots: list[ToyState | None]) -> None:
@@ -18,30 +28,34 @@ def run_session(head: ToyModel, slots: list[ToyState | None]) -> None:
         head.decode(slots, 0)
         head.decode(slots, 2)
     head.free(slots, 0)
-    head.ep_shutdown_workers()
+    head.ep_link.shutdown_workers()
 
 
-@pytest.mark.parametrize("protocol", list(EpProtocol))
-def test_worker_replays_to_the_same_state(protocol: EpProtocol) -> None:
+@pytest.mark.parametrize("protocol", list(ProtocolVersion))
+def test_worker_replays_to_the_same_state(protocol: ProtocolVersion) -> None:
     recording = RecordingTransport(world_size=2)
-    head = ToyModel(recording, num_slots=4, protocol=protocol)
+    head = head_on(recording, 4, protocol)
     head_slots: list[ToyState | None] = [None] * 4
     run_session(head, head_slots)
-    worker = ToyModel(ReplayTransport(recording.broadcasts), num_slots=4, protocol=protocol)
+    worker = worker_on(recording.messages, 4, protocol)
     worker_slots: list[ToyState | None] = [None] * 4
     assert run_worker(worker, worker_slots) == WorkerSummary(commands_run=11, commands_failed=0)
     assert worker_slots == head_slots
     assert slots_digest(worker_slots) == slots_digest(head_slots)
     live = head_slots[2]
     assert live is not None and len(live.tokens) == 4 and head_slots[0] is None
-    assert recording.broadcasts[:2] == [header(ToyCommand.ALLOC, 0), header(ToyCommand.ALLOC, 2)]
-    # Under both versions: 2 allocs, 2 prefills (+ tokens inline), 6 decodes (+ token), 1 free, shutdown.
-    assert len(recording.broadcasts) == 2 + 2 * 2 + 6 * 2 + 1 + 1
+    assert recording.messages[:2] == [header(ToyCommand.ALLOC, 0), header(ToyCommand.ALLOC, 2)]
+    assert recording.messages[2] == header(ToyCommand.PREFILL, 0) + tokens([101, 102, 103])
+    after_prefill = ToyState(0)
+    after_prefill.consume([101, 102, 103])
+    assert recording.messages[4] == header(ToyCommand.DECODE, 0) + word(after_prefill.next_token())
+    # Under both versions, one message per command: 2 allocs, 2 prefills, 6 decodes, 1 free, shutdown.
+    assert len(recording.messages) == 2 + 2 + 6 + 1 + 1
 
 
 def test_head_refuses_before_sending() -> None:
     recording = RecordingTransport(world_size=2)
-    head = ToyModel(recording, num_slots=2, protocol=EpProtocol.V2)
+    head = head_on(recording, 2, ProtocolVersion.V2)
     slots: list[ToyState | None] = [None, None]
     with pytest.raises(KeyError, match="decode: slot 1 is free"):
         head.decode(slots, 1)
@@ -52,20 +66,20 @@ def test_head_refuses_before_sending() -> None:
         head.prefill(slots, 1, [1, 2**32])
     with pytest.raises(IndexError, match="seq_id=5 is out of range for 2 slots"):
         head.free(slots, 5)
-    assert recording.broadcasts == [header(ToyCommand.ALLOC, 1)]
+    assert recording.messages == [header(ToyCommand.ALLOC, 1)]
 
 
 def test_worker_reads_the_whole_command_before_failing() -> None:
     # The worker's slot 0 is free while the head's is live: prefill fails on the
     # worker only, after its payload was read, and the next command still runs.
     recording = RecordingTransport(world_size=2)
-    head = ToyModel(recording, num_slots=1, protocol=EpProtocol.V1)
+    head = head_on(recording, 1, ProtocolVersion.V1)
     slots: list[ToyState | None] = [ToyState(0)]
     head.prefill(slots, 0, [4, 5])
     head.free(slots, 0)
     head.alloc(slots, 0)
-    head.ep_shutdown_workers()
-    worker = ToyModel(ReplayTransport(recording.broadcasts), num_slots=1, protocol=EpProtocol.V1)
+    head.ep_link.shutdown_workers()
+    worker = worker_on(recording.messages, 1, ProtocolVersion.V1)
     worker_slots: list[ToyState | None] = [None]
     with pytest.raises(EpCommandFailed, match="prefill: slot 0 is free"):
         worker.ep_worker_step(worker_slots)
@@ -78,19 +92,20 @@ def test_worker_reads_the_whole_command_before_failing() -> None:
 
 def test_unknown_command_and_out_of_range_slot_fail_tagged() -> None:
     recording = RecordingTransport(world_size=2)
-    head = ToyModel(recording, num_slots=4, protocol=EpProtocol.V2)
+    head = head_on(recording, 4, ProtocolVersion.V2)
     head.ep_broadcast_cmd_for_seq(0, 77)
-    head.ep_shutdown_workers()
-    worker = ToyModel(ReplayTransport(recording.broadcasts), num_slots=4, protocol=EpProtocol.V2)
+    head.ep_link.shutdown_workers()
+    worker = worker_on(recording.messages, 4, ProtocolVersion.V2)
     with pytest.raises(EpCommandFailed, match="unknown command word 77 for ToyModel"):
         worker.ep_worker_step([None] * 4)
     with pytest.raises(EpCommandFailed, match=r"IndexError: seq_id=0 is out of range for 0 slots"):
-        ToyModel(ReplayTransport([header(1)]), num_slots=4, protocol=EpProtocol.V2).ep_worker_step([])
+        worker_on([header(1)], 4, ProtocolVersion.V2).ep_worker_step([])
 
 
 def test_bare_v1_is_refused() -> None:
-    with pytest.raises(ValueError, match="ToyModel needs seq_id on the wire, but v1_slot=False under protocol v1"):
-        ToyModel(RecordingTransport(world_size=2), num_slots=2, protocol=EpProtocol.V1, v1_slot=False)
+    link = EpLink(RecordingTransport(world_size=2), num_slots=2, protocol=ProtocolVersion.V1, seq_id_on_wire=False)
+    with pytest.raises(ValueError, match="ToyModel serves several slots, so its headers must carry seq_id"):
+        ToyModel(link)
 
 
 def test_state_checksum_and_digest_follow_tokens() -> None:

@@ -83,31 +83,60 @@ if importlib.util.find_spec("numpy") is not None:
     # are checked as Python 3.10 (see the fixture), where only ArrayInterface helps.
     CASES["numpy_token_arrays"] = """
 import numpy
-from metrale_model_engine import SequenceState, WireEp, as_u32_buffer
+from metrale_model_engine import EpLink, as_u32_buffer
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.toy import ToyModel, ToyState
 
 tokens = numpy.array([1, 2], dtype=numpy.uint32)
-head: WireEp[SequenceState] = WireEp(RecordingTransport(2), num_slots=2)
-head.ep_broadcast_tokens(tokens)
-head.ep_broadcast_tokens_into(tokens)
+head = EpLink(RecordingTransport(2), num_slots=2)
+head.send_tokens(tokens)
+head.send_command(0, 1, tokens, 3)
 as_u32_buffer("tokens", tokens)
-ToyModel(RecordingTransport(2), num_slots=2).prefill([ToyState(0), None], 0, tokens)
-worker: WireEp[SequenceState] = WireEp(ReplayTransport(()), num_slots=2)
-worker.ep_recv_tokens_into(numpy.zeros(2, dtype=numpy.uint32))
-head.ep_broadcast_tokens(1.5)  # E: arg-type
+ToyModel(EpLink(RecordingTransport(2), num_slots=2)).prefill([ToyState(0), None], 0, tokens)
+worker = EpLink(ReplayTransport(()), num_slots=2)
+worker.recv_tokens_into(numpy.zeros(2, dtype=numpy.uint32))
+head.send_tokens(1.5)  # E: arg-type
+head.send_command(0, 1, 2.5)  # E: arg-type
+"""
+
+CASES["linked_models"] = """
+from collections.abc import MutableSequence
+from typing_extensions import assert_type
+from metrale_model_engine import EpLink, LinkedEp, ModelEp, SequenceState
+from metrale_model_engine.testing import RecordingTransport
+
+class KvState(SequenceState):
+    pass
+
+class Model(LinkedEp[KvState]):
+    __slots__ = ("ep_link",)
+    def __init__(self, link: EpLink) -> None:
+        self.ep_link = link
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[KvState | None]) -> None:
+        assert_type(self.ep_link.recv_tokens(), list[int])
+
+model = Model(EpLink(RecordingTransport(2), num_slots=2))
+trait: ModelEp[KvState] = model
+with model as entered:
+    assert_type(entered, Model)
+model.ep_link = "not a link"  # E: assignment
+plain_slots: list[SequenceState | None] = [None]
+model.ep_worker_step(plain_slots)  # E: arg-type
 """
 
 if importlib.util.find_spec("torch") is not None:
-    CASES["run_local_arguments"] = """
-from metrale_model_engine.torch import run_local
+    CASES["run_group_arguments"] = """
+from metrale_model_engine.torch import open_transport, run_group
 
 def rank_main(rank: int, world_size: int, name: str, count: int) -> None:
     pass
 
-run_local(rank_main, 2, "a", 3)
-run_local(rank_main, 2, "a", "3")  # E: arg-type
-run_local(rank_main, 2, "a")  # E: arg-type
+run_group(rank_main, 2, "a", 3)
+run_group(rank_main, 2, "a", "3")  # E: arg-type
+run_group(rank_main, 2, "a")  # E: arg-type
+kind_from_configuration: str = "auto"
+open_transport(kind_from_configuration)
+open_transport(3)  # E: arg-type
 """
 
 _ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")

@@ -2,7 +2,8 @@ import enum
 
 import pytest
 
-from metrale_model_engine import CMD_SHUTDOWN, U32_MAX, U32_MIN, check_u32
+from metrale_model_engine import CMD_SHUTDOWN, U32_MAX, check_u32
+from metrale_model_engine.wire import U32_MIN
 
 
 class Cmd(enum.IntEnum):

@@ -13,8 +13,8 @@ from array import array
 from collections.abc import MutableSequence
 from pathlib import Path
 
-from metrale_model_engine import EpCommandFailed, EpProtocol, run_worker
-from metrale_model_engine.torch import TorchEp, TorchTransport
+from metrale_model_engine import EpCommandFailed, EpLink, LinkedEp, ProtocolVersion, run_worker
+from metrale_model_engine.torch import TorchTransport, open_link, tensor_tokens
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
 from rank_results import save, wait_until_dead
@@ -38,14 +38,14 @@ class FaultyToy(ToyModel):
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
         if cmd == CMD_CHECK:
-            failing_rank = self.ep_recv_word()
-            if failing_rank == self.rank:
-                raise RuntimeError(f"injected failure on rank {self.rank}")
+            failing_rank = self.ep_link.recv_word()
+            if failing_rank == self.ep_link.rank:
+                raise RuntimeError(f"injected failure on rank {self.ep_link.rank}")
             return
         if cmd == CMD_DIE:
             os.kill(os.getpid(), signal.SIGKILL)
         if cmd == CMD_PLACEHOLDER:
-            placeholder = range(self.ep_recv_word())
+            placeholder = range(self.ep_link.recv_word())
             state = slots[seq_id] or ToyState(seq_id)
             state.consume(self.ep_broadcast_tokens(placeholder))
             slots[seq_id] = state
@@ -63,7 +63,7 @@ def full_session_on(rank: int, world_size: int, protocol_name: str, device: str 
     import torch
 
     transport = TorchTransport(device=None if device is None else torch.device(device))
-    model = ToyModel(transport, num_slots=SLOTS, protocol=EpProtocol(protocol_name), command_timeout=20)
+    model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion(protocol_name), command_timeout=20))
     slots: list[ToyState | None] = [None] * SLOTS
     if rank == 0:
         for seq_id in (0, 1, 3):
@@ -73,7 +73,7 @@ def full_session_on(rank: int, world_size: int, protocol_name: str, device: str 
             for seq_id in (3, 0, 1):
                 model.decode(slots, seq_id)
         model.free(slots, 1)
-        model.ep_shutdown_workers()
+        model.ep_link.shutdown_workers()
         save(out, rank, **summary_fields(slots))
     else:
         summary = run_worker(model, slots)
@@ -83,7 +83,7 @@ def full_session_on(rank: int, world_size: int, protocol_name: str, device: str 
 def faults_session(rank: int, world_size: int, out: str) -> None:
     """A worker-only failure, an unknown command, an out-of-range seq_id and a bad
     token on the head, each followed by commands that must still be served."""
-    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
+    model = FaultyToy(EpLink(TorchTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=20))
     slots: list[ToyState | None] = [None] * SLOTS
     if rank != 0:
         summary = run_worker(model, slots)
@@ -105,15 +105,15 @@ def faults_session(rank: int, world_size: int, out: str) -> None:
     except ValueError as error:
         seen["head_token_error"] = str(error)
     model.decode(slots, 0)
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()
     save(out, rank, seen=seen, **summary_fields(slots))
 
 
 def setup_mismatch(rank: int, world_size: int, what: str, out: str) -> None:
-    protocol = EpProtocol.V2 if what == "protocol" and rank == 1 else EpProtocol.V1
+    protocol = ProtocolVersion.V2 if what == "protocol" and rank == 1 else ProtocolVersion.V1
     num_slots = SLOTS + 1 if what == "slots" and rank == world_size - 1 else SLOTS
     try:
-        ToyModel(TorchTransport(), num_slots=num_slots, protocol=protocol)
+        ToyModel(EpLink(TorchTransport(), num_slots=num_slots, protocol=protocol))
     except Exception as error:
         save(out, rank, error_type=type(error).__name__, error=str(error))
         return
@@ -123,7 +123,7 @@ def setup_mismatch(rank: int, world_size: int, what: str, out: str) -> None:
 def head_dies(rank: int, world_size: int, out: str) -> None:
     """The head kills itself mid-session: between commands for worker 1, in the
     middle of a command (after the header) for the others' view of it."""
-    model = ToyModel(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    model = ToyModel(EpLink(TorchTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
     slots: list[ToyState | None] = [None] * SLOTS
     if rank == 0:
         model.alloc(slots, 0)
@@ -145,7 +145,7 @@ def worker_dies(rank: int, world_size: int, out: str) -> None:
 
     pids: list[object] = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
-    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
+    model = FaultyToy(EpLink(TorchTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=20))
     slots: list[ToyState | None] = [None] * SLOTS
     if rank != 0:
         run_worker(model, slots)
@@ -166,29 +166,34 @@ def worker_dies(rank: int, world_size: int, out: str) -> None:
 
 def idle_worker(rank: int, world_size: int, idle_seconds: float, out: str) -> None:
     """The head is silent longer than the command timeout between two commands."""
-    model = ToyModel(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V1, command_timeout=1.0)
+    model = ToyModel(EpLink(TorchTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V1, command_timeout=1.0))
     slots: list[ToyState | None] = [None] * SLOTS
     if rank == 0:
         model.alloc(slots, 2)
         time.sleep(idle_seconds)
         model.prefill(slots, 2, [4, 4])
-        model.ep_shutdown_workers()
+        model.ep_link.shutdown_workers()
         save(out, rank, **summary_fields(slots))
     else:
         summary = run_worker(model, slots)
         save(out, rank, summary=summary, **summary_fields(slots))
 
 
-class TensorTokens(TorchEp[ToyState]):
-    """A TorchEp subclass that receives one token tensor per command into slot 0."""
+class TensorTokens(LinkedEp[ToyState]):
+    """A model that receives one token array per command into slot ``seq_id``."""
+
+    __slots__ = ("ep_link",)
+
+    def __init__(self) -> None:
+        self.ep_link = open_link(num_slots=2, protocol=ProtocolVersion.V2)
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
         import numpy
 
-        count = self.ep_recv_cmd()
+        count = self.ep_link.recv_word()
         if cmd == 2:  # buffer to buffer
             received = numpy.zeros(count, dtype=numpy.uint32)
-            self.ep_broadcast_tokens_into(received)
+            self.ep_link.recv_tokens_into(received)
             tokens = [int(t) for t in received]
         else:
             tokens = self.ep_broadcast_tokens(range(count))
@@ -197,25 +202,25 @@ class TensorTokens(TorchEp[ToyState]):
         slots[seq_id] = state
 
 
-def tensor_tokens(rank: int, world_size: int, out: str) -> None:
+def tensor_tokens_session(rank: int, world_size: int, out: str) -> None:
     import numpy
     import torch
 
-    model = TensorTokens(num_slots=2, protocol=EpProtocol.V2)
+    model = TensorTokens()
     slots: list[ToyState | None] = [None, None]
     if rank != 0:
         summary = run_worker(model, slots)
         save(out, rank, summary=summary, slots=slots)
         return
     inputs: list[object] = [
-        torch.tensor([1, 2, 4_294_967_295], dtype=torch.int64),
+        tensor_tokens(torch.tensor([1, 2, 4_294_967_295], dtype=torch.int64)),
         numpy.array([5, 6], dtype=numpy.uint32),
         numpy.array([7], dtype=numpy.int64),
     ]
     errors: list[str] = []
     for bad in (torch.tensor([1, -1]), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64)):
         try:
-            model.ep_broadcast_tokens(bad)
+            tensor_tokens(bad)
         except (TypeError, ValueError) as error:
             errors.append(str(error))
     state = ToyState(1)
@@ -225,17 +230,15 @@ def tensor_tokens(rank: int, world_size: int, out: str) -> None:
         model.ep_broadcast_cmd(count)
         state.consume(model.ep_broadcast_tokens(tokens))  # type: ignore[arg-type]
     into = array("I", [11, 4_294_967_294])
-    model.ep_broadcast_cmd_for_seq(1, 2)
-    model.ep_broadcast_cmd(len(into))
-    model.ep_broadcast_tokens_into(into)
+    model.ep_link.send_command(1, 2, len(into), into)
     state.consume(into)
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()
     save(out, rank, slots=[None, state], errors=errors)
 
 
 def follow_up_timeout(rank: int, world_size: int, stall: float, out: str) -> None:
     """The head stalls inside a command longer than the workers' command timeout."""
-    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=1.0)
+    model = FaultyToy(EpLink(TorchTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=1.0))
     slots: list[ToyState | None] = [None] * SLOTS
     if rank != 0:
         serve_until_error(model, slots, out)
@@ -251,7 +254,7 @@ def wire_faults(rank: int, world_size: int, out: str) -> None:
     """Commands that fail on the workers with follow-ups still on the wire."""
     import numpy
 
-    model = FaultyToy(TorchTransport(), num_slots=SLOTS, protocol=EpProtocol.V2, command_timeout=20)
+    model = FaultyToy(EpLink(TorchTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=20))
     if rank != 0:
         slots: list[ToyState | None] = [None] * 2  # shorter than the head's: seq_id 3 is out of range here
         failures: list[str] = []
@@ -277,7 +280,7 @@ def wire_faults(rank: int, world_size: int, out: str) -> None:
             model.ep_broadcast_cmd(placeholder)
             model.ep_broadcast_tokens(sent)
     model.decode(slots, 1)
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()
     save(out, rank, slots=slots)
 
 
@@ -288,8 +291,8 @@ def soak_session(rank: int, world_size: int, kind: str, commands: int, seed: int
     from shm_programs import SLOTS as SOAK_SLOTS
     from shm_programs import drive_random
 
-    transport = open_transport(kind)  # type: ignore[arg-type]  # the test passes a valid kind
-    model = ToyModel(transport, num_slots=SOAK_SLOTS, protocol=EpProtocol.V2, command_timeout=60)
+    transport = open_transport(kind)
+    model = ToyModel(EpLink(transport, num_slots=SOAK_SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
     slots: list[ToyState | None] = [None] * SOAK_SLOTS
     if rank == 0:
         drive_random(model, slots, commands, seed)
@@ -308,3 +311,82 @@ def transport_mismatch(rank: int, world_size: int, out: str) -> None:
         save(out, rank, error_type=type(error).__name__, error=str(error))
         return
     save(out, rank, error_type=None)
+
+
+def module_models(rank: int, world_size: int, kind: str, out: str) -> None:
+    """An nn.Module model and one whose other base uses the engine's old names, over a real transport."""
+    import torch
+
+    from metrale_model_engine import SequenceState
+
+    class TinyModule(torch.nn.Module, LinkedEp[SequenceState]):
+        def __init__(self, link: EpLink) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+            self.ep_link = link
+
+        def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+            slots[seq_id] = SequenceState(seq_id, self.ep_link.recv_tokens())
+
+    class UsersBase:
+        def __init__(self) -> None:
+            self.rank, self.world_size, self.num_slots = "the user's rank", 99, -1
+            self.transport, self.protocol, self._apply = "pigeons", "http", "the user's _apply"
+
+    class Colliding(UsersBase, LinkedEp[SequenceState]):
+        def __init__(self, link: EpLink) -> None:
+            super().__init__()
+            self.ep_link = link
+
+        def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+            slots[seq_id] = SequenceState(seq_id, [self.ep_link.recv_word()])
+
+    module = TinyModule(open_link(kind, num_slots=2, protocol=ProtocolVersion.V2))
+    module.to(torch.float64).eval()
+    state = module.state_dict()
+    module.load_state_dict(state)
+    facts = {
+        "dtype": str(module.proj.weight.dtype),
+        "training": module.training,
+        "state": sorted(state),
+        "modules": [name for name, _ in module.named_modules()],
+        "parameters": [name for name, _ in module.named_parameters()],
+    }
+    colliding = Colliding(open_link(kind, num_slots=2, protocol=ProtocolVersion.V2))
+    facts["users"] = [colliding.rank, colliding.world_size, colliding.transport, colliding.protocol]
+    facts["users"] += [colliding.num_slots, colliding._apply]
+    slots: list[SequenceState | None] = [None, None]
+    # One link after the other: two links over one process group share its stream of collectives.
+    with module:
+        if rank == 0:
+            module.ep_link.send_command(1, 7, [10, 11, 12])
+            slots[1] = SequenceState(1, [10, 11, 12])
+            module.ep_link.shutdown_workers()
+        else:
+            run_worker(module, slots)
+    with colliding:
+        if rank == 0:
+            colliding.ep_link.send_command(0, 7, 42)
+            slots[0] = SequenceState(0, [42])
+            colliding.ep_link.shutdown_workers()
+        else:
+            run_worker(colliding, slots)
+    facts["transports"] = [type(module.ep_link.transport).__name__, type(colliding.ep_link.transport).__name__]
+    save(out, rank, slots=slots, facts=facts, closed=[module.ep_link.closed, colliding.ep_link.closed])
+
+
+def head_leaves_its_with_block(rank: int, world_size: int, kind: str, out: str) -> None:
+    """The head sends one command and leaves its ``with`` block without shutting the workers down."""
+    with ToyModel(open_link(kind, num_slots=SLOTS, protocol=ProtocolVersion.V2)) as model:
+        slots: list[ToyState | None] = [None] * SLOTS
+        if rank == 0:
+            model.alloc(slots, 0)
+            save(out, rank, left_at=time.time())
+            return
+        try:
+            run_worker(model, slots)
+        except Exception as error:
+            save(out, rank, error_type=type(error).__name__, error=str(error), at=time.time(), slots=slots)
+            return
+        save(out, rank, error_type=None, at=time.time(), slots=slots)

@@ -1,48 +1,53 @@
 """metrale-model-engine: the ``ModelEp`` head/worker command protocol of Metrale, typed.
 
-Rank 0, the head, runs the scheduler and, before each model operation, broadcasts
-a command header (``ep_broadcast_cmd_for_seq``) and its follow-ups
-(``ep_broadcast_cmd``, ``ep_broadcast_tokens``); every other rank, a worker, loops
-on ``ep_worker_step`` (or :func:`run_worker`), which receives the header and runs
-the command in ``slots[seq_id]``, reading the follow-ups with ``ep_recv_word`` and
-``ep_recv_tokens``.  :class:`ModelEp` is the trait with single-GPU defaults;
-:class:`WireEp` implements it over any :class:`EpTransport`.
+Rank 0, the head, runs the scheduler and, before each model operation, sends a
+command (a ``(seq_id, cmd)`` header and its follow-up words and token arrays) to
+every other rank, a worker, which runs it in ``slots[seq_id]`` of its slot array.
+:class:`ModelEp` is the trait, with single-GPU defaults.  A multi-rank model
+inherits :class:`LinkedEp` (the trait, implemented) and holds an :class:`EpLink`
+(the engine: setup agreement, sends, receives) in ``self.ep_link``; a worker runs
+:func:`run_worker`.
 
-Importing this package never imports torch; the torch.distributed backend lives in
-:mod:`metrale_model_engine.torch` (extra ``torch``).
+Where the rest lives: :mod:`metrale_model_engine.shm` (the shared-memory
+transport), :mod:`metrale_model_engine.torch` (torch.distributed: transport, group
+setup, transport choice; extra ``torch``), :mod:`metrale_model_engine.testing`
+(recording and replay without processes), :mod:`metrale_model_engine.transport`
+(the transport protocol and its errors), :mod:`metrale_model_engine.wire` (the
+wire format, for peer implementers).  Importing this package never imports torch.
 """
 
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import TYPE_CHECKING
+
 from . import _errors
+from ._checks import check_slot
 from ._errors import *  # noqa: F403  (the exception classes, as listed in _errors.__all__)
-from ._frame import FRAME_WORDS, INLINE_TOKENS, FrameKind
+from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
+from ._linked import LinkedEp
 from ._model import ModelEp
-from ._protocol import PROTOCOL_ENV_VAR, EpProtocol
+from ._protocol import PROTOCOL_ENV_VAR, ProtocolVersion
 from ._state import SequenceState
-from ._tokens import U32_TYPECODE, ArrayInterface, TokenArray, as_u32_buffer
-from ._transport import Broadcast, EpTransport
-from ._wire import DEFAULT_COMMAND_TIMEOUT, WIRE_VERSION, WireEp, check_slot
-from ._words import CMD_SHUTDOWN, U32_MAX, U32_MIN, check_u32
+from ._tokens import ArrayInterface, TokenArray, as_u32_buffer
+from ._words import CMD_SHUTDOWN, U32_MAX, check_u32
 from ._worker import WorkerSummary, run_worker
+from .transport import EpTransport
 
 __all__ = [
     "CMD_SHUTDOWN",
     "DEFAULT_COMMAND_TIMEOUT",
-    "FRAME_WORDS",
-    "INLINE_TOKENS",
     "PROTOCOL_ENV_VAR",
     "U32_MAX",
-    "U32_MIN",
-    "U32_TYPECODE",
-    "WIRE_VERSION",
     "ArrayInterface",
-    "Broadcast",
-    "EpProtocol",
+    "EpLink",
     "EpTransport",
-    "FrameKind",
+    "LinkedEp",
     "ModelEp",
+    "ProtocolVersion",
     "SequenceState",
     "TokenArray",
-    "WireEp",
     "WorkerSummary",
     "as_u32_buffer",
     "check_slot",
@@ -53,3 +58,45 @@ __all__ = [
 __all__ += _errors.__all__
 
 __version__ = "0.1.0"
+
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type) and _value.__module__.startswith(f"{__name__}._"):
+        _value.__module__ = __name__  # tracebacks and reprs name the public home
+
+if TYPE_CHECKING:
+    from .wire import FRAME_WORDS as FRAME_WORDS
+    from .wire import U32_MIN as U32_MIN
+    from .wire import U32_TYPECODE as U32_TYPECODE
+    from .wire import WIRE_VERSION as WIRE_VERSION
+    from .wire import ItemKind as FrameKind  # noqa: F401  (a deprecated alias; see __getattr__)
+
+    EpProtocol = ProtocolVersion
+else:
+    _RENAMED = {  # old name: (its new home, its new name there)
+        "EpProtocol": ("metrale_model_engine", "ProtocolVersion"),
+        "FRAME_WORDS": ("metrale_model_engine.wire", "FRAME_WORDS"),
+        "WIRE_VERSION": ("metrale_model_engine.wire", "WIRE_VERSION"),
+        "FrameKind": ("metrale_model_engine.wire", "ItemKind"),
+        "U32_MIN": ("metrale_model_engine.wire", "U32_MIN"),
+        "U32_TYPECODE": ("metrale_model_engine.wire", "U32_TYPECODE"),
+    }
+    _REPLACED = {
+        "WireEp": "subclass LinkedEp and hold an EpLink in self.ep_link (see the README, 'Writing a model')",
+        "Broadcast": "transports now send and receive whole messages: see metrale_model_engine.transport.EpTransport",
+        "INLINE_TOKENS": "items carry any number of tokens: see metrale_model_engine.wire",
+    }
+
+    def __getattr__(name: str) -> object:
+        """The names this release renamed (with a ``DeprecationWarning``) or replaced (with the way)."""
+        if name in _RENAMED:
+            home, new = _RENAMED[name]
+            warnings.warn(
+                f"metrale_model_engine.{name} is now {home}.{new}; the old name goes in 0.3",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module(home), new)
+        if name in _REPLACED:
+            raise AttributeError(f"metrale_model_engine.{name} was replaced: {_REPLACED[name]}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

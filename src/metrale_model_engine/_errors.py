@@ -60,8 +60,10 @@ class EpCommandFailed(EpError):
 class EpLinkError(EpError, ConnectionError):
     """The link between head and workers failed: a worker receiving it must exit.
 
-    Never tagged as :class:`EpCommandFailed`.  The original transport error, if any,
-    is ``__cause__``.
+    Raised as such when the setup exchange itself fails (a rank died, a timeout);
+    as :class:`EpSendError` or :class:`EpReceiveError` when a send or a receive
+    does.  Never tagged as :class:`EpCommandFailed`.  The transport's own error, if
+    any, is ``__cause__``: each failure is mapped once, where the link meets it.
     """
 
 
@@ -74,7 +76,7 @@ class EpSendError(EpLinkError):
 
 
 class EpSetupError(EpError, RuntimeError):
-    """The ranks disagree at setup (protocol, slot count or wire version).
+    """The ranks disagree at setup (protocol, slot count, wire version, transport), or one cannot have what all asked.
 
     Raised on every rank, before any command is sent, so a mismatch is never a
     silent misread of a later word.

@@ -1,4 +1,4 @@
-"""Running one function in N fresh processes, bounded in time: the local launchers' common part."""
+"""Running one function in N fresh processes: the local launchers' common part."""
 
 from __future__ import annotations
 
@@ -6,29 +6,41 @@ import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 
-
-def check_launch(world_size: object, timeout: object) -> None:
-    """Raise ``TypeError``/``ValueError`` unless ``world_size`` is an int >= 1 and ``timeout`` > 0."""
-    if type(world_size) is not int:
-        raise TypeError(f"world_size must be an int >= 1, got {type(world_size).__name__} {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-        raise TypeError(f"timeout must be a positive number of seconds, got {type(timeout).__name__} {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+from ._checks import check_int, check_seconds
 
 
-def join_all(processes: Sequence[BaseProcess], timeout: float) -> list[int]:
-    """Wait for every started process up to ``timeout`` seconds in all; kill those still running.
+def check_launch(world_size: object, timeout: object, *, max_world_size: int | None = None) -> float | None:
+    """Check a launcher's arguments; return the timeout in seconds (``None``: none).
 
-    Returns every exit code, by position (0 for success; negative: killed by that signal).
+    Raises:
+        TypeError, ValueError: ``world_size`` is not an int in ``1 ..= max_world_size``,
+            or ``timeout`` is neither ``None`` nor a positive number of seconds.
     """
-    deadline = time.monotonic() + timeout
+    check_int("world_size", world_size, 1, max_world_size)
+    return check_seconds("timeout", timeout, allow_none=True)
+
+
+def join_all(processes: Sequence[BaseProcess], timeout: float | None) -> list[int]:
+    """Wait for every started process; with a ``timeout``, kill those still running after it and raise.
+
+    Returns:
+        Every exit code, by rank (0 for success; negative: killed by that signal).
+
+    Raises:
+        TimeoutError: ranks still ran ``timeout`` seconds after the start; they were
+            killed, and the message names them, the timeout and every exit code.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
     for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    return [process.exitcode if process.exitcode is not None else -9 for process in processes]
+        process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    stuck = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in stuck:
+        processes[rank].kill()
+        processes[rank].join()
+    codes = [process.exitcode if process.exitcode is not None else -9 for process in processes]
+    if stuck:
+        raise TimeoutError(
+            f"rank(s) {stuck} still ran {timeout} s after the start and were killed (exit codes by rank: {codes}); "
+            "pass a larger timeout, or timeout=None to wait as long as they run"
+        )
+    return codes

@@ -11,17 +11,17 @@ PROTOCOL_ENV_VAR: Final[str] = "METRALE_EP_PROTOCOL"
 """Environment variable that selects the protocol: ``v1`` (default) or ``v2``."""
 
 
-class EpProtocol(enum.Enum):
+class ProtocolVersion(enum.Enum):
     """The protocol version every rank of a run must agree on.
 
     * ``V1``: the Rust engine's v1 headers do not carry ``seq_id``.  On this
-      library's wire the header frame carries it anyway unless a model turns that
-      off (``WireEp(v1_slot=False)``, then every command runs in slot 0).
+      library's wire the header carries it anyway unless a link turns that off
+      (``EpLink(seq_id_on_wire=False)``, then every command runs in slot 0).
     * ``V2``: every header carries ``seq_id``; the worker runs the command in
       ``slots[seq_id]``.
 
     What a model sees is :meth:`~metrale_model_engine.ModelEp.ep_protocol_v2`.
-    Backends confirm at setup that all ranks use the same version (by :attr:`code`).
+    Links confirm at setup that all ranks use the same version (by :attr:`code`).
     """
 
     V1 = "v1"
@@ -37,7 +37,7 @@ class EpProtocol(enum.Enum):
         return _CODES[self]
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> EpProtocol:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ProtocolVersion:
         """Read ``METRALE_EP_PROTOCOL`` from ``environ`` (default ``os.environ``).
 
         Unset or empty (blanks only) gives ``V1``; ``v1`` / ``v2`` select, case and
@@ -61,4 +61,4 @@ class EpProtocol(enum.Enum):
             ) from None
 
 
-_CODES: Final[dict[EpProtocol, int]] = {EpProtocol.V1: 1, EpProtocol.V2: 2}
+_CODES: Final[dict[ProtocolVersion, int]] = {ProtocolVersion.V1: 1, ProtocolVersion.V2: 2}

@@ -38,8 +38,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Final
 
-from ._errors import EpSetupError
 from ._liveness import process_exists
+from .transport import TransportCorrupt
 
 SHM_DIR: Final[str] = "/dev/shm"
 NAME_PREFIX: Final[str] = "metrale-ep-"
@@ -212,22 +212,24 @@ def attach_segment(name: str) -> Segment:
     """Map the segment ``name`` that a head created, after checking what it is.
 
     Raises:
-        EpSetupError: no such segment (a wrong name, or the head removed it), or it
-            is not a segment of this library's layout version.
+        ValueError: ``name`` is not a segment name of this library.
+        FileNotFoundError: no such segment (a wrong name, or the head removed it).
+        TransportCorrupt: it is not a segment of this library's layout version.
     """
     if not name.startswith(NAME_PREFIX) or os.sep in name:
         raise ValueError(f"name={name!r} is not a segment name of this library (they start with {NAME_PREFIX!r})")
     try:
         fd = os.open(segment_path(name), os.O_RDWR)
     except FileNotFoundError:
-        raise EpSetupError(
+        raise FileNotFoundError(
+            errno.ENOENT,
             f"no shared-memory segment {name!r} in {SHM_DIR}: the head has not created it, or removed it "
-            "(it does once every worker has attached)"
+            "(it does once every worker has attached)",
         ) from None
     try:
         size = os.fstat(fd).st_size
         if size < _READERS_AT:
-            raise EpSetupError(f"{segment_path(name)} is {size} bytes: not an initialised ring segment")
+            raise TransportCorrupt(f"{segment_path(name)} is {size} bytes: not an initialised ring segment")
         file = mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -239,7 +241,7 @@ def attach_segment(name: str) -> Segment:
     identity.release()
     if magic != MAGIC or version != LAYOUT_VERSION or layout.size != size:
         file.close()
-        raise EpSetupError(
+        raise TransportCorrupt(
             f"{segment_path(name)} is not a ring of this library's layout version {LAYOUT_VERSION} "
             f"(magic {magic:#x}, version {version}, {size} bytes)"
         )

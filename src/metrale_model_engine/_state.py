@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import marshal
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from ._tokens import U32_TYPECODE
-from ._words import check_u32
+from ._words import check_u32, u32_values
 
 
 class SequenceState:
@@ -52,26 +49,7 @@ class SequenceState:
         Raises like :func:`check_u32` for the first bad token, named ``tokens[i]``.
         """
         values = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
-        # The check runs in C.  First, one marshal pass: it writes each plain int
-        # below 2**31 as 5 bytes ("i", then 4 little-endian bytes), a bool as 1 byte,
-        # a larger int as more, and refuses int subclasses; so every item is a
-        # non-negative plain int below 2**31 exactly when each item's first byte
-        # sits at 5 + 5k and is "i" (each starts where the one before ended) and each
-        # top byte is below 0x80.  Else one array conversion bounds the tokens and
-        # the set of their types catches bool (which the conversion takes) and int
-        # subclasses (to normalise).  Only a failure walks the tokens in Python, to
-        # name the first bad one with check_u32's message.
-        plain = _plain_small_ints(values)
-        if not plain:
-            try:
-                array(U32_TYPECODE, values)
-                plain = set(map(type, values)) <= {int}
-            except (OverflowError, TypeError):
-                plain = False
-        if plain:
-            self._tokens.extend(values)
-        else:
-            self._tokens.extend([check_u32(f"tokens[{i}]", t) for i, t in enumerate(values)])
+        self._tokens.extend(u32_values("tokens", values))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -83,13 +61,3 @@ class SequenceState:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seq_id={self._seq_id}, tokens={self._tokens!r})"
-
-
-def _plain_small_ints(values: list[int] | tuple[int, ...]) -> bool:
-    """Whether every item is a plain ``int`` in ``0 ..= 2**31 - 1`` (one marshal pass, in C)."""
-    try:
-        data = marshal.dumps(values, 2)  # version 2: no back-references, fixed 5-byte small ints
-    except ValueError:  # an int subclass, or another object marshal does not take
-        return False
-    count = len(values)
-    return len(data) == 5 + 5 * count and data[5::5] == b"i" * count and data[9::5].isascii()

@@ -9,7 +9,7 @@ from typing import Any, Final, Protocol, TypeAlias, Union
 
 from typing_extensions import Buffer
 
-from ._words import check_u32
+from ._words import U32_TYPECODE, u32_array
 
 
 class ArrayInterface(Protocol):
@@ -27,9 +27,6 @@ class ArrayInterface(Protocol):
 TokenArray: TypeAlias = Union[Sequence[int], Buffer, ArrayInterface]  # noqa: UP007  (a run-time alias on 3.10)
 """A u32 token array: a sequence of ints or a buffer (``array('I')``, numpy)."""
 
-U32_TYPECODE: Final[str] = next(code for code in "IL" if array(code).itemsize == 4)
-"""The ``array`` typecode whose items are u32 on this platform."""
-
 _NATIVE_ORDER: Final[str] = "<" if sys.byteorder == "little" else ">"
 _U32_FORMATS: Final[frozenset[str]] = frozenset(
     prefix + code for prefix in ("", "@", "=", _NATIVE_ORDER) for code in "IL"
@@ -43,21 +40,23 @@ def as_u32_buffer(name: str, tokens: TokenArray) -> Buffer:
 
     An ``array('I')`` or a writable contiguous u32 buffer (numpy ``uint32``, a
     ``memoryview``) is returned without copying; a list, a tuple, another sequence of
-    ints or a buffer of another integer type is converted once, in C.  ``bool``
-    elements count as 0 and 1, as in ``array``.
+    ints or a buffer of another integer type is converted once, in C.  Elements are
+    checked as :func:`~metrale_model_engine.check_u32` checks a word: a ``bool`` is
+    not a token (a buffer of booleans is not a buffer of integers).
 
     Raises:
-        TypeError: an element is not an int, or the buffer does not hold integers.
+        TypeError: an element is not an int (``bool`` included), or the buffer does
+            not hold integers.
         ValueError: an element is outside the u32 range, or the buffer is not 1-D.
     """
     if isinstance(tokens, array) and tokens.typecode == U32_TYPECODE:
         return tokens
     if isinstance(tokens, (list, tuple)):
-        return _to_array(name, tokens)
+        return u32_array(name, tokens)
     try:
         view = memoryview(tokens)  # type: ignore[arg-type]  # a Sequence or a numpy array may be a buffer
     except TypeError:
-        return _to_array(name, tokens)  # type: ignore[arg-type]  # not a buffer: a sequence
+        return u32_array(name, tokens)  # type: ignore[arg-type]  # not a buffer: a sequence
     if view.ndim != 1:
         raise ValueError(f"{name} must be a 1-D token array, got a {view.ndim}-D buffer")
     if view.format in _U32_FORMATS and view.itemsize == 4 and view.c_contiguous:
@@ -67,8 +66,8 @@ def as_u32_buffer(name: str, tokens: TokenArray) -> Buffer:
     if order not in ("", "@", "=", "<", ">", "!") or code not in _INT_FORMATS:
         raise TypeError(f"{name} must hold integers, got a buffer of format {view.format!r}")
     if order in _FOREIGN_ORDERS:
-        return _to_array(name, _swapped(view))
-    return _to_array(name, view.tolist())
+        return u32_array(name, _swapped(view))
+    return u32_array(name, view.tolist())
 
 
 def writable_u32_buffer(name: str, tokens: object) -> memoryview:
@@ -119,13 +118,3 @@ def token_count(tokens: TokenArray) -> int:
     if isinstance(tokens, Sequence):
         return len(tokens)
     return len(memoryview(tokens))  # type: ignore[arg-type]  # numpy arrays are buffers at run time
-
-
-def _to_array(name: str, tokens: Sequence[int]) -> array[int]:
-    try:
-        return array(U32_TYPECODE, tokens)
-    except (OverflowError, TypeError) as error:
-        for index, token in enumerate(tokens):
-            if not isinstance(token, bool):
-                check_u32(f"{name}[{index}]", token)
-        raise TypeError(f"{name} is not a u32 token array: {error}") from error

@@ -1,13 +1,18 @@
-"""u32 command words: their bounds, the words the protocol reserves, and the one check.
+"""u32 words: their bounds, the word the protocol reserves, and the one policy for what a word is.
 
 Every word that crosses the wire (a command, a ``seq_id``, a follow-up word, a
-token) is an unsigned 32-bit integer.  :func:`check_u32` is the single place that
-decides whether a Python value is one, and the single place that words the error.
+token) is an unsigned 32-bit integer.  :func:`check_u32` decides for one value and
+:func:`u32_array` for a sequence of them; both refuse ``bool`` and accept other
+``int`` subclasses (an ``IntEnum`` of commands) as plain ``int``.  They are the only
+places that decide, and the only places that word the error.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import marshal
+from array import array
+from collections.abc import Sequence
+from typing import Final, Literal
 
 U32_MIN: Final[int] = 0
 """Smallest u32 word."""
@@ -18,11 +23,14 @@ U32_MAX: Final[int] = 0xFFFF_FFFF
 CMD_SHUTDOWN: Final[int] = 0xFFFF_FFFF
 """Reserved command word: the head tells every worker to leave its loop.
 
-A header carrying it makes ``ep_worker_step`` return ``False``; its ``seq_id``
-(under protocol v2) is ignored.  Models must not use it for a command of their own.
+A header carrying it makes ``ep_worker_step`` return ``False``; its ``seq_id`` is
+ignored.  Models must not use it for a command of their own.
 """
 
 U32_RANGE_TEXT: Final[str] = "0 ..= 4294967295 (0xFFFFFFFF)"
+
+U32_TYPECODE: Final[Literal["I", "L"]] = "I" if array("I").itemsize == 4 else "L"
+"""The ``array`` typecode whose items are u32 on this platform."""
 
 
 def check_u32(name: str, value: object) -> int:
@@ -46,3 +54,47 @@ def check_u32(name: str, value: object) -> int:
     if not U32_MIN <= value <= U32_MAX:
         raise ValueError(f"{name}={int(value)} is outside the u32 range {U32_RANGE_TEXT}")
     return int(value)
+
+
+def u32_values(name: str, values: Sequence[int]) -> Sequence[int]:
+    """``values`` if every item is a plain u32 ``int``, else a new list of them; raise for a bad item.
+
+    Items are checked as :func:`check_u32` checks one, in C.  First one ``marshal``
+    pass (format version 2): it writes a plain ``int`` below 2**31 as exactly 5 bytes
+    (``i``, then 4 little-endian bytes), a ``bool`` as 1 byte, a larger int as more,
+    and refuses ``int`` subclasses; so every item is a plain int in
+    ``0 ..= 2**31 - 1`` exactly when each item's first byte sits at ``5 + 5k`` and
+    is ``i`` and each top byte is below 0x80.  Else one array conversion bounds the
+    items and the set of their types catches ``bool`` (which the conversion takes)
+    and subclasses (normalised to ``int``).  Only a failure walks the items in
+    Python, to name the first bad one (``name[i]``).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_u32`, for the first bad item.
+    """
+    if _plain_small_ints(values):
+        return values
+    try:
+        array(U32_TYPECODE, values)
+        if set(map(type, values)) <= {int}:
+            return values
+    except (OverflowError, TypeError):
+        pass
+    return [check_u32(f"{name}[{i}]", value) for i, value in enumerate(values)]
+
+
+def u32_array(name: str, values: Sequence[int]) -> array[int]:
+    """``values`` as a new ``array('I')``, checked as :func:`u32_values` checks them."""
+    return array(U32_TYPECODE, u32_values(name, values))
+
+
+def _plain_small_ints(values: Sequence[object]) -> bool:
+    """Whether every item is a plain ``int`` in ``0 ..= 2**31 - 1`` (one marshal pass, in C)."""
+    if not isinstance(values, (list, tuple)):
+        return False
+    try:
+        data = marshal.dumps(values, 2)  # version 2: no back-references, fixed 5-byte small ints
+    except ValueError:  # an int subclass, or another object marshal does not take
+        return False
+    count = len(values)
+    return len(data) == 5 + 5 * count and data[5::5] == b"i" * count and data[9::5].isascii()

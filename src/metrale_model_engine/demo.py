@@ -25,10 +25,10 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO, TypeVar
 
-from ._protocol import EpProtocol
-from ._tokens import TokenArray
+from ._protocol import ProtocolVersion
+from ._tokens import TokenArray, token_count
 from ._worker import run_worker
-from .toy import ToyModel, ToyState, slots_digest
+from .toy import ToyModel, ToySlots, ToyState, slots_digest
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DETAILED_ITEMS = 4
@@ -52,7 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--world-size", type=_positive, default=2, help="local ranks to spawn (default 2; ignored under torchrun)")
-    add("--protocol", choices=[p.value for p in EpProtocol], default=None, help="default: METRALE_EP_PROTOCOL, else v1")
+    versions = [p.value for p in ProtocolVersion]
+    add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
     add("--sequences", type=_positive, default=4, help="interleaved sequences, one slot each (default 4)")
     add("--prompt-tokens", type=_positive, default=16, help="tokens in each prompt (default 16)")
     add("--decode-steps", type=_positive, default=8, help="decode steps per sequence (default 8)")
@@ -74,7 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 class Work:
     """What every rank is asked to do (picklable, for spawned ranks)."""
 
-    protocol: EpProtocol
+    protocol: ProtocolVersion
     transport: str
     sequences: int
     prompt_tokens: int
@@ -99,47 +100,51 @@ class Traffic:
 
 
 class CountingToy(ToyModel):
-    """The toy model, counting every header, follow-up word and token the head sends."""
+    """The toy model, counting every command, follow-up word and token the head sends."""
 
     __slots__ = ("traffic",)
 
     traffic: Traffic
 
-    def ep_broadcast_cmd_for_seq(self, seq_id: int, cmd: int) -> None:
-        super().ep_broadcast_cmd_for_seq(seq_id, cmd)
+    def alloc(self, slots: ToySlots, seq_id: int) -> None:
+        super().alloc(slots, seq_id)
         self.traffic.commands += 1
 
-    def ep_broadcast_cmd(self, cmd: int) -> None:
-        super().ep_broadcast_cmd(cmd)
-        self.traffic.words += 1
+    def prefill(self, slots: ToySlots, seq_id: int, prompt: TokenArray) -> None:
+        super().prefill(slots, seq_id, prompt)
+        self.traffic.commands += 1
+        self.traffic.tokens += token_count(prompt)
 
-    def ep_broadcast_tokens(self, tokens: TokenArray) -> list[int]:
-        sent = super().ep_broadcast_tokens(tokens)
-        if self.rank == 0:
-            self.traffic.tokens += len(sent)
-        return sent
+    def decode(self, slots: ToySlots, seq_id: int) -> int:
+        token = super().decode(slots, seq_id)
+        self.traffic.commands += 1
+        self.traffic.words += 1
+        return token
+
+    def free(self, slots: ToySlots, seq_id: int) -> None:
+        super().free(slots, seq_id)
+        self.traffic.commands += 1
 
 
 def serve(rank: int, world_size: int, work: Work) -> None:
     """One rank's part: build the model, drive (head) or serve (worker), compare digests."""
     import torch.distributed as dist
 
-    from .torch import open_transport
+    from .torch import open_link
 
-    transport = open_transport(work.transport)  # type: ignore[arg-type]  # argparse checked the choice
-    model = CountingToy(transport, num_slots=work.sequences, protocol=work.protocol)
-    model.traffic = Traffic()
-    slots: list[ToyState | None] = [None] * work.sequences
-    if rank == 0:
-        started = time.perf_counter()
-        _drive(model, slots, work)
-        summary = _summary(model, time.perf_counter() - started, dist.get_backend())
-        _print_summary(summary)
-        if work.json_path is not None:
-            work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
-    else:
-        served = run_worker(model, slots)
-        _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
+    with CountingToy(open_link(work.transport, num_slots=work.sequences, protocol=work.protocol)) as model:
+        model.traffic = Traffic()
+        slots: list[ToyState | None] = [None] * work.sequences
+        if rank == 0:
+            started = time.perf_counter()
+            _drive(model, slots, work)
+            summary = _summary(model, time.perf_counter() - started, dist.get_backend())
+            _print_summary(summary)
+            if work.json_path is not None:
+                work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
+        else:
+            served = run_worker(model, slots)
+            _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
     digests: list[object] = [None] * world_size
     dist.all_gather_object(digests, slots_digest(slots))
     if rank == 0:
@@ -195,7 +200,7 @@ class _Progress:
 def _drive(model: CountingToy, slots: MutableSequence[ToyState | None], work: Work) -> None:
     count, latencies = len(slots), model.traffic.latencies_s
     _say(
-        f"[head] {model.world_size} ranks, protocol {model.protocol.value}, {count} sequences x "
+        f"[head] {model.ep_link.world_size} ranks, protocol {model.ep_link.protocol.value}, {count} sequences x "
         f"{work.prompt_tokens}-token prompts x {work.decode_steps} decode steps"
     )
 
@@ -215,7 +220,7 @@ def _drive(model: CountingToy, slots: MutableSequence[ToyState | None], work: Wo
     for seq_id in range(count - 1):  # the last sequence stays live, so digests cover a slot
         _timed(latencies, partial(model.free, slots, seq_id))
     _say(f"[head] freed {count - 1} sequences; shutting the workers down")
-    model.ep_shutdown_workers()
+    model.ep_link.shutdown_workers()
 
 
 def _timed(latencies: list[float], command: Callable[[], R]) -> R:
@@ -231,9 +236,9 @@ def _summary(model: CountingToy, wall_s: float, backend: str) -> dict[str, objec
     latencies = sorted(traffic.latencies_s)
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     return {
-        "ranks": model.world_size,
-        "protocol": model.protocol.value,
-        "transport": type(model.transport).__name__,
+        "ranks": model.ep_link.world_size,
+        "protocol": model.ep_link.protocol.value,
+        "transport": type(model.ep_link.transport).__name__,
         "backend": backend,
         "commands": traffic.commands,
         "words": traffic.words,
@@ -267,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
     try:
-        protocol = EpProtocol(args.protocol) if args.protocol else EpProtocol.from_env()
+        protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
         if args.backend == "nccl" and not ep_torch.cuda_available():
             raise ValueError("--backend nccl needs a CUDA device, and this machine has none; use --backend gloo")
     except ValueError as error:
@@ -277,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Work(protocol, args.transport, args.sequences, args.prompt_tokens, args.decode_steps, args.json)
     if all(name in os.environ for name in _TORCHRUN_VARS):
         return _under_torchrun(args.backend, work)
-    codes = ep_torch.run_local(serve, args.world_size, work, backend=args.backend)
+    codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
     if any(codes):
         print(f"error: rank exit codes {codes}", file=sys.stderr)
         return 1

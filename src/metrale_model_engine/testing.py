@@ -1,86 +1,91 @@
-"""Test doubles: assert what a scheduler broadcasts, and replay it into a worker.
+"""Test doubles: assert what a scheduler sends, and replay it into a worker, without processes.
 
-* :class:`RecordingEp`: a head (rank 0) that goes through the same checks as a real
-  backend but sends over no process; every broadcast call is recorded as an
-  :class:`EpEvent`, and :meth:`RecordingEp.replay` feeds the words that would have
-  gone on the wire to a worker-side model.
-* :class:`RecordingTransport` and :class:`ReplayTransport`: the in-memory transports
-  underneath, for running any ``WireEp`` model's head and worker sides in one
+* :class:`RecordingEp`: a head model (rank 0 of a pretend group) whose link sends
+  over a :class:`RecordingTransport`; its :attr:`~RecordingEp.events` are the items
+  read back from the recorded wire, and :meth:`RecordingEp.replay` feeds that wire
+  to a worker-side model under :func:`~metrale_model_engine.run_worker`.
+* :class:`RecordingTransport` and :class:`ReplayTransport`: the in-memory
+  transports underneath, for running any model's head and worker sides in one
   process.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from typing_extensions import Buffer
 
+from ._link import EpLink
+from ._linked import LinkedEp
 from ._model import S
-from ._protocol import EpProtocol
-from ._state import SequenceState
-from ._tokens import TokenArray, as_u32_buffer
-from ._transport import Broadcast
-from ._wire import WireEp
+from ._protocol import ProtocolVersion
+from ._words import CMD_SHUTDOWN, U32_TYPECODE
 from ._worker import WorkerSummary, run_worker
+from .transport import TransportClosed
+from .wire import ItemKind, decode_item, encode_header
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
 
-EventKind = Literal["cmd", "cmd_for_seq", "tokens", "shutdown"]
+EventKind = Literal["cmd", "cmd_for_seq", "tokens", "shutdown", "close"]
 
 
 @dataclass(frozen=True)
 class EpEvent:
-    """One recorded head call: its kind and its u32 arguments.
+    """One item the head sent: its kind and its u32 arguments.
 
-    ``cmd``: ``(cmd,)``; ``cmd_for_seq``: ``(seq_id, cmd)``; ``tokens``: the tokens;
-    ``shutdown``: ``()``.
+    ``cmd_for_seq``: ``(seq_id, cmd)`` (a header); ``cmd``: ``(word,)`` (a follow-up
+    word); ``tokens``: the tokens; ``shutdown`` and ``close``: ``()``.
     """
 
     kind: EventKind
     args: tuple[int, ...]
 
 
-class RecordingTransport:
-    """Rank 0 of a pretend group of ``world_size`` ranks: keeps each broadcast's words.
+Message = tuple[int, ...]
+"""One message as its u32 words."""
 
-    Give it to any :class:`~metrale_model_engine.WireEp` model to run its head side
-    without processes; :attr:`broadcasts` is then exactly what went on the wire, one
-    tuple of words per broadcast.  The setup exchange sees every rank agree.
+
+class RecordingTransport:
+    """Rank 0 of a pretend group of ``world_size`` ranks: keeps every message it is given.
+
+    Give it to an :class:`~metrale_model_engine.EpLink` to run a head without
+    processes; :attr:`messages` is then exactly what went on the wire.  The setup
+    exchange sees every rank agree.
     """
 
     rank = 0
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.broadcasts: list[tuple[int, ...]] = []
+        self.messages: list[Message] = []
+        """Every message sent, oldest first, as its words."""
         self.setup: list[int] | None = None
-        """The words the model sent in its setup exchange (``None`` until then)."""
+        """The words the link sent in its setup exchange (``None`` until then)."""
+        self.closed = False
 
-    def bind(self, words: Buffer) -> Broadcast:
-        view = memoryview(words)
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        self.messages.append(tuple(memoryview(b"".join(parts)).cast(U32_TYPECODE).tolist()))
 
-        def broadcast(timeout: float | None) -> None:
-            self.broadcasts.append(tuple(view.tolist()))
-
-        return broadcast
+    def receive(self, timeout: float | None) -> memoryview:
+        raise TransportClosed("a RecordingTransport is the head: it only sends")
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
         self.setup = list(words)
         return [list(words)] * self.world_size
 
+    def close(self) -> None:
+        self.closed = True
+
 
 class ReplayTransport:
-    """Rank 1 of a pretend two-rank group: receives ``broadcasts`` in order.
-
-    Each receive must ask for exactly the length that was sent, else it fails
-    (``ValueError``, which a model reports as a receive error: out of step).  Past
-    the last broadcast a receive fails with ``EOFError``.
+    """Rank 1 of a pretend two-rank group: receives ``messages`` in order, then ``EOFError``.
 
     Args:
-        broadcasts: what the head sent, one tuple of words per broadcast.
+        messages: what the head sent, one sequence of words per message.
         setup: the head's words of the setup exchange, which the worker's are
             checked against (a :class:`RecordingTransport`'s ``setup``); ``None``:
             the head agrees with whatever the worker sends.  A worker-side model
@@ -90,117 +95,113 @@ class ReplayTransport:
     rank = 1
     world_size = 2
 
-    def __init__(self, broadcasts: Sequence[tuple[int, ...]], *, setup: Sequence[int] | None = None) -> None:
-        self._pending: Iterator[tuple[int, ...]] = iter(broadcasts)
+    def __init__(self, messages: Sequence[Sequence[int]], *, setup: Sequence[int] | None = None) -> None:
+        self._pending: Iterator[Sequence[int]] = iter(messages)
         self._setup = None if setup is None else list(setup)
 
-    def bind(self, words: Buffer) -> Broadcast:
-        view = memoryview(words)
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        raise TransportClosed("a ReplayTransport is a worker: it only receives")
 
-        def broadcast(timeout: float | None) -> None:
-            sent = next(self._pending, None)
-            if sent is None:
-                raise EOFError("the recording has no more broadcasts")
-            if len(sent) != len(view):
-                raise ValueError(
-                    f"out of step with the head: the worker expects {len(view)} words, the head sent {len(sent)}"
-                )
-            for index, word in enumerate(sent):
-                view[index] = word
-
-        return broadcast
+    def receive(self, timeout: float | None) -> memoryview:
+        message = next(self._pending, None)
+        if message is None:
+            raise EOFError("the recording has no more messages")
+        return memoryview(array(U32_TYPECODE, message).tobytes())
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
         head = list(words) if self._setup is None else self._setup
         return [head, list(words)]
 
+    def close(self) -> None:
+        """Nothing is held."""
 
-class RecordingEp(WireEp[S]):
-    """A head whose broadcasts are recorded instead of sent.
 
-    Use it in a scheduler's unit tests to assert the exact command sequence.  It
-    checks its inputs like a real backend (u32 words, ``seq_id < num_slots``, token
-    arrays) and records a call only once it has passed them.
+class RecordingEp(LinkedEp[S]):
+    """A head whose messages are recorded instead of sent: a scheduler's unit-test double.
+
+    It is a :class:`~metrale_model_engine.LinkedEp` whose link runs over a
+    :class:`RecordingTransport`, so every call is checked as on a real head (u32
+    words, ``seq_id < num_slots``, token arrays) and only what passed reaches the
+    recording.
 
     Args:
-        is_ep: what :meth:`is_ep` returns; with ``False`` it behaves like a one-rank
-            group (calls are recorded, nothing is on the wire).
+        is_ep: what :meth:`is_ep` returns; with ``False`` it is a one-rank group:
+            its :attr:`wire` stays empty, its :attr:`events` are still recorded.
         protocol_v2: what :meth:`ep_protocol_v2` returns.
         num_slots: the slot count.
     """
 
-    __slots__ = ("_recording", "events")
+    __slots__ = ("_recording", "ep_link")
 
     def __init__(self, *, is_ep: bool = True, protocol_v2: bool = False, num_slots: int = 8) -> None:
         self._recording = RecordingTransport(world_size=2 if is_ep else 1)
-        self.events: list[EpEvent] = []
-        """The recorded calls, oldest first."""
-        super().__init__(
-            self._recording,
-            num_slots=num_slots,
-            protocol=EpProtocol.V2 if protocol_v2 else EpProtocol.V1,
-        )
+        protocol = ProtocolVersion.V2 if protocol_v2 else ProtocolVersion.V1
+        self.ep_link = EpLink(self._recording, num_slots=num_slots, protocol=protocol)
 
     @property
-    def wire(self) -> list[tuple[int, ...]]:
-        """The broadcasts that went on the (pretend) wire, one tuple of words each."""
-        return list(self._recording.broadcasts)
+    def wire(self) -> list[Message]:
+        """The messages that went on the (pretend) wire, as their words; none for a one-rank group."""
+        return list(self._recording.messages) if self.is_ep() else []
 
-    def ep_broadcast_cmd(self, cmd: int) -> None:
-        super().ep_broadcast_cmd(cmd)
-        self.events.append(EpEvent("cmd", (int(cmd),)))
-
-    def ep_broadcast_cmd_for_seq(self, seq_id: int, cmd: int) -> None:
-        super().ep_broadcast_cmd_for_seq(seq_id, cmd)
-        self.events.append(EpEvent("cmd_for_seq", (int(seq_id), int(cmd))))
-
-    def ep_broadcast_tokens(self, tokens: TokenArray) -> list[int]:
-        result = super().ep_broadcast_tokens(tokens)
-        self.events.append(EpEvent("tokens", tuple(result)))
-        return result
-
-    def ep_broadcast_tokens_into(self, tokens: TokenArray) -> None:
-        buffer = as_u32_buffer("tokens", tokens)  # converted once, checked before recording
-        super().ep_broadcast_tokens_into(buffer)
-        self.events.append(EpEvent("tokens", tuple(memoryview(buffer).tolist())))
-
-    def ep_shutdown_workers(self) -> None:
-        first = not self.workers_shut_down
-        super().ep_shutdown_workers()
-        if first:
-            self.events.append(EpEvent("shutdown", ()))
+    @property
+    def events(self) -> list[EpEvent]:
+        """The items the head sent, oldest first, read back from the recording."""
+        events: list[EpEvent] = []
+        for message in self._recording.messages:
+            words = memoryview(array(U32_TYPECODE, message))
+            at = 0
+            while at < len(words):
+                item = decode_item(words, at)
+                at = item.end
+                if item.kind is ItemKind.HEADER:
+                    header = EpEvent("cmd_for_seq", (item.second, item.first))
+                    events.append(EpEvent("shutdown", ()) if item.first == CMD_SHUTDOWN else header)
+                elif item.kind is ItemKind.WORD:
+                    events.append(EpEvent("cmd", (item.first,)))
+                elif item.kind is ItemKind.TOKENS:
+                    events.append(EpEvent("tokens", tuple(words[item.second : item.end].tolist())))
+                else:
+                    events.append(EpEvent("close", ()))
+        return events
 
     def replay(
         self,
-        worker: WireEp[S],
+        worker: LinkedEp[S],
         slots: MutableSequence[S | None],
         *,
         logger: logging.Logger | None = None,
     ) -> WorkerSummary:
         """Feed the recorded wire to ``worker`` as worker rank 1, under :func:`run_worker`.
 
-        The worker first runs its setup agreement against the recording's (as
-        :meth:`WireEp.attached`), so it must have been built with the same protocol,
-        ``v1_slot`` and slot count; it keeps its own transport afterwards.  A
-        shutdown header ends the replay (one is added if none was recorded).  The
-        recording can be replayed again.
+        For the replay the worker speaks over a new link with its own link's
+        settings, which first runs the setup agreement against the recording's:
+        the worker must use the same protocol, ``seq_id_on_wire`` and slot count.
+        Its own link is back in place afterwards.  A shutdown header ends the replay
+        (one is added if none was recorded).  The recording can be replayed again.
 
         Raises:
             EpSetupError: ``worker`` disagrees with the recording.
             ValueError: this recorder is not multi-rank (``is_ep=False``).
-            EpReceiveError: the worker read more, or other lengths, than was sent.
+            EpReceiveError: the worker read more than was sent.
         """
         if not self.is_ep():
             raise ValueError("replay() needs a recording made with is_ep=True; nothing went on the wire")
-        broadcasts = self.wire
-        if not self.workers_shut_down:
-            broadcasts.append(_shutdown_frame())
-        with worker.attached(ReplayTransport(broadcasts, setup=self._recording.setup)):
+        messages: list[Sequence[int]] = list(self._recording.messages)
+        if not self.ep_link.workers_shut_down:
+            messages.append(memoryview(encode_header(0, CMD_SHUTDOWN)).cast(U32_TYPECODE).tolist())
+        own = worker.ep_link
+        replay = ReplayTransport(messages, setup=self._recording.setup)
+        link = EpLink(
+            replay,
+            num_slots=own.num_slots,
+            protocol=own.protocol,
+            seq_id_on_wire=own.seq_id_on_wire,
+            command_timeout=own.command_timeout,
+        )
+        # The attribute lives in the subclass (a slot, or the instance dict of an nn.Module),
+        # which the type LinkedEp cannot name: setattr keeps that the subclass's business.
+        setattr(worker, "ep_link", link)  # noqa: B010
+        try:
             return run_worker(worker, slots, logger=logger)
-
-
-def _shutdown_frame() -> tuple[int, ...]:
-    """The frame of a shutdown header, as any head sends it."""
-    recording = RecordingTransport(world_size=2)
-    WireEp[SequenceState](recording, num_slots=1, protocol=EpProtocol.V2).ep_shutdown_workers()
-    return recording.broadcasts[-1]
+        finally:
+            setattr(worker, "ep_link", own)  # noqa: B010

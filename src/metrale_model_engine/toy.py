@@ -1,14 +1,15 @@
-"""A toy multi-rank model with real commands, for the demo, the tests and the benchmarks.
+"""A toy multi-rank model with real commands, for the tests, the benchmarks and ``demo --toy``.
 
 ``ToyModel`` serves sequences in slots with four commands (alloc, prefill with a
 prompt, decode, free).  Its "forward" is a rolling checksum over the tokens, so that
-every rank's slot state can be compared by digest.  It runs over any
-:class:`~metrale_model_engine.EpTransport`: torch.distributed in the demo, the
-in-memory doubles of :mod:`metrale_model_engine.testing` in unit tests.
+every rank's slot state can be compared by digest.  It runs over any link: shared
+memory or torch.distributed in the demo, the in-memory doubles of
+:mod:`metrale_model_engine.testing` in unit tests.
 
-Each head method first checks everything that could fail, then broadcasts the
-command, then applies it locally; the worker hook reads the whole command before
-applying it.  A failure therefore never leaves a worker half way through a command.
+Each head method first checks everything that could fail, then sends the command
+in one message (``EpLink.send_command``), then applies it locally; the worker hook
+reads the whole command before applying it.  A failure therefore never leaves a
+worker half way through a command.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import hashlib
 from collections.abc import Iterable, MutableSequence, Sequence
 from typing import ClassVar, Final
 
+from ._checks import check_slot
+from ._link import EpLink
+from ._linked import LinkedEp
 from ._state import SequenceState
 from ._tokens import TokenArray, as_u32_buffer
-from ._wire import WireEp, check_slot
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]
 
@@ -71,54 +74,63 @@ class ToyState(SequenceState):
 ToySlots = MutableSequence[ToyState | None]
 
 
-class ToyModel(WireEp[ToyState]):
+class ToyModel(LinkedEp[ToyState]):
     """The toy model: head methods drive a command; workers run it in :meth:`ep_run_command`.
 
-    After its header, ``PREFILL`` sends the prompt as one token array and
-    ``DECODE`` the chosen token as one follow-up word; ``ALLOC`` and ``FREE`` send
-    nothing more.  Arguments as :class:`~metrale_model_engine.WireEp`.
+    ``PREFILL`` carries the prompt as one token array and ``DECODE`` the chosen
+    token as one follow-up word; ``ALLOC`` and ``FREE`` carry nothing more.  Each is
+    one message.
+
+    Args:
+        link: the engine to speak through; it must carry ``seq_id`` on the wire
+            (the toy serves several slots).
 
     Raises:
-        ValueError: ``v1_slot=False`` under protocol v1: the toy serves several
-            slots, so its headers must carry ``seq_id``.
+        ValueError: ``link.seq_id_on_wire`` is ``False``: every command would run in slot 0.
     """
 
-    __slots__ = ()
-    needs_seq_id = True
+    __slots__ = ("ep_link",)
+
+    def __init__(self, link: EpLink) -> None:
+        if not link.seq_id_on_wire:
+            raise ValueError(
+                "ToyModel serves several slots, so its headers must carry seq_id: "
+                "build its EpLink with seq_id_on_wire=True (the default) or protocol v2"
+            )
+        self.ep_link = link
 
     # -- head ----------------------------------------------------------------
 
     def alloc(self, slots: ToySlots, seq_id: int) -> None:
         """Start a sequence in the free slot ``seq_id`` on every rank."""
-        state = self._check(slots, seq_id, ToyCommand.ALLOC)
-        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.ALLOC)
-        self._apply(slots, seq_id, ToyCommand.ALLOC, state, ())
+        state = _check(slots, seq_id, ToyCommand.ALLOC)
+        self.ep_link.send_command(seq_id, ToyCommand.ALLOC)
+        _apply(slots, seq_id, ToyCommand.ALLOC, state, ())
 
     def prefill(self, slots: ToySlots, seq_id: int, prompt: TokenArray) -> None:
         """Feed ``prompt`` to the live sequence ``seq_id`` on every rank.
 
         The prompt is checked before anything is sent.
         """
-        state = self._check(slots, seq_id, ToyCommand.PREFILL)
+        state = _check(slots, seq_id, ToyCommand.PREFILL)
         tokens = as_u32_buffer("prompt", prompt)
-        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.PREFILL)
-        self._apply(slots, seq_id, ToyCommand.PREFILL, state, self.ep_broadcast_tokens(tokens))
+        self.ep_link.send_command(seq_id, ToyCommand.PREFILL, tokens)
+        _apply(slots, seq_id, ToyCommand.PREFILL, state, memoryview(tokens).tolist())
 
     def decode(self, slots: ToySlots, seq_id: int) -> int:
         """One decode step of ``seq_id``: the head picks the token, every rank appends it."""
-        state = self._check(slots, seq_id, ToyCommand.DECODE)
+        state = _check(slots, seq_id, ToyCommand.DECODE)
         assert state is not None
         token = state.next_token()
-        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.DECODE)
-        self.ep_broadcast_cmd(token)
-        self._apply(slots, seq_id, ToyCommand.DECODE, state, (token,))
+        self.ep_link.send_command(seq_id, ToyCommand.DECODE, token)
+        _apply(slots, seq_id, ToyCommand.DECODE, state, (token,))
         return token
 
     def free(self, slots: ToySlots, seq_id: int) -> None:
         """End the sequence in slot ``seq_id`` on every rank."""
-        state = self._check(slots, seq_id, ToyCommand.FREE)
-        self.ep_broadcast_cmd_for_seq(seq_id, ToyCommand.FREE)
-        self._apply(slots, seq_id, ToyCommand.FREE, state, ())
+        state = _check(slots, seq_id, ToyCommand.FREE)
+        self.ep_link.send_command(seq_id, ToyCommand.FREE)
+        _apply(slots, seq_id, ToyCommand.FREE, state, ())
 
     # -- worker --------------------------------------------------------------
 
@@ -126,37 +138,36 @@ class ToyModel(WireEp[ToyState]):
         """Read the whole command, then apply it to ``slots``."""
         payload: Sequence[int] = ()
         if cmd == ToyCommand.PREFILL:
-            payload = self.ep_recv_tokens()
+            payload = self.ep_link.recv_tokens()
         elif cmd == ToyCommand.DECODE:
-            payload = (self.ep_recv_word(),)
+            payload = (self.ep_link.recv_word(),)
         elif cmd not in (ToyCommand.ALLOC, ToyCommand.FREE):
             raise ValueError(f"unknown command word {cmd} for ToyModel (seq_id={seq_id})")
         command = ToyCommand(cmd)
-        self._apply(slots, seq_id, command, self._check(slots, seq_id, command), payload)
+        _apply(slots, seq_id, command, _check(slots, seq_id, command), payload)
 
-    # -- every rank -----------------------------------------------------------
 
-    def _check(self, slots: ToySlots, seq_id: int, cmd: ToyCommand) -> ToyState | None:
-        check_slot(seq_id, slots)
-        state = slots[seq_id]
-        if cmd is ToyCommand.ALLOC:
-            if state is not None:
-                raise ValueError(f"alloc: slot {seq_id} is already in use")
-        elif state is None:
-            raise KeyError(f"{cmd.name.lower()}: slot {seq_id} is free")
-        return state
+def _check(slots: ToySlots, seq_id: int, cmd: ToyCommand) -> ToyState | None:
+    """Raise unless ``cmd`` can run in ``slots[seq_id]``; return the slot's state."""
+    check_slot(seq_id, slots)
+    state = slots[seq_id]
+    if cmd is ToyCommand.ALLOC:
+        if state is not None:
+            raise ValueError(f"alloc: slot {seq_id} is already in use")
+    elif state is None:
+        raise KeyError(f"{cmd.name.lower()}: slot {seq_id} is free")
+    return state
 
-    def _apply(
-        self, slots: ToySlots, seq_id: int, cmd: ToyCommand, state: ToyState | None, payload: Sequence[int]
-    ) -> None:
-        """Apply a command that :meth:`_check` passed (``state`` is what it returned)."""
-        if cmd is ToyCommand.ALLOC:
-            slots[seq_id] = ToyState(seq_id)
-        elif cmd is ToyCommand.FREE:
-            slots[seq_id] = None
-        else:
-            assert state is not None
-            state.consume(payload)
+
+def _apply(slots: ToySlots, seq_id: int, cmd: ToyCommand, state: ToyState | None, payload: Sequence[int]) -> None:
+    """Apply a command that :func:`_check` passed (``state`` is what it returned)."""
+    if cmd is ToyCommand.ALLOC:
+        slots[seq_id] = ToyState(seq_id)
+    elif cmd is ToyCommand.FREE:
+        slots[seq_id] = None
+    else:
+        assert state is not None
+        state.consume(payload)
 
 
 def slots_digest(slots: Sequence[ToyState | None]) -> str:

@@ -1,0 +1,160 @@
+"""Choosing the transport for a group, with every rank: shared memory on one host, else the group itself."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from array import array
+from typing import Final, Literal
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_choice, disagreement
+from ._errors import EpLinkError, EpSetupError
+from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
+from ._protocol import ProtocolVersion
+from ._torch_transport import TorchTransport
+from ._waiting import DEFAULT_SPIN_TIME
+from ._words import U32_TYPECODE
+from .shm import ShmTransport, shm_supported
+
+_LOGGER = logging.getLogger("metrale_model_engine.torch")
+
+TransportKind = Literal["auto", "shm", "torch"]
+"""Which transport carries the protocol: see :func:`open_transport`."""
+
+TRANSPORT_KINDS: Final[tuple[TransportKind, ...]] = ("auto", "shm", "torch")
+_NAME_WORDS: Final[int] = 16
+"""u32 words that carry the ring's name from the head in the rendezvous (64 bytes)."""
+
+
+def open_transport(
+    kind: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | None = None,
+    spin_time: float = DEFAULT_SPIN_TIME,
+) -> TorchTransport | ShmTransport:
+    """The transport for ``group`` (default: the world group), chosen by every rank together.
+
+    Collective over the group.  The ranks first agree on ``kind`` (each must pass
+    the same; a plain ``str``, say from configuration, is checked here) and compare
+    where they run, then:
+
+    * ``"auto"`` (the default): shared memory when every rank is on one host with a
+      usable ``/dev/shm`` (Linux on x86-64 or arm64), torch.distributed otherwise;
+      if the ring cannot be set up on some rank, rank 0 logs a warning and every
+      rank uses torch.distributed;
+    * ``"shm"``: shared memory, else :class:`EpSetupError` on every rank, with the
+      same text on each (which ranks failed, and why);
+    * ``"torch"``: the group's own broadcasts (:class:`TorchTransport`).
+
+    The head creates the ring, its name travels over the group, the workers
+    attach; the ring's name is removed from ``/dev/shm`` at the link's setup
+    exchange.  ``device`` goes to :class:`TorchTransport`, ``spin_time`` to
+    :class:`~metrale_model_engine.shm.ShmTransport`.
+
+    Raises:
+        TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`
+            (checked before the group is touched).
+        EpSetupError: the ranks asked for different kinds, or ``"shm"`` cannot be had.
+        EpLinkError: the exchange over the group failed.
+    """
+    chosen = check_choice("transport", kind, TRANSPORT_KINDS)
+    base = TorchTransport(group, device=device)
+    try:
+        everyone = base.gather([TRANSPORT_KINDS.index(chosen), *_host_words()])
+    except Exception as error:
+        raise EpLinkError(f"rank {base.rank}: choosing the transport failed: {error}") from error
+    problem = disagreement(base.rank, "transport", [TRANSPORT_KINDS[words[0]] for words in everyone], repr)
+    if problem is not None:
+        raise EpSetupError(problem)
+    elsewhere = [rank for rank, words in enumerate(everyone) if words[1:] != everyone[0][1:] or not words[1]]
+    if chosen == "torch" or base.world_size == 1 or (chosen == "auto" and elsewhere):
+        return base
+    if elsewhere:
+        raise EpSetupError(
+            f"transport='shm' needs every rank on one Linux host with /dev/shm, but rank(s) "
+            f"{elsewhere} are not on rank 0's host, or cannot run it; use transport='auto' or 'torch'"
+        )
+    return _rendezvous(base, chosen, spin_time)
+
+
+def open_link(
+    kind: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    *,
+    num_slots: int,
+    protocol: ProtocolVersion | None = None,
+    seq_id_on_wire: bool = True,
+    command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+    device: torch.device | None = None,
+    spin_time: float = DEFAULT_SPIN_TIME,
+) -> EpLink:
+    """An :class:`~metrale_model_engine.EpLink` over the transport :func:`open_transport` chooses.
+
+    Collective over the group.  The link owns the transport (closing it closes
+    both); if the link's setup fails, the transport is closed before the error
+    propagates.  Arguments as :func:`open_transport` and
+    :class:`~metrale_model_engine.EpLink`.
+    """
+    transport = open_transport(kind, group, device=device, spin_time=spin_time)
+    try:
+        return EpLink(
+            transport,
+            num_slots=num_slots,
+            protocol=protocol,
+            seq_id_on_wire=seq_id_on_wire,
+            command_timeout=command_timeout,
+        )
+    except BaseException:
+        transport.close()
+        raise
+
+
+def _host_words() -> list[int]:
+    """[can run shm, two words of a fingerprint of this host's /dev/shm and pid namespace]."""
+    if not shm_supported():
+        return [0, 0, 0]
+    facts = [os.uname().nodename, str(os.stat("/dev/shm").st_dev), str(os.stat("/proc/self/ns/pid").st_ino)]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            facts.append(file.read().strip())
+    except OSError:
+        pass
+    digest = hashlib.blake2b("\0".join(facts).encode(), digest_size=8).digest()
+    return [1, int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
+
+
+def _rendezvous(base: TorchTransport, kind: TransportKind, spin_time: float) -> TorchTransport | ShmTransport:
+    """Create the ring on the head, pass its name over ``base``, attach on the workers, confirm."""
+    ring: ShmTransport | None = None
+    problem: str | None = None
+    name_words = [0] * _NAME_WORDS
+    if base.rank == 0:
+        try:
+            ring = ShmTransport.create(base.world_size, spin_time=spin_time)
+            name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
+        except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
+            problem = str(error)
+    name = array(U32_TYPECODE, base.gather(name_words)[0]).tobytes().rstrip(b"\0").decode()
+    if base.rank != 0 and name:
+        try:
+            ring = ShmTransport.attach(name, base.rank, spin_time=spin_time)
+        except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
+            problem = str(error)
+    reasons: list[object] = [None] * base.world_size
+    dist.all_gather_object(reasons, problem, group=base.group)
+    failed = {rank: reason for rank, reason in enumerate(reasons) if reason is not None}
+    if not failed and ring is not None:
+        return ring
+    if ring is not None:
+        ring.close()
+    why = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())
+    if kind == "auto":
+        if base.rank == 0:
+            _LOGGER.warning("the shared-memory ring could not be set up (%s); every rank uses torch.distributed", why)
+        return base
+    raise EpSetupError(f"the shared-memory ring could not be set up ({why})")

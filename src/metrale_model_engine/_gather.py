@@ -1,0 +1,110 @@
+"""The setup gather over a ring's segment: every rank's few words, by rank, woken by a shared bell.
+
+Each rank owns one gather line: a generation, an acknowledgement and a count, then
+its words.  A gather writes the words, then the next generation; waits until every
+rank's generation reached it; reads them all; acknowledges; and waits until every
+rank has acknowledged, so that nobody overwrites words another rank has not read
+yet.  Waits sleep on the bell word, which every rank bumps and wakes after each
+step, and are bounded by the setup timeout.  Only setup uses it: it is not fast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from . import _futex
+from ._liveness import ProcessWatch
+from ._segment import BELL_AT, GATHER_WORDS, HEAD_PID_AT, Segment
+from ._waiting import DEFAULT_SPIN_TIME, wait_until
+from .transport import PeerLost, TransportClosed, TransportTimeout
+
+
+class SetupGather:
+    """The gathers of one rank of a ring, counted by generation.
+
+    Raises from :meth:`gather` (plain errors): ``ValueError`` for words that are not
+    at most :data:`GATHER_WORDS` u32 words or counts that differ between ranks,
+    :class:`PeerLost` when a rank of the ring died, :class:`TransportTimeout` past
+    ``setup_timeout``, :class:`TransportClosed` once :attr:`closed` is set.
+    """
+
+    __slots__ = ("_generation", "_rank", "_segment", "_setup_timeout", "closed")
+
+    def __init__(self, segment: Segment, rank: int, setup_timeout: float) -> None:
+        self._segment = segment
+        self._rank = rank
+        self._setup_timeout = setup_timeout
+        self._generation = 0
+        self.closed = False
+        """Set when the transport closes: a gather in progress then raises."""
+
+    def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``words``, by rank; collective."""
+        values = list(words)
+        if len(values) > GATHER_WORDS or not all(type(v) is int and 0 <= v <= 0xFFFF_FFFF for v in values):
+            raise ValueError(f"gather takes at most {GATHER_WORDS} u32 words, got {values!r}")
+        segment = self._segment
+        layout, u32 = segment.layout, segment.u32
+        generation = self._generation + 1
+        mine = layout.gather_at(self._rank) // 4
+        u32[mine + 2] = len(values)
+        for index, value in enumerate(values):
+            u32[mine + 3 + index] = value
+        _futex.full_fence()
+        u32[mine] = generation
+        self._ring_bell()
+        lines = [layout.gather_at(rank) // 4 for rank in range(layout.world_size)]
+        self._wait_for_ranks(lambda: all(u32[line] >= generation for line in lines), "answer the gather")
+        everyone = [list(u32[line + 3 : line + 3 + u32[line + 2]]) for line in lines]
+        u32[mine + 1] = generation  # read: the others may overwrite their words after this
+        self._ring_bell()
+        self._wait_for_ranks(lambda: all(u32[line + 1] >= generation for line in lines), "finish the gather")
+        self._generation = generation
+        counts = {len(words) for words in everyone}
+        if len(counts) > 1:
+            per_rank = ", ".join(f"rank {r}: {len(w)}" for r, w in enumerate(everyone))
+            raise ValueError(f"rank {self._rank}: the ranks gathered different word counts ({per_rank})")
+        return everyone
+
+    def _wait_for_ranks(self, ready: Callable[[], bool], doing: str) -> None:
+        segment, layout = self._segment, self._segment.layout
+        pid_words = [HEAD_PID_AT // 4] + [layout.pid_at(r) // 4 for r in range(layout.readers)]
+        watch = ProcessWatch()
+
+        def check() -> None:
+            if self.closed:
+                raise TransportClosed("this ShmTransport was closed")
+            for word in pid_words:
+                if segment.u32[word]:
+                    watch.add(segment.u32[word])
+            dead = watch.dead()
+            if dead:
+                raise PeerLost(
+                    f"rank {self._rank}: process(es) {sorted(dead)} of the ring died before every rank could {doing}"
+                )
+
+        try:
+            wait_until(
+                ready,
+                segment=segment,
+                park_word=lambda: BELL_AT,
+                parked_flag=None,
+                deadline=time.monotonic() + self._setup_timeout,
+                check=check,
+                spin=DEFAULT_SPIN_TIME,
+            )
+        except TimeoutError:
+            missing = [r for r, word in enumerate(pid_words) if not segment.u32[word]]
+            hint = f"; rank(s) {missing} never attached" if missing else ""
+            raise TransportTimeout(
+                f"rank {self._rank}: not every rank of the ring managed to {doing} within "
+                f"setup_timeout={self._setup_timeout} s{hint}"
+            ) from None
+        finally:
+            watch.close()
+
+    def _ring_bell(self) -> None:
+        u32, bell = self._segment.u32, BELL_AT // 4
+        u32[bell] = (u32[bell] + 1) & 0xFFFF_FFFF
+        _futex.futex_wake(self._segment.address + BELL_AT)

@@ -1,0 +1,174 @@
+"""Process groups for scripts and tests: set one up (loopback or torchrun), run N ranks, leave cleanly."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing
+import os
+import socket
+from collections.abc import Callable
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from typing_extensions import TypeVarTuple, Unpack
+
+from ._launch import check_launch, join_all
+from ._torch_transport import _OPEN_TRANSPORTS
+
+DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
+"""Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header over gloo."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a local group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def cuda_available() -> bool:
+    """Whether this process sees at least one CUDA device."""
+    return torch.cuda.device_count() > 0
+
+
+def default_backend(local_ranks: int) -> str:
+    """NCCL when this machine has a CUDA device for each of its ``local_ranks``, else gloo."""
+    return "nccl" if torch.cuda.device_count() >= local_ranks else "gloo"
+
+
+def init_local_group(
+    rank: int,
+    world_size: int,
+    *,
+    port: int,
+    backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT,
+) -> None:
+    """Initialise this process as ``rank`` of a ``world_size``-rank group on loopback.
+
+    ``backend`` defaults to NCCL when there is a CUDA device per rank and gloo
+    otherwise; under NCCL the process uses CUDA device ``rank % device_count``.
+    ``timeout`` is the group timeout, which bounds an idle worker's wait for the
+    next header over gloo.
+
+    Raises:
+        ValueError: ``rank`` is not in ``0 ..= world_size - 1``.
+        RuntimeError: ``backend="nccl"`` on a machine without CUDA devices.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")
+    _init_group(backend, rank, world_size, timeout, f"tcp://127.0.0.1:{port}", rank, world_size)
+
+
+def init_group_from_env(*, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT) -> None:
+    """Initialise the default group from torchrun's variables (``env://``).
+
+    The same backend and device choice as :func:`init_local_group`, per node:
+    ``LOCAL_RANK`` picks the CUDA device, ``LOCAL_WORLD_SIZE`` (else
+    ``WORLD_SIZE``) the default backend.
+
+    Raises:
+        RuntimeError: ``backend="nccl"`` on a machine without CUDA devices.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    _init_group(backend, local_rank, local_ranks, timeout, None, -1, -1)
+
+
+def _init_group(
+    backend: str | None,
+    local_rank: int,
+    local_ranks: int,
+    timeout: datetime.timedelta,
+    init_method: str | None,
+    rank: int,
+    world_size: int,
+) -> None:
+    if backend is None:
+        backend = default_backend(local_ranks)
+    device_id = None
+    if backend == "nccl":
+        devices = torch.cuda.device_count()
+        if devices == 0:
+            raise RuntimeError(
+                "backend 'nccl' needs a CUDA device, and this machine has none "
+                "(torch.cuda.device_count() == 0); use backend 'gloo'"
+            )
+        torch.cuda.set_device(local_rank % devices)
+        device_id = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )
+
+
+Ts = TypeVarTuple("Ts")
+
+
+def run_group(
+    target: Callable[[int, int, Unpack[Ts]], None],
+    world_size: int,
+    *args: Unpack[Ts],
+    backend: str | None = None,
+    timeout: float | None = None,
+) -> list[int]:
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` fresh processes that form one group.
+
+    Each process joins a local group (:func:`init_local_group`) first and leaves it
+    after.  ``target`` and ``args`` must be picklable (the ``spawn`` start method).
+    (``metrale_model_engine.shm.run_ring`` is its counterpart without torch: its
+    target gets ``(transport, *args)``.)
+
+    Returns:
+        Every rank's exit code, by rank (0 for success; negative: killed by that signal).
+
+    Raises:
+        TypeError, ValueError: ``world_size`` is not an int ``>= 1``, or ``timeout``
+            is neither ``None`` (the default: no limit) nor a positive number of seconds.
+        TimeoutError: ranks still ran after ``timeout`` seconds; they were killed,
+            and the message names them.
+    """
+    limit = check_launch(world_size, timeout)
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=_local_rank_main, args=(target, rank, world_size, port, backend, args))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    return join_all(processes, limit)
+
+
+def _local_rank_main(
+    target: Callable[..., None],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None,
+    args: tuple[object, ...],
+) -> None:
+    init_local_group(rank, world_size, port=port, backend=backend)
+    try:
+        target(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Make a rank's exit clean even when its program never tore the group down.
+
+    A gloo process group destroyed during interpreter teardown, after the modules
+    it needs are half gone, aborts the process in about half of the exits
+    ("terminate called without an active exception"); that happens whenever a
+    Python reference to it (ours, in a live link) outlives
+    ``destroy_process_group``.  At exit, before teardown, this drops the references
+    of every open transport and destroys the default group if the program did not.
+    """
+    for transport in list(_OPEN_TRANSPORTS):
+        transport.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,109 @@
+"""``LinkedEp``: the trait, implemented by a model that holds an :class:`EpLink`."""
+
+from __future__ import annotations
+
+from collections.abc import MutableSequence
+from typing import NoReturn, cast
+
+from typing_extensions import Self
+
+from ._link import EpLink
+from ._model import ModelEp, S
+from ._protocol import ProtocolVersion
+from ._tokens import TokenArray, token_count
+from ._words import check_u32
+
+
+class _NoLink:
+    """What ``ep_link`` is until a model assigns its link: every use says so."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise AttributeError(
+            "this model has no link yet: a LinkedEp model assigns its engine in __init__, "
+            "self.ep_link = EpLink(transport, num_slots=...) (did its __init__ skip that, or skip super().__init__()?)"
+        )
+
+
+class LinkedEp(ModelEp[S]):
+    """A :class:`ModelEp` whose six methods speak the protocol over the model's link, ``self.ep_link``.
+
+    Inherit it beside the model's own bases (``torch.nn.Module``, say), assign the
+    link in ``__init__`` (``self.ep_link = EpLink(transport, num_slots=...)``) and
+    override :meth:`ep_run_command`, the worker hook.  The head side of a command is
+    a call to ``self.ep_link.send_command(seq_id, cmd, *follow_ups)`` (or the
+    trait's per-word broadcasts); the worker side reads the follow-ups with
+    ``self.ep_link.recv_word()``, ``recv_tokens()`` and ``recv_tokens_into()``.
+
+    It adds nothing else to the model's class: the trait's six methods, the hook,
+    the ``ep_link`` attribute, and ``with model:`` (which closes the link on the
+    way out).  It has no ``__init__`` and ``__slots__ = ()``: a slotted model
+    declares an ``"ep_link"`` slot.
+    """
+
+    __slots__ = ()
+
+    ep_link: EpLink = cast(EpLink, _NoLink())
+    """The engine this model speaks through; the model assigns it in ``__init__``."""
+
+    def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
+        """Worker: receive one header and run its command through :meth:`ep_run_command`.
+
+        See :meth:`EpLink.step` for what it raises: :class:`EpCommandFailed` when the
+        command failed (the worker stays in step), :class:`EpReceiveError` when the
+        receive did (the worker exits).  Returns ``False`` on the shutdown word.
+        """
+        return self.ep_link.step(self.ep_run_command, slots)
+
+    def is_ep(self) -> bool:
+        """``True`` exactly when the link's group has more than one rank."""
+        return self.ep_link.world_size > 1
+
+    def ep_broadcast_cmd(self, cmd: int) -> None:
+        """Head: send one u32 follow-up word of the command in flight (:meth:`EpLink.send_word`)."""
+        if type(cmd) is not int or cmd >> 32:
+            cmd = check_u32("cmd", cmd)
+        self.ep_link.send_word(cmd)
+
+    def ep_broadcast_cmd_for_seq(self, seq_id: int, cmd: int) -> None:
+        """Head: send the header that starts command ``cmd`` for ``seq_id`` (:meth:`EpLink.send_header`)."""
+        self.ep_link.send_header(seq_id, cmd)
+
+    def ep_protocol_v2(self) -> bool:
+        """``True`` when the link runs protocol v2 (``seq_id`` in every header)."""
+        return self.ep_link.protocol is ProtocolVersion.V2
+
+    def ep_broadcast_tokens(self, tokens: TokenArray) -> list[int]:
+        """Send a u32 token array from the head to every worker.
+
+        Head: ``tokens`` is checked and sent (:meth:`EpLink.send_tokens`) and
+        returned (the same object when it is a list).  Worker: receives the head's
+        array, which must have ``len(tokens)`` tokens (:meth:`EpLink.recv_tokens`).
+        """
+        link = self.ep_link
+        if link.rank:
+            return link.recv_tokens(token_count(tokens))
+        sent = link.send_tokens(tokens)
+        return tokens if isinstance(tokens, list) else memoryview(sent).tolist()
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[S | None]) -> None:
+        """Worker hook: run command ``cmd`` in ``slots[seq_id]`` (override it).
+
+        Called by :meth:`ep_worker_step` once the header arrived and ``seq_id`` is
+        known to be in range.  Read the command's follow-ups before anything that
+        may fail: the link skips what a failed command left unread, but state the
+        command changed before failing stays changed.  Any exception it raises
+        becomes :class:`EpCommandFailed`, except a receive failure, which stays
+        untagged.
+
+        Default: every command is unknown (``ValueError``).
+        """
+        raise ValueError(f"unknown command word {cmd} (seq_id={seq_id}) for {type(self).__name__}")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Close the link (and its transport): a head that did not shut its workers down makes them raise."""
+        self.ep_link.close()

@@ -1,0 +1,201 @@
+"""The worker's side of a link: the item stream, the step that runs a command, the receives.
+
+Pull-style: a worker asks for the next header (:meth:`ItemReader.step`) and then
+for each follow-up it expects (``recv_word``, ``recv_tokens``...); the reader
+decodes the item the request meets and receives the next message only when the
+current one is used up, so it is the same whether the head sent a command as one
+message or item by item.  A follow-up of another kind or length is an
+:class:`EpMismatchError` after the item was consumed (a next command's header is
+left for the next step); what a failed command left unread is skipped on the way
+to the next header, and what a successful one left unread is reported once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableSequence
+from typing import NoReturn
+
+from typing_extensions import Buffer
+
+from ._checks import check_slot
+from ._errors import EpCommandFailed, EpLinkError, EpMismatchError, EpReceiveError, EpRoleError
+from ._model import S
+from ._tokens import ArrayInterface, writable_u32_buffer
+from ._words import CMD_SHUTDOWN, U32_TYPECODE
+from .transport import EpTransport
+from .wire import Item, ItemKind, WireError, decode_item, describe_item
+
+RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
+"""A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""
+
+_NO_WORDS = memoryview(b"").cast(U32_TYPECODE)
+
+
+class ItemReader:
+    """A worker's reading state over its transport; the base of :class:`~metrale_model_engine.EpLink`."""
+
+    __slots__ = ("_at", "_command", "_command_timeout", "_last_failed", "_rank", "_transport", "_words")
+
+    _transport: EpTransport
+    _rank: int
+    _command_timeout: float | None
+
+    def _start_reading(self) -> None:
+        self._words = _NO_WORDS  # the current message, as u32 words
+        self._at = 0  # the index of its next unread word
+        self._last_failed = False  # the last command failed: skip what it left unread
+        self._command = (0, 0)  # (seq_id, cmd) of the command in flight, for messages
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self, run: RunCommand[S], slots: MutableSequence[S | None]) -> bool:
+        """Worker: receive the next header and run its command with ``run(seq_id, cmd, slots)``.
+
+        What the trait's ``ep_worker_step`` does.  Waits for the header without the
+        command timeout (an idle server is not a failure).  Returns ``False`` on the
+        shutdown word.
+
+        Raises:
+            EpReceiveError: a receive failed (head gone, timeout, a corrupt message,
+                the head closed its link); the worker must exit.
+            EpCommandFailed: the header arrived and the command failed
+                (``seq_id >= len(slots)``, an unknown command, a follow-up other
+                than the head sent, an error in the command); the worker stays in
+                step.  Also raised, once, when a command that succeeded left
+                follow-ups unread (a model bug): they are skipped, and the header
+                behind them runs at the next step.
+            EpRoleError: called on the head.
+        """
+        if self._rank == 0:
+            raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
+        skipped: list[str] = []
+        while True:
+            item = self._peek(None)
+            if item.kind is ItemKind.HEADER:
+                break
+            self._at = item.end
+            skipped.append(describe_item(item))
+        if skipped and not self._last_failed:  # reported once; the header behind them runs at the next step
+            before_seq, before_cmd = self._command
+            them = "it was" if len(skipped) == 1 else "they were"
+            raise EpCommandFailed(
+                EpMismatchError(
+                    f"worker rank {self._rank}: command {before_cmd} (seq_id={before_seq}) "
+                    f"left {', '.join(skipped)} unread; {them} skipped"
+                )
+            )
+        self._at = item.end
+        cmd, seq_id = item.first, item.second
+        if cmd == CMD_SHUTDOWN:
+            return False
+        self._command = (seq_id, cmd)
+        self._last_failed = True  # until the command returns
+        try:
+            check_slot(seq_id, slots)
+            run(seq_id, cmd, slots)
+        except (EpLinkError, EpCommandFailed):
+            raise
+        except Exception as error:
+            raise EpCommandFailed(error) from error
+        self._last_failed = False
+        return True
+
+    # -- follow-ups ----------------------------------------------------------
+
+    def recv_word(self) -> int:
+        """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
+
+        Bounded by ``command_timeout``.
+
+        Raises:
+            EpMismatchError: the head sent something else (a token array, or the
+                next command's header, which then runs at the next step).
+            EpReceiveError: the receive failed.
+            EpRoleError: called on the head.
+        """
+        item = self._follow_up()
+        if item.kind is not ItemKind.WORD:
+            self._mismatch("a follow-up word", item)
+        self._at = item.end
+        return item.first
+
+    def recv_tokens(self, count: int | None = None) -> list[int]:
+        """Worker: the next follow-up token array, as a list; pass ``count`` to require a length.
+
+        Bounded by ``command_timeout``.
+
+        Raises:
+            TypeError, ValueError: ``count`` is not ``None`` or an int ``>= 0``
+                (nothing is received).
+            EpMismatchError: the head sent something else, or ``count`` tokens were
+                expected and another number came (the message names both; the
+                tokens are consumed).
+            EpReceiveError: the receive failed.
+            EpRoleError: called on the head.
+        """
+        if count is not None and (type(count) is not int or count < 0):
+            error = ValueError if type(count) is int else TypeError
+            raise error(f"count must be None or an int >= 0, got {type(count).__name__} {count!r}")
+        item = self._tokens(count)
+        return self._words[item.second : item.end].tolist()
+
+    def recv_tokens_into(self, buffer: Buffer | ArrayInterface) -> None:
+        """Worker: the next follow-up token array, written into ``buffer`` in place.
+
+        ``buffer`` must be a writable, C-contiguous, 1-D u32 buffer (``array('I')``,
+        numpy ``uint32``) of the head's length.  For workers that feed the tokens
+        to a tensor rather than to Python code.
+
+        Raises:
+            TypeError: ``buffer`` is not a u32 buffer (a non-native byte order
+                included); ValueError: not writable, 1-D and contiguous (nothing is
+                received in either case).
+            EpMismatchError: the head sent something else, or a token array of
+                another length (the message names both; it is consumed).
+            EpReceiveError: the receive failed.
+            EpRoleError: called on the head.
+        """
+        view = writable_u32_buffer("buffer", buffer)
+        item = self._tokens(len(view))
+        view[:] = self._words[item.second : item.end]
+
+    def _tokens(self, count: int | None) -> Item:
+        item = self._follow_up()
+        if item.kind is not ItemKind.TOKENS or (count is not None and item.first != count):
+            self._mismatch("a token array" if count is None else f"a token array of {count} tokens", item)
+        self._at = item.end
+        return item
+
+    def _follow_up(self) -> Item:
+        if self._rank == 0:
+            raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
+        return self._peek(self._command_timeout)
+
+    def _mismatch(self, expected: str, item: Item) -> NoReturn:
+        if item.kind is not ItemKind.HEADER:
+            self._at = item.end  # consumed; a header stays for the next step
+        raise EpMismatchError(f"worker rank {self._rank} expected {expected}, but the head sent {describe_item(item)}")
+
+    # -- the stream ------------------------------------------------------------
+
+    def _peek(self, timeout: float | None) -> Item:
+        """The next unread item, receiving a message when the current one is used up."""
+        while self._at >= len(self._words):
+            self._words = self._receive(timeout)
+            self._at = 0
+        try:
+            item = decode_item(self._words, self._at)
+        except WireError as error:
+            raise EpReceiveError(f"worker rank {self._rank}: a corrupt message from the head: {error}") from None
+        if item.kind is ItemKind.CLOSE:
+            raise EpReceiveError(f"worker rank {self._rank}: the head closed its link before shutting the workers down")
+        return item
+
+    def _receive(self, timeout: float | None) -> memoryview:
+        try:
+            message = self._transport.receive(timeout)
+        except Exception as error:
+            raise EpReceiveError(f"worker rank {self._rank}: receive from the head failed: {error}") from error
+        if len(message) % 4:
+            raise EpReceiveError(f"worker rank {self._rank}: a corrupt message of {len(message)} bytes from the head")
+        return message.cast(U32_TYPECODE)

@@ -1,0 +1,176 @@
+"""``TorchTransport``: messages over a torch.distributed group's own broadcasts (gloo, NCCL)."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import weakref
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from typing_extensions import Buffer
+
+from .transport import TransportClosed, TransportCorrupt
+from .wire import FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
+
+_MAX_MESSAGE_WORDS: Final[int] = 1 << 30
+"""A frame announcing more is corruption, not a message (4 GiB)."""
+_FRAME_BYTES: Final[int] = 4 * FRAME_WORDS
+_PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
+
+
+@functools.lru_cache(maxsize=8)
+def _broadcast_options(timeout: float | None) -> dist.BroadcastOptions:
+    """Options of a broadcast from the group's rank 0, bounded by ``timeout`` seconds.
+
+    ``None`` keeps the group's own timeout.  Cached: a link uses one or two values.
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = 0  # rank 0 of the group, whatever its global rank
+    if timeout is not None:
+        options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+    return options
+
+
+class TorchTransport:
+    """An :class:`~metrale_model_engine.EpTransport` over a torch.distributed group.
+
+    A message travels as one broadcast of a 16-word frame (its length and up to 15
+    words) and, when longer, one broadcast of the rest (see
+    :mod:`metrale_model_engine.wire`): at most two collectives per message, each of
+    exactly the size the receivers expect.  Words travel as ``int32`` tensors
+    holding the u32 bits (gloo and NCCL have no u32 type).  Under NCCL (or any
+    non-CPU ``device``) the frame and the bulk are copied to and from device
+    tensors.  A broadcast's ``timeout`` goes to the collective itself, so a wait
+    that fires leaves nothing pending in the backend.  Errors are the backend's
+    own (``RuntimeError`` from gloo); ``EpLink`` maps them.
+
+    Args:
+        group: the process group; default the world group.  Its rank 0 is the head.
+        device: where collective tensors live; default CPU for gloo and the current
+            CUDA device for NCCL.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or this process is not
+            in ``group``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "(torchrun) or metrale_model_engine.torch.init_local_group first"
+            )
+        if group is None:
+            group = dist.group.WORLD
+            assert group is not None  # initialised above
+        self._group: dist.ProcessGroup | None = group
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise RuntimeError("this process is not a member of the given process group")
+        self.rank: Final = rank
+        self.world_size: Final = dist.get_world_size(group)
+        if device is None:
+            uses_nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl else torch.device("cpu")
+        self._device = device
+        self._frame = bytearray(_FRAME_BYTES)
+        self._frame_host = torch.frombuffer(self._frame, dtype=torch.int32)
+        on_host = device.type == "cpu"
+        self._frame_tensor = self._frame_host if on_host else torch.empty_like(self._frame_host, device=device)
+        self._frame_words = memoryview(self._frame).cast("I")
+        self._inbox = bytearray(4096)
+        _OPEN_TRANSPORTS.add(self)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collective tensors live."""
+        return self._device
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group; ``None`` once closed."""
+        return self._group
+
+    def close(self) -> None:
+        """Drop this transport's reference to its process group; later sends and receives fail.
+
+        Idempotent.  Called for every open transport when the interpreter exits (see
+        ``metrale_model_engine.torch``); the group itself is the program's to destroy.
+        """
+        self._group = None
+
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """Head: the message as its frame, then, past 15 words, one bulk broadcast."""
+        group = self._open_group()
+        if self.world_size == 1:
+            return
+        message = parts[0] if len(parts) == 1 else bytearray().join(parts)
+        frame, rest = frame_message(message)
+        self._frame[:] = frame
+        self._broadcast(group, self._frame_host, self._frame_tensor, timeout, sending=True)
+        if rest is not None:
+            bulk = torch.frombuffer(bytearray(rest) if rest.readonly else rest, dtype=torch.int32)
+            self._broadcast(group, bulk, None, timeout, sending=True)
+
+    def receive(self, timeout: float | None) -> memoryview:
+        """Worker: the frame, then the bulk it announces; the message is valid until the next receive."""
+        group = self._open_group()
+        self._broadcast(group, self._frame_host, self._frame_tensor, timeout, sending=False)
+        words = frame_length(self._frame_words)
+        if words > _MAX_MESSAGE_WORDS:
+            raise TransportCorrupt(f"a frame announced a message of {words} words: the link is out of step")
+        size = 4 * words
+        if size <= _PAYLOAD_BYTES:
+            return memoryview(self._frame)[4 : 4 + size]
+        if size > len(self._inbox):
+            self._inbox = bytearray(max(size, 2 * len(self._inbox)))  # a new one: views of the old stay valid
+        inbox = memoryview(self._inbox)
+        inbox[:_PAYLOAD_BYTES] = memoryview(self._frame)[4:]
+        bulk = torch.frombuffer(inbox[_PAYLOAD_BYTES:size], dtype=torch.int32)
+        self._broadcast(group, bulk, None, timeout, sending=False)
+        return inbox[:size]
+
+    def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``words`` (one ``all_gather``)."""
+        mine = torch.tensor(list(words), dtype=torch.int64, device=self._device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self._open_group())
+        return [tensor.tolist() for tensor in everyone]
+
+    def _broadcast(
+        self,
+        group: dist.ProcessGroup,
+        host: torch.Tensor,
+        device_tensor: torch.Tensor | None,
+        timeout: float | None,
+        *,
+        sending: bool,
+    ) -> None:
+        # The process group's own broadcast, called directly: the same collective as
+        # torch.distributed.broadcast without its per-call Python checks, which cost
+        # more than the transfer of a header (see the README's benchmark).  The
+        # timeout goes to the collective itself, not to the wait: a wait that timed
+        # out would leave the receive pending inside the backend, where it would
+        # swallow the head's next broadcast and block the process at exit.
+        if self._device.type == "cpu":
+            group.broadcast([host], _broadcast_options(timeout)).wait()
+            return
+        tensor = device_tensor if device_tensor is not None else torch.empty_like(host, device=self._device)
+        if sending:
+            tensor.copy_(host)
+        group.broadcast([tensor], _broadcast_options(timeout)).wait()
+        if not sending:
+            host.copy_(tensor)
+
+    def _open_group(self) -> dist.ProcessGroup:
+        group = self._group
+        if group is None:
+            raise TransportClosed("the TorchTransport was closed; its process group is no longer used")
+        return group
+
+
+_OPEN_TRANSPORTS: Final[weakref.WeakSet[TorchTransport]] = weakref.WeakSet()
+"""Every transport not yet garbage: the exit hook drops their group references."""

@@ -1,0 +1,106 @@
+"""``EpTransport``: what a backend gives the protocol, and the plain errors a backend raises.
+
+A transport moves *messages* (runs of u32 words) from rank 0, the head, to every
+other rank of a fixed group, in order, whole; it also gathers a few words from
+every rank at setup.  It knows nothing of commands: :class:`~metrale_model_engine.EpLink`
+encodes those (see :mod:`metrale_model_engine.wire`) and maps every failure a
+transport raises, once, to the library's own errors (a failed send to
+``EpSendError``, a failed receive to ``EpReceiveError``, a failed setup exchange to
+``EpLinkError``).  A transport raises plain errors: the classes below, ``OSError``,
+or its backend's own.
+
+Implementations: :class:`metrale_model_engine.shm.ShmTransport` (one host, shared
+memory), :class:`metrale_model_engine.torch.TorchTransport` (any
+torch.distributed group), and the in-memory doubles of
+:mod:`metrale_model_engine.testing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from typing_extensions import Buffer
+
+__all__ = ["EpTransport", "PeerLost", "SoloTransport", "TransportClosed", "TransportCorrupt", "TransportTimeout"]
+
+
+class EpTransport(Protocol):
+    """A fixed group of ranks that rank 0 sends messages to.
+
+    Not thread-safe: one thread of each rank uses its transport.
+    """
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group; 0 is the head."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        ...
+
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """Head: send one message, the concatenation of ``parts`` (native u32 buffers), to every worker.
+
+        ``timeout`` bounds any wait, in seconds (``None``: as long as the peers
+        live); 0 or less checks once.  On a one-rank group it sends nothing.
+        """
+        ...
+
+    def receive(self, timeout: float | None) -> memoryview:
+        """Worker: the next message, whole, as read-only bytes valid until the next receive or close.
+
+        ``timeout`` as for :meth:`send`.
+        """
+        ...
+
+    def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``words`` (at most 13 u32 words, the same count on each), by rank.  Collective."""
+        ...
+
+    def close(self) -> None:
+        """Leave the group and release what this rank holds.  Idempotent; a no-op where nothing is held."""
+        ...
+
+
+class SoloTransport:
+    """The one-rank group: the head alone, with no one to send to.
+
+    What a single-GPU model's link runs over: its sends go nowhere and cost a
+    method call, and ``is_ep()`` is ``False``.  Closing it changes nothing.
+    """
+
+    rank = 0
+    world_size = 1
+
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """Nothing to send to."""
+
+    def receive(self, timeout: float | None) -> memoryview:
+        """Never called: the one rank is the head."""
+        raise TransportClosed("the one-rank group has no head to receive from")
+
+    def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """This rank's words, alone."""
+        return [list(words)]
+
+    def close(self) -> None:
+        """Nothing is held."""
+
+
+class TransportClosed(ConnectionError):
+    """This rank closed its transport; nothing more is sent or received on it."""
+
+
+class PeerLost(ConnectionError):
+    """A peer is gone: it died, closed its side, or failed; the message says which and how."""
+
+
+class TransportTimeout(TimeoutError):
+    """A send or receive waited its whole timeout."""
+
+
+class TransportCorrupt(ConnectionError):
+    """What arrived cannot be what was sent: the link is out of step."""

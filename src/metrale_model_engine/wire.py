@@ -1,0 +1,195 @@
+"""The wire format, for peer implementers: what a head sends, as pure encode and decode functions.
+
+A head sends a stream of *items*, each a run of native-order u32 words whose first
+word says what it is (:class:`ItemKind`):
+
+* header: ``[HEADER, cmd, seq_id]``: starts a command (``seq_id`` is 0 when the
+  link leaves it off, bare protocol v1);
+* word: ``[WORD, value]``: a follow-up word;
+* tokens: ``[TOKENS, count, token_0, ..., token_(count-1)]``: a follow-up token array;
+* close: ``[CLOSE]``: the head closed its link before shutting the workers down.
+
+Items travel in *messages*, one per send of a transport: a message holds one or
+more whole items, never a part of one.  A command sent in one call
+(``EpLink.send_command``) is one message, its header and every follow-up; the
+trait's per-word calls send one item per message.  The item stream is the same
+either way, so a worker reads a command the same way whichever the head chose.
+
+A transport over fixed-size collective broadcasts (gloo, NCCL) carries a message
+as one frame of :data:`FRAME_WORDS` words, ``[length, word_0, ..., word_14]``,
+followed, when the message is longer than :data:`FRAME_PAYLOAD` words, by one bulk
+broadcast of exactly the remaining words (:func:`frame_message`).  A shared-memory
+ring carries each message whole, with its length.
+
+Every rank checks :data:`WIRE_VERSION` at setup.  These functions do no IO and
+check nothing that the caller checked already: encoders take u32 values and native
+u32 buffers; :func:`decode_item` checks what it reads and raises :class:`WireError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from typing import Final, NamedTuple
+
+from typing_extensions import Buffer
+
+from ._words import U32_MAX, U32_MIN, U32_TYPECODE
+
+__all__ = [
+    "FRAME_PAYLOAD",
+    "FRAME_WORDS",
+    "U32_MAX",
+    "U32_MIN",
+    "U32_TYPECODE",
+    "WIRE_VERSION",
+    "Item",
+    "ItemKind",
+    "WireError",
+    "decode_item",
+    "describe_item",
+    "encode_close",
+    "encode_command",
+    "encode_header",
+    "encode_tokens_prefix",
+    "encode_word",
+    "frame_length",
+    "frame_message",
+]
+
+WIRE_VERSION: Final[int] = 3
+"""Version of this wire format; every rank must run the same one.  3: items in messages."""
+
+FRAME_WORDS: Final[int] = 16
+"""u32 words per frame over a fixed-size broadcast (64 bytes: one cache line)."""
+
+FRAME_PAYLOAD: Final[int] = FRAME_WORDS - 1
+"""Message words a frame carries after its length word; longer messages add one bulk broadcast."""
+
+
+class ItemKind(enum.IntEnum):
+    """The first word of an item.  Distinct, unlikely values, so that corruption shows."""
+
+    HEADER = 0x4D45_0001
+    WORD = 0x4D45_0002
+    TOKENS = 0x4D45_0003
+    CLOSE = 0x4D45_0004
+
+
+class Item(NamedTuple):
+    """One decoded item: its kind, two fields, and the index of the word after it.
+
+    * header: ``first`` is ``cmd``, ``second`` is ``seq_id``;
+    * word: ``first`` is the value;
+    * tokens: ``first`` is the count, ``second`` the index of the first token;
+    * close: both 0.
+    """
+
+    kind: ItemKind
+    first: int
+    second: int
+    end: int
+
+
+class WireError(ValueError):
+    """A message does not decode: an unknown kind, or an item that runs past the message's end."""
+
+
+_KINDS: Final[dict[int, ItemKind]] = {int(kind): kind for kind in ItemKind}
+_HEADER: Final[struct.Struct] = struct.Struct("=3I")
+_PAIR: Final[struct.Struct] = struct.Struct("=2I")
+_CLOSE: Final[bytes] = struct.pack("=I", ItemKind.CLOSE)
+_FRAME_PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
+
+
+def encode_header(seq_id: int, cmd: int) -> bytes:
+    """The header item that starts command ``cmd`` for ``seq_id``."""
+    return _HEADER.pack(ItemKind.HEADER, cmd, seq_id)
+
+
+def encode_word(value: int) -> bytes:
+    """A follow-up word item."""
+    return _PAIR.pack(ItemKind.WORD, value)
+
+
+def encode_tokens_prefix(count: int) -> bytes:
+    """The first two words of a token array item; the ``count`` tokens' bytes follow it."""
+    return _PAIR.pack(ItemKind.TOKENS, count)
+
+
+def encode_close() -> bytes:
+    """The close item: the head closed its link before shutting the workers down."""
+    return _CLOSE
+
+
+def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) -> list[Buffer]:
+    """One message: the header of ``cmd`` for ``seq_id`` and every follow-up, in order.
+
+    A follow-up is an ``int`` (a word) or a native u32 buffer (a token array).
+    Returns the message's parts, to be sent as one message; the buffers are not
+    copied.
+    """
+    parts: list[Buffer] = []
+    small = bytearray(_HEADER.pack(ItemKind.HEADER, cmd, seq_id))
+    for follow_up in follow_ups:
+        if isinstance(follow_up, int):
+            small += _PAIR.pack(ItemKind.WORD, follow_up)
+            continue
+        view = memoryview(follow_up)
+        small += _PAIR.pack(ItemKind.TOKENS, len(view))
+        if len(view):
+            parts.append(bytes(small))
+            parts.append(view)
+            small = bytearray()
+    if small:
+        parts.append(bytes(small))
+    return parts
+
+
+def decode_item(words: memoryview, at: int) -> Item:
+    """The item that starts at word ``at`` of a message (a u32 memoryview of it).
+
+    Raises:
+        WireError: the first word is no item kind, or the item runs past the message.
+    """
+    end = len(words)
+    kind = _KINDS.get(words[at])
+    if kind is ItemKind.HEADER and at + 3 <= end:
+        return Item(kind, words[at + 1], words[at + 2], at + 3)
+    if kind is ItemKind.WORD and at + 2 <= end:
+        return Item(kind, words[at + 1], 0, at + 2)
+    if kind is ItemKind.TOKENS and at + 2 <= end and at + 2 + words[at + 1] <= end:
+        return Item(kind, words[at + 1], at + 2, at + 2 + words[at + 1])
+    if kind is ItemKind.CLOSE:
+        return Item(kind, 0, 0, at + 1)
+    if kind is None:
+        raise WireError(f"word {at} of a {end}-word message is {words[at]:#x}, not the start of an item")
+    raise WireError(f"the {kind.name.lower()} item at word {at} runs past the end of its {end}-word message")
+
+
+def describe_item(item: Item) -> str:
+    """How error messages name an item: "a follow-up word (5)", "a token array of 3 tokens"..."""
+    if item.kind is ItemKind.HEADER:
+        return f"the next command's header (cmd={item.first}, seq_id={item.second})"
+    if item.kind is ItemKind.WORD:
+        return f"a follow-up word ({item.first})"
+    if item.kind is ItemKind.TOKENS:
+        return f"a token array of {item.first} token{'' if item.first == 1 else 's'}"
+    return "the head's close"
+
+
+def frame_message(message: Buffer) -> tuple[bytes, memoryview | None]:
+    """Split a message (its bytes) into the frame and the bulk that fixed-size broadcasts carry.
+
+    The frame is :data:`FRAME_WORDS` words, ``[length in words, the first words...]``
+    (zero-padded); the bulk is the rest of the message, ``None`` when it fits.
+    """
+    view = memoryview(message).cast("B")
+    frame = struct.pack("=I", len(view) // 4) + bytes(view[:_FRAME_PAYLOAD_BYTES]).ljust(_FRAME_PAYLOAD_BYTES, b"\0")
+    return frame, (view[_FRAME_PAYLOAD_BYTES:] if len(view) > _FRAME_PAYLOAD_BYTES else None)
+
+
+def frame_length(frame: memoryview) -> int:
+    """The message length, in words, that a received frame (a u32 memoryview) announces."""
+    return int(frame[0])

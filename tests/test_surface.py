@@ -1,0 +1,159 @@
+"""Each public module's surface is pinned, its classes name their public home, and renamed names warn."""
+
+import importlib
+import warnings
+
+import pytest
+
+import metrale_model_engine
+
+SURFACES = {
+    "metrale_model_engine": [
+        "CMD_SHUTDOWN",
+        "DEFAULT_COMMAND_TIMEOUT",
+        "PROTOCOL_ENV_VAR",
+        "U32_MAX",
+        "ArrayInterface",
+        "EpCommandFailed",
+        "EpError",
+        "EpLink",
+        "EpLinkError",
+        "EpMismatchError",
+        "EpReceiveError",
+        "EpRoleError",
+        "EpSendError",
+        "EpSetupError",
+        "EpTransport",
+        "LinkedEp",
+        "ModelEp",
+        "ProtocolVersion",
+        "SequenceState",
+        "TokenArray",
+        "WorkerSummary",
+        "as_u32_buffer",
+        "check_slot",
+        "check_u32",
+        "run_worker",
+    ],
+    "metrale_model_engine.wire": [
+        "FRAME_PAYLOAD",
+        "FRAME_WORDS",
+        "U32_MAX",
+        "U32_MIN",
+        "U32_TYPECODE",
+        "WIRE_VERSION",
+        "Item",
+        "ItemKind",
+        "WireError",
+        "decode_item",
+        "describe_item",
+        "encode_close",
+        "encode_command",
+        "encode_header",
+        "encode_tokens_prefix",
+        "encode_word",
+        "frame_length",
+        "frame_message",
+    ],
+    "metrale_model_engine.transport": [
+        "EpTransport",
+        "PeerLost",
+        "SoloTransport",
+        "TransportClosed",
+        "TransportCorrupt",
+        "TransportTimeout",
+    ],
+    "metrale_model_engine.shm": [
+        "CHECK_INTERVAL",
+        "DEFAULT_CHUNK_BYTES",
+        "DEFAULT_MAX_SPIN_TIME",
+        "DEFAULT_RING_BYTES",
+        "DEFAULT_SETUP_TIMEOUT",
+        "DEFAULT_SPIN_TIME",
+        "MAX_WORLD_SIZE",
+        "ShmTransport",
+        "run_ring",
+        "shm_supported",
+    ],
+    "metrale_model_engine.testing": ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"],
+    "metrale_model_engine.toy": ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"],
+}
+TORCH_SURFACE = [
+    "DEFAULT_IDLE_TIMEOUT",
+    "TRANSPORT_KINDS",
+    "TorchTransport",
+    "TransportKind",
+    "cuda_available",
+    "default_backend",
+    "free_port",
+    "init_group_from_env",
+    "init_local_group",
+    "open_link",
+    "open_transport",
+    "run_group",
+    "tensor_tokens",
+]
+
+
+def surfaces() -> dict[str, list[str]]:
+    found = dict(SURFACES)
+    if importlib.util.find_spec("torch") is not None:
+        found["metrale_model_engine.torch"] = TORCH_SURFACE
+    return found
+
+
+@pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))
+def test_each_public_module_exports_exactly_its_surface(name: str, surface: list[str]) -> None:
+    module = importlib.import_module(name)
+    assert sorted(module.__all__) == sorted(surface)
+    for public in surface:
+        getattr(module, public)
+
+
+@pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))
+def test_classes_name_their_public_home(name: str, surface: list[str]) -> None:
+    module = importlib.import_module(name)
+    for public in surface:
+        value = getattr(module, public)
+        if isinstance(value, type) and public != "EpTransport":  # the protocol's home is the transport module
+            assert value.__module__ == name, (public, value.__module__)
+    assert metrale_model_engine.EpTransport.__module__ == "metrale_model_engine.transport"
+
+
+def test_the_root_holds_what_a_user_writes() -> None:
+    assert len(metrale_model_engine.__all__) <= 25
+
+
+@pytest.mark.parametrize(
+    ("old", "home", "new"),
+    [
+        ("EpProtocol", "metrale_model_engine", "ProtocolVersion"),
+        ("FRAME_WORDS", "metrale_model_engine.wire", "FRAME_WORDS"),
+        ("WIRE_VERSION", "metrale_model_engine.wire", "WIRE_VERSION"),
+        ("FrameKind", "metrale_model_engine.wire", "ItemKind"),
+        ("U32_MIN", "metrale_model_engine.wire", "U32_MIN"),
+        ("U32_TYPECODE", "metrale_model_engine.wire", "U32_TYPECODE"),
+    ],
+)
+def test_a_renamed_name_still_works_for_one_release_and_warns(old: str, home: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"metrale_model_engine\.{old} is now {home}\.{new}; .* goes in 0\.3"):
+        value = getattr(metrale_model_engine, old)
+    assert value is getattr(importlib.import_module(home), new)
+
+
+@pytest.mark.parametrize("old", ["WireEp", "Broadcast", "INLINE_TOKENS"])
+def test_a_replaced_name_says_what_replaced_it(old: str) -> None:
+    with pytest.raises(AttributeError, match=rf"metrale_model_engine\.{old} was replaced: "):
+        getattr(metrale_model_engine, old)
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        metrale_model_engine.Nothing  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_renamed_launchers_warn_and_still_run() -> None:
+    from metrale_model_engine import shm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="world_size must be an int in 1"):
+            shm.run_local(print, 0)  # type: ignore[arg-type]  # deprecated: the checks still run
+    assert any("run_local is now run_ring" in str(w.message) for w in caught)
