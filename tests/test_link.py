@@ -62,6 +62,14 @@ class FakeTransport:
         self.closed = True
 
 
+def no_slots() -> list[SequenceState | None]:
+    return [None, None]
+
+
+def ignore(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+    """A worker hook that runs nothing."""
+
+
 def link(transport: FakeTransport, **options: object) -> EpLink:
     return EpLink(transport, **{"num_slots": 4, "protocol": ProtocolVersion.V2, **options})  # type: ignore[arg-type]
 
@@ -230,7 +238,7 @@ def test_roles_are_enforced() -> None:
         with pytest.raises(EpRoleError, match=r"only the head \(rank 0\) sends; this is worker rank 1"):
             call()
     with pytest.raises(EpRoleError, match=r"ep_worker_step\) runs on worker ranks; this is the head"):
-        head.step(lambda seq_id, cmd, slots: None, [None, None])
+        head.step(ignore, no_slots())
     for receive in (head.recv_word, head.recv_tokens, lambda: head.recv_tokens_into(array("I", [0]))):
         with pytest.raises(EpRoleError, match=r"follow-ups are received on worker ranks; this is the head"):
             receive()
@@ -272,7 +280,7 @@ def test_failed_receive_is_a_receive_error_mapped_once(cause: Exception) -> None
     with pytest.raises(
         EpReceiveError, match=re.escape(f"worker rank 1: receive from the head failed: {cause}")
     ) as info:
-        worker.step(lambda seq_id, cmd, slots: None, [None, None])
+        worker.step(ignore, no_slots())
     assert info.value.__cause__ is cause and type(info.value) is EpReceiveError
 
 
@@ -318,7 +326,7 @@ def test_a_worker_meets_the_heads_close_as_a_receive_error() -> None:
     transport.incoming = [words(encode_close())]
     worker = link(transport)
     with pytest.raises(EpReceiveError, match="the head closed its link before shutting the workers down"):
-        worker.step(lambda seq_id, cmd, slots: None, [None])
+        worker.step(ignore, no_slots())
     transport.incoming = [header(1) + words(encode_close())]
     with pytest.raises(EpReceiveError, match="the head closed its link"):
         worker.recv_word()

@@ -128,7 +128,7 @@ def test_token_length_mismatch_names_both_lengths_and_stays_in_step(head: Head, 
 
 @pytest.mark.parametrize("cmd", [TOKENS, INTO])
 def test_tokens_of_any_length_arrive(head: Head, cmd: int) -> None:
-    payloads = ([], [5], list(range(13)), LONG)
+    payloads: tuple[list[int], ...] = ([], [5], list(range(13)), LONG)
     for seq_id, payload in enumerate(payloads):
         head.command(seq_id, cmd, payload)
     worker = head.worker()

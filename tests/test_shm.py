@@ -9,7 +9,7 @@ import random
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableSequence
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +24,7 @@ from metrale_model_engine import (
     EpReceiveError,
     EpSendError,
     ProtocolVersion,
+    SequenceState,
     _futex,
     _segment,
     shm,
@@ -356,10 +357,10 @@ def test_links_agree_over_the_ring_and_a_command_is_one_record() -> None:
     assert head_side._writer is not None and head_side._writer._next - before == 640  # one record: a line + 548 bytes
     seen: list[tuple[int, int, int, list[int], list[int]]] = []
 
-    def run(seq_id: int, cmd: int, slots: object) -> None:
+    def run(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
         seen.append((seq_id, cmd, worker.recv_word(), worker.recv_tokens(), worker.recv_tokens()))
 
-    assert worker.step(run, [None, None]) is True
+    assert worker.step(run, no_slots()) is True
     assert seen == [(1, 0xFFFFFFE0, 64, list(range(64)), list(range(1000, 1064)))]
     worker.close()
     head.close()
@@ -601,8 +602,16 @@ def test_a_setup_nobody_answers_is_a_link_error_caused_by_the_timeout() -> None:
     assert "never attached" in str(info.value)
 
 
+def no_slots() -> list[SequenceState | None]:
+    return [None, None]
+
+
+def ignore(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+    """A worker hook that runs nothing."""
+
+
 def _linked_pair(**head_options: int) -> tuple[EpLink, EpLink]:
-    head_side = ShmTransport.create(2, **head_options)  # type: ignore[arg-type]
+    head_side = ShmTransport.create(2, **head_options)
     worker_side = ShmTransport.attach(head_side.name, 1)
     built = in_thread(lambda: EpLink(worker_side, num_slots=2, protocol=ProtocolVersion.V2, command_timeout=0.2))
     head = EpLink(head_side, num_slots=2, protocol=ProtocolVersion.V2, command_timeout=0.2)
@@ -623,14 +632,14 @@ def test_a_worker_meets_a_closed_head_and_a_cut_message_as_receive_errors_caused
     head.send_header(0, 1)
     head.close()  # not shut down: the close item, then the ring's own close
     with pytest.raises(EpReceiveError, match="the head closed its link before shutting the workers down"):
-        worker.step(lambda seq_id, cmd, slots: worker.recv_word(), [None, None])
+        worker.step(lambda seq_id, cmd, slots: ignore(seq_id, worker.recv_word(), slots), no_slots())
     worker.close()
     head, worker = _linked_pair(ring_bytes=512, chunk_bytes=64)
     with pytest.raises(EpSendError) as sent:
         head.send_command(0, 1, list(range(200)))  # 808 bytes into a ring of 512: cut when it stays full
     assert type(sent.value.__cause__) is TransportTimeout
     with pytest.raises(EpReceiveError, match="a send of the head failed after") as received:
-        worker.step(lambda seq_id, cmd, slots: None, [None, None])
+        worker.step(ignore, no_slots())
     assert type(received.value.__cause__) is PeerLost
     worker.close()
     head.close()
@@ -640,7 +649,7 @@ def test_a_follow_up_that_never_comes_is_a_receive_error_caused_by_the_timeout()
     head, worker = _linked_pair()
     head.send_header(0, 1)
     with pytest.raises(EpReceiveError, match=r"timed out: no message from the head within 0\.2 s") as info:
-        worker.step(lambda seq_id, cmd, slots: worker.recv_word(), [None, None])
+        worker.step(lambda seq_id, cmd, slots: ignore(seq_id, worker.recv_word(), slots), no_slots())
     assert type(info.value.__cause__) is TransportTimeout
     worker.close()
     head.close()

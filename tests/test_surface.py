@@ -155,5 +155,5 @@ def test_the_renamed_launchers_warn_and_still_run() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(ValueError, match="world_size must be an int in 1"):
-            shm.run_local(print, 0)  # type: ignore[arg-type]  # deprecated: the checks still run
+            shm.run_local(print, 0)  # deprecated: the checks still run
     assert any("run_local is now run_ring" in str(w.message) for w in caught)

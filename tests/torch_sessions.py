@@ -354,8 +354,8 @@ def module_models(rank: int, world_size: int, kind: str, out: str) -> None:
         "parameters": [name for name, _ in module.named_parameters()],
     }
     colliding = Colliding(open_link(kind, num_slots=2, protocol=ProtocolVersion.V2))
-    facts["users"] = [colliding.rank, colliding.world_size, colliding.transport, colliding.protocol]
-    facts["users"] += [colliding.num_slots, colliding._apply]
+    users: list[object] = [colliding.rank, colliding.world_size, colliding.transport, colliding.protocol]
+    facts["users"] = [*users, colliding.num_slots, colliding._apply]
     slots: list[SequenceState | None] = [None, None]
     # One link after the other: two links over one process group share its stream of collectives.
     with module:

@@ -16,7 +16,7 @@ from ._errors import EpLinkError, EpSetupError
 from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
 from ._protocol import ProtocolVersion
 from ._torch_transport import TorchTransport
-from ._waiting import DEFAULT_SPIN_TIME
+from ._waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
 from ._words import U32_TYPECODE
 from .shm import ShmTransport, shm_supported
 
@@ -36,6 +36,7 @@ def open_transport(
     *,
     device: torch.device | None = None,
     spin_time: float = DEFAULT_SPIN_TIME,
+    max_spin_time: float = DEFAULT_MAX_SPIN_TIME,
 ) -> TorchTransport | ShmTransport:
     """The transport for ``group`` (default: the world group), chosen by every rank together.
 
@@ -53,8 +54,8 @@ def open_transport(
 
     The head creates the ring, its name travels over the group, the workers
     attach; the ring's name is removed from ``/dev/shm`` at the link's setup
-    exchange.  ``device`` goes to :class:`TorchTransport`, ``spin_time`` to
-    :class:`~metrale_model_engine.shm.ShmTransport`.
+    exchange.  ``device`` goes to :class:`TorchTransport`, ``spin_time`` and
+    ``max_spin_time`` to :class:`~metrale_model_engine.shm.ShmTransport`.
 
     Raises:
         TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`
@@ -79,7 +80,7 @@ def open_transport(
             f"transport='shm' needs every rank on one Linux host with /dev/shm, but rank(s) "
             f"{elsewhere} are not on rank 0's host, or cannot run it; use transport='auto' or 'torch'"
         )
-    return _rendezvous(base, chosen, spin_time)
+    return _rendezvous(base, chosen, (spin_time, max_spin_time))
 
 
 def open_link(
@@ -92,6 +93,7 @@ def open_link(
     command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
     device: torch.device | None = None,
     spin_time: float = DEFAULT_SPIN_TIME,
+    max_spin_time: float = DEFAULT_MAX_SPIN_TIME,
 ) -> EpLink:
     """An :class:`~metrale_model_engine.EpLink` over the transport :func:`open_transport` chooses.
 
@@ -100,7 +102,7 @@ def open_link(
     propagates.  Arguments as :func:`open_transport` and
     :class:`~metrale_model_engine.EpLink`.
     """
-    transport = open_transport(kind, group, device=device, spin_time=spin_time)
+    transport = open_transport(kind, group, device=device, spin_time=spin_time, max_spin_time=max_spin_time)
     try:
         return EpLink(
             transport,
@@ -128,21 +130,21 @@ def _host_words() -> list[int]:
     return [1, int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
 
 
-def _rendezvous(base: TorchTransport, kind: TransportKind, spin_time: float) -> TorchTransport | ShmTransport:
+def _rendezvous(base: TorchTransport, kind: TransportKind, spins: tuple[float, float]) -> TorchTransport | ShmTransport:
     """Create the ring on the head, pass its name over ``base``, attach on the workers, confirm."""
     ring: ShmTransport | None = None
     problem: str | None = None
     name_words = [0] * _NAME_WORDS
     if base.rank == 0:
         try:
-            ring = ShmTransport.create(base.world_size, spin_time=spin_time)
+            ring = ShmTransport.create(base.world_size, spin_time=spins[0], max_spin_time=spins[1])
             name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
         except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
             problem = str(error)
     name = array(U32_TYPECODE, base.gather(name_words)[0]).tobytes().rstrip(b"\0").decode()
     if base.rank != 0 and name:
         try:
-            ring = ShmTransport.attach(name, base.rank, spin_time=spin_time)
+            ring = ShmTransport.attach(name, base.rank, spin_time=spins[0], max_spin_time=spins[1])
         except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
             problem = str(error)
     reasons: list[object] = [None] * base.world_size

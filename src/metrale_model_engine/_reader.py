@@ -23,7 +23,7 @@ from ._model import S
 from ._tokens import ArrayInterface, writable_u32_buffer
 from ._words import CMD_SHUTDOWN, U32_TYPECODE
 from .transport import EpTransport
-from .wire import Item, ItemKind, WireError, decode_item, describe_item
+from .wire import Item, ItemKind, WireError, decode_header, decode_item, decode_tokens, decode_word, describe_item
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""
@@ -68,6 +68,28 @@ class ItemReader:
         """
         if self._rank == 0:
             raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
+        if self._at >= len(self._words):
+            self._words, self._at = self._receive(None), 0
+        header = decode_header(self._words, self._at)
+        if header is None:
+            header = self._skip_to_header()
+        cmd, seq_id, self._at = header
+        if cmd == CMD_SHUTDOWN:
+            return False
+        self._command = (seq_id, cmd)
+        self._last_failed = True  # until the command returns
+        try:
+            check_slot(seq_id, slots)
+            run(seq_id, cmd, slots)
+        except (EpLinkError, EpCommandFailed):
+            raise
+        except Exception as error:
+            raise EpCommandFailed(error) from error
+        self._last_failed = False
+        return True
+
+    def _skip_to_header(self) -> tuple[int, int, int]:
+        """Skip the items before the next header; report them unless the last command failed."""
         skipped: list[str] = []
         while True:
             item = self._peek(None)
@@ -84,21 +106,7 @@ class ItemReader:
                     f"left {', '.join(skipped)} unread; {them} skipped"
                 )
             )
-        self._at = item.end
-        cmd, seq_id = item.first, item.second
-        if cmd == CMD_SHUTDOWN:
-            return False
-        self._command = (seq_id, cmd)
-        self._last_failed = True  # until the command returns
-        try:
-            check_slot(seq_id, slots)
-            run(seq_id, cmd, slots)
-        except (EpLinkError, EpCommandFailed):
-            raise
-        except Exception as error:
-            raise EpCommandFailed(error) from error
-        self._last_failed = False
-        return True
+        return item.first, item.second, item.end
 
     # -- follow-ups ----------------------------------------------------------
 
@@ -113,6 +121,10 @@ class ItemReader:
             EpReceiveError: the receive failed.
             EpRoleError: called on the head.
         """
+        found = decode_word(self._words, self._at)
+        if found is not None:
+            value, self._at = found
+            return value
         item = self._follow_up()
         if item.kind is not ItemKind.WORD:
             self._mismatch("a follow-up word", item)
@@ -136,6 +148,10 @@ class ItemReader:
         if count is not None and (type(count) is not int or count < 0):
             error = ValueError if type(count) is int else TypeError
             raise error(f"count must be None or an int >= 0, got {type(count).__name__} {count!r}")
+        found = decode_tokens(self._words, self._at)
+        if found is not None and (count is None or found[1] - found[0] == count):
+            start, self._at = found
+            return self._words[start : self._at].tolist()
         item = self._tokens(count)
         return self._words[item.second : item.end].tolist()
 

@@ -131,7 +131,7 @@ class RingWriter:
         if now >= self._next_check or u64[_GONE_WORD] or (self._wide and any(view[_WIDE_GONE])):
             self.check_workers()
             self._next_check = now + CHECK_INTERVAL
-        pieces = [part if type(part) is bytes else memoryview(part).cast("B") for part in parts]
+        pieces = [part if type(part) is bytes else _bytes_of(part) for part in parts]
         total = sum(map(len, pieces))
         offset, deadline = 0, None
         chunk, ring, base = self._chunk, self._ring, self._base
@@ -150,8 +150,10 @@ class RingWriter:
             record = base + spot
             if not wrap:
                 start = record + RECORD_HEADER
-                if len(pieces) == 1 and end - offset == total:
-                    view[start : start + total] = pieces[0]
+                if end - offset == total:  # the whole message in this record: the common case
+                    for piece in pieces:
+                        view[start : start + len(piece)] = piece
+                        start += len(piece)
                 else:
                     _copy_range(pieces, offset, end, view, start)
             # The next record's stamp is cleared before this one's is set, so that what a
@@ -365,6 +367,12 @@ class RingReader:
         """Mark this worker gone for the head, keeping the first reason (a failure, then close)."""
         if not self._bytes[GONE_AT + self._reader]:
             self._bytes[GONE_AT + self._reader] = why
+
+
+def _bytes_of(part: Buffer) -> memoryview:
+    """``part`` as a byte view (a ``memoryview`` of bytes stays as it is)."""
+    view = memoryview(part)
+    return view if view.format == "B" else view.cast("B")
 
 
 def _copy_range(pieces: Sequence[bytes | memoryview], offset: int, end: int, into: memoryview, start: int) -> None:

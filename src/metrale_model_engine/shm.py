@@ -384,7 +384,7 @@ def run_ring(
             and the message names them.
     """
     limit = check_launch(world_size, timeout, max_world_size=MAX_WORLD_SIZE)
-    spins = {"spin_time": spin_time, "max_spin_time": max_spin_time}
+    spins = (spin_time, max_spin_time)
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe(duplex=False) for _ in range(world_size - 1)]
     names: list[list[Connection]] = [[send for _, send in pipes]] + [[receive] for receive, _ in pipes]
@@ -417,11 +417,12 @@ def _local_rank(
     rank: int,
     world_size: int,
     names: list[Connection],
-    spins: dict[str, float],
+    spins: tuple[float, float],
     args: tuple[object, ...],
 ) -> None:
+    spin_time, max_spin_time = spins
     if rank == 0:
-        transport = ShmTransport.create(world_size, **spins)
+        transport = ShmTransport.create(world_size, spin_time=spin_time, max_spin_time=max_spin_time)
         for pipe in names:
             pipe.send(transport.name)
             pipe.close()
@@ -431,6 +432,6 @@ def _local_rank(
             name = pipe.recv()
         except EOFError:
             raise SystemExit(f"rank {rank}: the head exited before it sent the ring's name (see its error)") from None
-        transport = ShmTransport.attach(name, rank, **spins)
+        transport = ShmTransport.attach(name, rank, spin_time=spin_time, max_spin_time=max_spin_time)
     with transport:
         target(transport, *args)

@@ -65,19 +65,24 @@ class RecordingTransport:
         """Every message sent, oldest first, as its words."""
         self.setup: list[int] | None = None
         """The words the link sent in its setup exchange (``None`` until then)."""
-        self.closed = False
+        self.closed: bool = False
+        """Whether :meth:`close` ran."""
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """Record the message."""
         self.messages.append(tuple(memoryview(b"".join(parts)).cast(U32_TYPECODE).tolist()))
 
     def receive(self, timeout: float | None) -> memoryview:
+        """Refused: this is the head."""
         raise TransportClosed("a RecordingTransport is the head: it only sends")
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """Record the setup words; every rank agrees."""
         self.setup = list(words)
         return [list(words)] * self.world_size
 
     def close(self) -> None:
+        """Mark it closed (it holds nothing)."""
         self.closed = True
 
 
@@ -100,15 +105,18 @@ class ReplayTransport:
         self._setup = None if setup is None else list(setup)
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """Refused: this is a worker."""
         raise TransportClosed("a ReplayTransport is a worker: it only receives")
 
     def receive(self, timeout: float | None) -> memoryview:
+        """The next recorded message; ``EOFError`` past the last."""
         message = next(self._pending, None)
         if message is None:
             raise EOFError("the recording has no more messages")
         return memoryview(array(U32_TYPECODE, message).tobytes())
 
     def gather(self, words: Sequence[int]) -> list[list[int]]:
+        """The recorded head's setup words (or this rank's own), then this rank's."""
         head = list(words) if self._setup is None else self._setup
         return [head, list(words)]
 
@@ -132,6 +140,7 @@ class RecordingEp(LinkedEp[S]):
     """
 
     __slots__ = ("_recording", "ep_link")
+    ep_link: EpLink
 
     def __init__(self, *, is_ep: bool = True, protocol_v2: bool = False, num_slots: int = 8) -> None:
         self._recording = RecordingTransport(world_size=2 if is_ep else 1)

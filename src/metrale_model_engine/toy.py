@@ -90,6 +90,7 @@ class ToyModel(LinkedEp[ToyState]):
     """
 
     __slots__ = ("ep_link",)
+    ep_link: EpLink
 
     def __init__(self, link: EpLink) -> None:
         if not link.seq_id_on_wire:

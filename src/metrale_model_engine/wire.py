@@ -23,7 +23,9 @@ ring carries each message whole, with its length.
 
 Every rank checks :data:`WIRE_VERSION` at setup.  These functions do no IO and
 check nothing that the caller checked already: encoders take u32 values and native
-u32 buffers; :func:`decode_item` checks what it reads and raises :class:`WireError`.
+u32 buffers; :func:`decode_item` checks what it reads and raises :class:`WireError`,
+and :func:`decode_header`, :func:`decode_word` and :func:`decode_tokens` read the one
+kind a reader expects, cheaply, or say it is not there.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ __all__ = [
     "Item",
     "ItemKind",
     "WireError",
+    "decode_header",
     "decode_item",
+    "decode_tokens",
+    "decode_word",
     "describe_item",
     "encode_close",
     "encode_command",
@@ -100,6 +105,11 @@ _KINDS: Final[dict[int, ItemKind]] = {int(kind): kind for kind in ItemKind}
 _HEADER: Final[struct.Struct] = struct.Struct("=3I")
 _PAIR: Final[struct.Struct] = struct.Struct("=2I")
 _CLOSE: Final[bytes] = struct.pack("=I", ItemKind.CLOSE)
+_JOIN_LIMIT: Final[int] = 1 << 16
+"""Token bytes up to which a command's message is joined into one ``bytes``."""
+_HEADER_KIND: Final[int] = int(ItemKind.HEADER)
+_WORD_KIND: Final[int] = int(ItemKind.WORD)
+_TOKENS_KIND: Final[int] = int(ItemKind.TOKENS)
 _FRAME_PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
 
 
@@ -127,24 +137,44 @@ def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) ->
     """One message: the header of ``cmd`` for ``seq_id`` and every follow-up, in order.
 
     A follow-up is an ``int`` (a word) or a native u32 buffer (a token array).
-    Returns the message's parts, to be sent as one message; the buffers are not
-    copied.
+    Returns the message's parts, to be sent as one message: a single ``bytes`` up to
+    :data:`_JOIN_LIMIT` bytes of tokens (one copy, cheaper than many small ones), else
+    the items' ``bytes`` with the token buffers themselves between them (not copied).
     """
-    parts: list[Buffer] = []
-    small = bytearray(_HEADER.pack(ItemKind.HEADER, cmd, seq_id))
+    parts: list[Buffer] = [_HEADER.pack(ItemKind.HEADER, cmd, seq_id)]
+    tokens_bytes = 0
     for follow_up in follow_ups:
         if isinstance(follow_up, int):
-            small += _PAIR.pack(ItemKind.WORD, follow_up)
+            parts.append(_PAIR.pack(ItemKind.WORD, follow_up))
             continue
-        view = memoryview(follow_up)
-        small += _PAIR.pack(ItemKind.TOKENS, len(view))
-        if len(view):
-            parts.append(bytes(small))
-            parts.append(view)
-            small = bytearray()
-    if small:
-        parts.append(bytes(small))
-    return parts
+        size = memoryview(follow_up).nbytes
+        tokens_bytes += size
+        parts.append(_PAIR.pack(ItemKind.TOKENS, size >> 2))
+        parts.append(follow_up)
+    return parts if tokens_bytes > _JOIN_LIMIT else [b"".join(parts)]
+
+
+def decode_header(words: memoryview, at: int) -> tuple[int, int, int] | None:
+    """``(cmd, seq_id, end)`` when a whole header item starts at word ``at``, else ``None``."""
+    if at + 3 <= len(words) and words[at] == _HEADER_KIND:
+        return words[at + 1], words[at + 2], at + 3
+    return None
+
+
+def decode_word(words: memoryview, at: int) -> tuple[int, int] | None:
+    """``(value, end)`` when a whole word item starts at word ``at``, else ``None``."""
+    if at + 2 <= len(words) and words[at] == _WORD_KIND:
+        return words[at + 1], at + 2
+    return None
+
+
+def decode_tokens(words: memoryview, at: int) -> tuple[int, int] | None:
+    """``(start, end)`` of the tokens when a whole token array item starts at word ``at``, else ``None``."""
+    if at + 2 <= len(words) and words[at] == _TOKENS_KIND:
+        end = at + 2 + words[at + 1]
+        if end <= len(words):
+            return at + 2, end
+    return None
 
 
 def decode_item(words: memoryview, at: int) -> Item:
