@@ -137,6 +137,12 @@ class DecodeStep:
         self.seen = (ids, self.link.recv_tokens(count))
 
 
+def sync_then_header(link: EpLink) -> None:
+    """A sync point, then a header: a worker's step answers the sync on its way to the header."""
+    link.sync()
+    link.send_header(SEQ_ID, CMD)
+
+
 def send_words(link: EpLink) -> None:
     """A burst of follow-up words, back to back: the head's cost per word when the ring has room."""
     for _ in range(BURST):
@@ -202,6 +208,10 @@ def build_cases(rank: int, peers: Peers) -> tuple[list[Case], list[object]]:
         headers(v2, "header v2 (gloo)", "gloo", 2),
         headers(shm, "header v2 (shm)", "shm", 2),
         Case("word (shm)", "shm", "word", 1, partial(shm.send_word, CMD), shm.recv_word),
+        Case("sync point, then a header (shm)", "shm", "sync", 2, partial(sync_then_header, shm),
+             partial(shm.step, nothing, slots)),
+        Case("sync point, then a header (gloo)", "gloo", "sync", 2, partial(sync_then_header, v2),
+             partial(v2.step, nothing, slots)),
         Case(f"{BURST} words in a row (shm)", "shm", "burst", BURST, partial(send_words, shm),
              partial(receive_words, shm)),
         Case("peer object_list header", "peer", "header", 2, partial(send_object, header), partial(send_object, None)),

@@ -145,6 +145,9 @@ def print_report(
         "head cost of ep_broadcast_cmd (shm) us, in a burst": by_name["8 words in a row (shm)"].head_median_us / 8,
         "head cost of ep_broadcast_cmd_for_seq (shm) us": by_name["header v2 (shm)"].head_median_us,
         "head cost of a decode step, one message (shm) us": by_name[one].head_median_us,
+        "a sync point (shm), us: a sync then a header, less a header": med("sync point, then a header (shm)") - header,
+        "a sync point (gloo), us: a sync then a header, less a header": med("sync point, then a header (gloo)")
+        - med("header v2 (gloo)"),
         "tokens 65536 into (shm) / memoryview copy 256 KiB, at most 2": into / copy,
         "idle worker CPU, % of a core over 3 s after 1 s idle, at most 2": 100 * max(w[2] for w in wakes),
         "wake-up after that idle, us, at most 1000": max(w[1] - w[0] for w in wakes) / 1000,

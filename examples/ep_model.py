@@ -66,10 +66,12 @@ def serve(rank: int, world_size: int) -> None:
             for step in range(3):
                 model.decode(slots, 5, 20 + step)
                 model.decode(slots, 2, 30 + step)
-            model.ep_link.shutdown_workers()
+            model.ep_link.shutdown_workers()  # a sync point: raises if a worker failed a command or diverged
         else:
             summary = run_worker(model, slots)  # until the shutdown header
             say(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed")
+            if summary.commands_failed:  # the head heard of each at its shutdown's sync point, and raised
+                raise SystemExit(1)
     live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
     say(f"rank {rank} of {world_size}: slots {live}")
 

@@ -16,9 +16,9 @@ def serve(transport: ShmTransport) -> None:
         model.prefill(slots, 1, list(range(100_000)))  # 400 KB: one message, four records of the ring
         for _ in range(3):
             model.decode(slots, 1)
-        model.ep_link.shutdown_workers()
-    else:
-        run_worker(model, slots)
+        model.ep_link.shutdown_workers()  # a sync point: raises if a worker failed a command or diverged
+    elif run_worker(model, slots).commands_failed:
+        raise SystemExit(1)  # exit codes tell the truth
     print(f"rank {transport.rank}: slot digest {slots_digest(slots)}\n", end="", flush=True)  # one write per line
 
 

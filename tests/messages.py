@@ -4,7 +4,7 @@ from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
-from metrale_model_engine.wire import U32_TYPECODE, encode_header, encode_tokens_prefix, encode_word
+from metrale_model_engine.wire import U32_TYPECODE, encode_header, encode_sync, encode_tokens_prefix, encode_word
 
 Message = tuple[int, ...]
 
@@ -24,3 +24,7 @@ def word(value: int) -> Message:
 
 def tokens(values: Sequence[int]) -> Message:
     return words(encode_tokens_prefix(len(values))) + tuple(values)
+
+
+def sync(number: int, compare_state: bool = False) -> Message:
+    return words(encode_sync(number, compare_state))

@@ -234,3 +234,21 @@ def stoppable_worker(name: str, report: Connection) -> None:
         except Exception as error:
             outcome = f"{type(error).__name__}: {error}"
         report.send((outcome, {s.seq_id: list(s.tokens) for s in slots if s is not None}))
+
+
+def cadence(transport: ShmTransport, steps: int, gap: float, out: str) -> None:
+    """Decode steps a gap apart, as a server sends them, with every worker spinning between them."""
+    model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
+    slots: list[ToyState | None] = [None] * SLOTS
+    if transport.rank == 0:
+        started = time.monotonic()
+        for seq_id in range(SLOTS):
+            model.alloc(slots, seq_id)
+        for step in range(steps):
+            time.sleep(gap)
+            model.decode(slots, step % SLOTS)
+        model.ep_link.shutdown_workers()
+        save(out, 0, digest=slots_digest(slots), seconds=time.monotonic() - started)
+    else:
+        summary = run_worker(model, slots)
+        save(out, transport.rank, digest=slots_digest(slots), summary=summary)

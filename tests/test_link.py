@@ -1,6 +1,7 @@
 """EpLink over in-process fake transports: setup, argument checks, roles, sends, error mapping, close."""
 
 import re
+import zlib
 from array import array
 from collections.abc import MutableSequence, Sequence
 
@@ -21,9 +22,9 @@ from metrale_model_engine import (
     SequenceState,
 )
 from metrale_model_engine.transport import PeerLost
-from metrale_model_engine.wire import WIRE_VERSION, ItemKind, encode_close
+from metrale_model_engine.wire import WIRE_VERSION, Ack, ItemKind, encode_ack, encode_close
 
-from messages import header, tokens, word, words
+from messages import header, sync, tokens, word, words
 
 
 class FakeTransport:
@@ -39,6 +40,14 @@ class FakeTransport:
         self.incoming: list[tuple[int, ...]] = []
         """What a worker rank receives, one message each, in order."""
         self.closed = False
+        self.answered: list[bytes] = []
+        """What a worker rank answered, in order."""
+        self.flushes = 0
+        self.waiting: list[tuple[int, bytes]] = []
+        """Answers a head finds when it polls (set by a test)."""
+        self.answers_fail_with: Exception | None = None
+        self.answers_of: dict[int, list[bytes]] = {}
+        """Answers a head receives from a rank at its next sync point (set by a test; else an agreeing ack)."""
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         if self.fail_with is not None:
@@ -51,12 +60,37 @@ class FakeTransport:
             raise self.fail_with
         return memoryview(array("I", self.incoming.pop(0)).tobytes())
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         if self.fail_with is not None:
             raise self.fail_with
         if self._peers is None:
             return [list(words)] * self.world_size
         return [list(words), *self._peers] if self.rank == 0 else [*self._peers, list(words)]
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        self.answered.append(bytes(memoryview(answer).cast("B")))
+
+    def flush_answers(self, timeout: float | None) -> None:
+        self.flushes += 1
+
+    def answers_ready(self) -> bool:
+        return bool(self.waiting)
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        waiting, self.waiting = self.waiting, []
+        return waiting
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """What a worker in step answers: the last sync's number, the stream's CRC and command count."""
+        if self.answers_fail_with is not None:
+            raise self.answers_fail_with
+        if rank in self.answers_of:
+            return self.answers_of.pop(rank)
+        crc = 0
+        for message in self.sent:
+            crc = zlib.crc32(array("I", message).tobytes(), crc)
+        commands = sum(1 for m in self.sent if m[0] == ItemKind.HEADER and m[1] != CMD_SHUTDOWN)
+        return [encode_ack(Ack(self.sent[-1][1], crc, commands, 0, None))]
 
     def close(self) -> None:
         self.closed = True
@@ -146,8 +180,8 @@ def test_head_sends_headers_words_and_tokens_item_by_item() -> None:
     assert memoryview(head.send_tokens((7, 8))).tolist() == [7, 8]
     head.shutdown_workers()
     head.shutdown_workers()
-    assert transport.sent == [header(10, 3), word(2), tokens([7, 8]), header(CMD_SHUTDOWN)]
-    assert transport.timeouts == [60.0] * 4  # the command timeout bounds every send
+    assert transport.sent == [header(10, 3), word(2), tokens([7, 8]), sync(1), header(CMD_SHUTDOWN)]
+    assert transport.timeouts == [60.0] * 5  # the command timeout bounds every send
     with pytest.raises(EpSendError, match="shut down"):
         head.send_word(1)
 
@@ -313,7 +347,7 @@ def test_a_head_that_shut_down_closes_quietly_and_a_failed_close_still_closes() 
     head = link(quiet)
     head.shutdown_workers()
     head.close()
-    assert quiet.sent == [header(CMD_SHUTDOWN)] and quiet.closed
+    assert quiet.sent == [sync(1), header(CMD_SHUTDOWN)] and quiet.closed
     broken = FakeTransport(0, 2)
     head = link(broken)
     broken.fail_with = PeerLost("worker rank 1 died")

@@ -181,3 +181,13 @@ def test_a_worker_stopped_past_the_heads_timeout_never_takes_a_cut_message(tmp_p
     # The prefill is one message: its header (12 bytes), the array's prefix (8) and the prompt (12,288).
     assert "of the 12308 bytes of its message, which is abandoned" in outcome, outcome
     assert worker_slots == {0: []}  # the prompt never reached the slot
+
+
+def test_eight_ranks_on_two_cores_at_a_step_cadence_never_livelock(tmp_path: Path) -> None:
+    """Seven spinning workers and a head on 2 cores: spinning yields the core, so every step gets through."""
+    steps, gap = 300, 0.002
+    codes, results = run(programs.cadence, 8, tmp_path, steps, gap)
+    assert codes == [0] * 8
+    assert {results[rank]["digest"] for rank in range(8)} == {results[0]["digest"]}
+    # 0.6 s of gaps; the bound leaves room for a slow machine, not for a livelock.
+    assert float(results[0]["seconds"]) < 30.0  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from metrale_model_engine import (
 )
 from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
 
-from messages import header, tokens, word
+from messages import header, sync, tokens, word
 
 
 def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:
@@ -37,9 +37,10 @@ def test_records_events_and_wire(v2: bool) -> None:
         EpEvent("cmd_for_seq", (3, 2)),
         EpEvent("cmd", (2,)),
         EpEvent("tokens", (10, 11)),
+        EpEvent("sync", (1,)),  # shutting down is a sync point: the workers answer it first
         EpEvent("shutdown", ()),
     ]
-    assert model.wire == [header(2, 3), word(2), tokens([10, 11]), header(CMD_SHUTDOWN)]
+    assert model.wire == [header(2, 3), word(2), tokens([10, 11]), sync(1), header(CMD_SHUTDOWN)]
 
 
 def test_a_one_message_command_records_the_same_events() -> None:

@@ -63,6 +63,13 @@ def test_faults_after_the_header_keep_workers_in_step(world_size: int, tmp_path:
         assert results[rank]["slots"] == results[0]["slots"]
     live = results[0]["slots"][0]  # type: ignore[index]
     assert isinstance(live, ToyState) and list(live.tokens)[:3] == [9, 8, 7] and len(live.tokens) == 5
+    reported = seen["reported"]  # the head heard of every failure at its shutdown's sync point
+    assert isinstance(reported, dict) and sorted(reported) == list(range(1, world_size))
+    assert [command for command, _ in reported[1]] == [2, 4]
+    assert "RuntimeError: injected failure on rank 1" in reported[1][0][1]
+    for rank in range(2, world_size):
+        assert [command for command, _ in reported[rank]] == [4]
+    assert all("unknown command word 999" in failures[-1][1] for failures in reported.values())
 
 
 @pytest.mark.parametrize(
@@ -159,6 +166,10 @@ def test_failed_commands_with_follow_ups_keep_workers_in_step(world_size: int, t
             assert f"expected a token array of {expected} tokens, but the head sent a token array of {sent}" in failure
         assert results[rank]["run"] == 3  # alloc, prefill and decode of slot 1
         assert results[rank]["slots"] == head_slots[:2]
+    reported = results[0]["reported"]  # every failure reached the head, as the worker counted it
+    assert isinstance(reported, dict) and sorted(reported) == list(range(1, world_size))
+    for failures in reported.values():
+        assert [command for command, _ in failures] == [1, 2, 3, 6, 7, 8, 9]
 
 
 def test_the_same_commands_give_the_same_state_over_shared_memory_and_gloo(tmp_path: Path) -> None:

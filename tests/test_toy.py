@@ -49,8 +49,8 @@ def test_worker_replays_to_the_same_state(protocol: ProtocolVersion) -> None:
     after_prefill = ToyState(0)
     after_prefill.consume([101, 102, 103])
     assert recording.messages[4] == header(ToyCommand.DECODE, 0) + word(after_prefill.next_token())
-    # Under both versions, one message per command: 2 allocs, 2 prefills, 6 decodes, 1 free, shutdown.
-    assert len(recording.messages) == 2 + 2 + 6 + 1 + 1
+    # Under both versions, one message per command: 2 allocs, 2 prefills, 6 decodes, 1 free, a sync, shutdown.
+    assert len(recording.messages) == 2 + 2 + 6 + 1 + 1 + 1
 
 
 def test_head_refuses_before_sending() -> None:

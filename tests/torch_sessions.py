@@ -13,7 +13,7 @@ from array import array
 from collections.abc import MutableSequence
 from pathlib import Path
 
-from metrale_model_engine import EpCommandFailed, EpLink, LinkedEp, ProtocolVersion, run_worker
+from metrale_model_engine import EpCommandFailed, EpLink, EpWorkerFailed, LinkedEp, ProtocolVersion, run_worker
 from metrale_model_engine.torch import TorchTransport, open_link, tensor_tokens
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
@@ -105,8 +105,20 @@ def faults_session(rank: int, world_size: int, out: str) -> None:
     except ValueError as error:
         seen["head_token_error"] = str(error)
     model.decode(slots, 0)
-    model.ep_link.shutdown_workers()
+    seen["reported"] = shut_down_hearing_failures(model)
     save(out, rank, seen=seen, **summary_fields(slots))
+
+
+def shut_down_hearing_failures(model: ToyModel) -> dict[int, list[tuple[int, str]]]:
+    """Shut the workers down; return what they reported failing, by rank: (command, error)."""
+    try:
+        model.ep_link.shutdown_workers()
+    except EpWorkerFailed as error:
+        heard: dict[int, list[tuple[int, str]]] = {}
+        for failure in error.failures:
+            heard.setdefault(failure.rank, []).append((failure.command, failure.error))
+        return heard
+    return {}
 
 
 def setup_mismatch(rank: int, world_size: int, what: str, out: str) -> None:
@@ -280,8 +292,7 @@ def wire_faults(rank: int, world_size: int, out: str) -> None:
             model.ep_broadcast_cmd(placeholder)
             model.ep_broadcast_tokens(sent)
     model.decode(slots, 1)
-    model.ep_link.shutdown_workers()
-    save(out, rank, slots=slots)
+    save(out, rank, slots=slots, reported=shut_down_hearing_failures(model))
 
 
 def soak_session(rank: int, world_size: int, kind: str, commands: int, seed: int, out: str) -> None:

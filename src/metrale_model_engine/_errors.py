@@ -9,8 +9,12 @@ would read is no longer known to be a header.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 __all__ = [
     "EpCommandFailed",
+    "EpDivergenceError",
     "EpError",
     "EpLinkError",
     "EpMismatchError",
@@ -18,6 +22,8 @@ __all__ = [
     "EpRoleError",
     "EpSendError",
     "EpSetupError",
+    "EpWorkerFailed",
+    "WorkerFailure",
 ]
 
 
@@ -95,3 +101,60 @@ class EpMismatchError(EpError, ValueError):
     a command it becomes :class:`EpCommandFailed`.  The message names what was
     expected and what arrived, lengths included.
     """
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One command that failed on one worker, as that worker reported it to the head."""
+
+    rank: int
+    """The worker's rank."""
+    command: int
+    """Which command: the head's count of the commands it sent, from 1."""
+    seq_id: int
+    cmd: int
+    error: str
+    """The worker's error, ``"Type: message"`` (cut to fit one answer)."""
+
+    def __str__(self) -> str:
+        where = f"command {self.command} (seq_id={self.seq_id}, cmd={self.cmd})"
+        return f"worker rank {self.rank} failed {where}: {self.error}"
+
+
+class EpWorkerFailed(EpError):
+    """Commands the head sent failed on workers: each worker reported its failure to the head.
+
+    Raised on the head at its next command once the reports have arrived (nothing of
+    that command is sent), or at the latest at its next sync point.  Every report
+    is raised once, oldest first per worker, in :attr:`failures`: fail the requests
+    of those slots and reset them.
+    """
+
+    failures: tuple[WorkerFailure, ...]
+
+    def __init__(self, failures: Sequence[WorkerFailure], note: str = "") -> None:
+        self.failures = tuple(failures)
+        self.note = note
+        shown = "; ".join(str(failure) for failure in self.failures[:3])
+        more = f"; and {len(self.failures) - 3} more" if len(self.failures) > 3 else ""
+        super().__init__(f"{shown}{more}{note}")
+
+    def __reduce__(self) -> tuple[type[EpWorkerFailed], tuple[tuple[WorkerFailure, ...], str]]:
+        return (type(self), (self.failures, self.note))
+
+
+class EpDivergenceError(EpError, RuntimeError):
+    """The ranks differ where they must agree: their command streams or states at a sync point, or named values.
+
+    :attr:`ranks` are the ranks that differ from the head (rank 0); the message says
+    in what, and since when.
+    """
+
+    ranks: tuple[int, ...]
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> tuple[type[EpDivergenceError], tuple[str, tuple[int, ...]]]:
+        return (type(self), (str(self), self.ranks))

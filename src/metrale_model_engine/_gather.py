@@ -39,8 +39,8 @@ class SetupGather:
         self.closed = False
         """Set when the transport closes: a gather in progress then raises."""
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
-        """Every rank's ``words``, by rank; collective."""
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        """Every rank's ``words``, by rank; collective, each wait bounded by ``timeout`` (default the setup's)."""
         values = list(words)
         if len(values) > GATHER_WORDS or not all(type(v) is int and 0 <= v <= 0xFFFF_FFFF for v in values):
             raise ValueError(f"gather takes at most {GATHER_WORDS} u32 words, got {values!r}")
@@ -55,11 +55,17 @@ class SetupGather:
         u32[mine] = generation
         self._ring_bell()
         lines = [layout.gather_at(rank) // 4 for rank in range(layout.world_size)]
-        self._wait_for_ranks(lambda: all(u32[line] >= generation for line in lines), "answer the gather")
+        limit = f"setup_timeout={self._setup_timeout}" if timeout is None else str(timeout)
+        seconds = self._setup_timeout if timeout is None else timeout
+        self._wait_for_ranks(
+            lambda: all(u32[line] >= generation for line in lines), "answer the gather", seconds, limit
+        )
         everyone = [list(u32[line + 3 : line + 3 + u32[line + 2]]) for line in lines]
         u32[mine + 1] = generation  # read: the others may overwrite their words after this
         self._ring_bell()
-        self._wait_for_ranks(lambda: all(u32[line + 1] >= generation for line in lines), "finish the gather")
+        self._wait_for_ranks(
+            lambda: all(u32[line + 1] >= generation for line in lines), "finish the gather", seconds, limit
+        )
         self._generation = generation
         counts = {len(words) for words in everyone}
         if len(counts) > 1:
@@ -67,7 +73,7 @@ class SetupGather:
             raise ValueError(f"rank {self._rank}: the ranks gathered different word counts ({per_rank})")
         return everyone
 
-    def _wait_for_ranks(self, ready: Callable[[], bool], doing: str) -> None:
+    def _wait_for_ranks(self, ready: Callable[[], bool], doing: str, timeout: float, limit: str) -> None:
         segment, layout = self._segment, self._segment.layout
         pid_words = [HEAD_PID_AT // 4] + [layout.pid_at(r) // 4 for r in range(layout.readers)]
         watch = ProcessWatch()
@@ -90,7 +96,7 @@ class SetupGather:
                 segment=segment,
                 park_word=lambda: BELL_AT,
                 parked_flag=None,
-                deadline=time.monotonic() + self._setup_timeout,
+                deadline=time.monotonic() + max(timeout, 0.0),
                 check=check,
                 spin=DEFAULT_SPIN_TIME,
             )
@@ -98,8 +104,7 @@ class SetupGather:
             missing = [r for r, word in enumerate(pid_words) if not segment.u32[word]]
             hint = f"; rank(s) {missing} never attached" if missing else ""
             raise TransportTimeout(
-                f"rank {self._rank}: not every rank of the ring managed to {doing} within "
-                f"setup_timeout={self._setup_timeout} s{hint}"
+                f"rank {self._rank}: not every rank of the ring managed to {doing} within {limit} s{hint}"
             ) from None
         finally:
             watch.close()

@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Final
+import zlib
+from collections.abc import Callable, MutableSequence, Sequence
+from typing import Any, Final
 
 from typing_extensions import Buffer, Self
 
 from ._checks import check_bool, check_instance, check_int, check_seconds, disagreement
-from ._errors import EpLinkError, EpRoleError, EpSendError, EpSetupError
+from ._errors import (
+    EpLinkError,
+    EpRoleError,
+    EpSendError,
+    EpSetupError,
+)
 from ._protocol import ProtocolVersion
-from ._reader import ItemReader
+from ._reader import StateDigest
+from ._sync import SyncPoints
 from ._tokens import TokenArray, as_u32_buffer, token_count
 from ._words import CMD_SHUTDOWN, U32_MAX, check_u32
 from .transport import EpTransport
-from .wire import WIRE_VERSION, encode_close, encode_command, encode_header, encode_tokens_prefix, encode_word
+from .wire import (
+    WIRE_VERSION,
+    encode_close,
+    encode_command,
+    encode_header,
+    encode_tokens_prefix,
+    encode_word,
+)
 
 DEFAULT_COMMAND_TIMEOUT: Final[float] = 60.0
 """Seconds a worker waits for a follow-up of a command in flight, and the head for a send."""
@@ -25,7 +39,7 @@ _CLOSE_TIMEOUT: Final[float] = 1.0
 _LOGGER = logging.getLogger("metrale_model_engine.link")
 
 
-class EpLink(ItemReader):
+class EpLink(SyncPoints):
     """One rank's end of the head/worker command protocol: what a model holds to speak it.
 
     A model keeps its link in one attribute (``ep_link`` in a
@@ -66,7 +80,16 @@ class EpLink(ItemReader):
         EpLinkError: the setup exchange itself failed (a rank died, a timeout).
     """
 
-    __slots__ = ("_closed", "_num_slots", "_protocol", "_seq_id_on_wire", "_shut_down", "_world_size")
+    __slots__ = (
+        "_answers_ready",
+        "_closed",
+        "_num_slots",
+        "_protocol",
+        "_seq_id_on_wire",
+        "_shut_down",
+        "_transport_send",
+        "_world_size",
+    )
 
     def __init__(
         self,
@@ -89,9 +112,12 @@ class EpLink(ItemReader):
         self._closed = False
         self._agree_on_setup(transport)
         self._transport = transport
+        self._transport_send = transport.send  # the hot paths call these bound methods
+        self._answers_ready = transport.answers_ready
         self._rank = transport.rank
         self._world_size = transport.world_size
         self._start_reading()
+        self._start_syncing()
 
     def _agree_on_setup(self, transport: EpTransport) -> None:
         """Run the setup exchange over ``transport``; raise unless every rank agrees."""
@@ -159,6 +185,26 @@ class EpLink(ItemReader):
         """Whether :meth:`close` ran."""
         return self._closed
 
+    @property
+    def commands(self) -> int:
+        """Commands sent (head) or received (worker) so far; a :class:`WorkerFailure` names one by this count."""
+        return self._commands
+
+    @property
+    def state_digest(self) -> StateDigest | None:
+        """A function ``digest(slots) -> int`` (u64) of a rank's slots, compared at sync points; default ``None``.
+
+        Set it on every rank (the same function): :meth:`sync` then compares every
+        worker's digest of its slots with the head's.
+        """
+        return self._state_digest
+
+    @state_digest.setter
+    def state_digest(self, digest: StateDigest | None) -> None:
+        if digest is not None and not callable(digest):
+            raise TypeError(f"state_digest must be a function of the slots or None, got {type(digest).__name__}")
+        self._state_digest = digest
+
     # -- head ----------------------------------------------------------------
 
     def send_command(self, seq_id: int, cmd: int, *follow_ups: int | TokenArray) -> None:
@@ -185,8 +231,12 @@ class EpLink(ItemReader):
                 items.append(follow_up if fast else check_u32(f"follow_ups[{index}]", follow_up))
             else:
                 items.append(as_u32_buffer(f"follow_ups[{index}]", follow_up))
-        self._require_head()
+        if self._rank:
+            self._not_the_head()
+        if self._answers_ready():
+            self._raise_reports()
         self._send(encode_command(seq_id, cmd, items))
+        self._commands += 1
 
     def send_header(self, seq_id: int, cmd: int) -> None:
         """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
@@ -197,9 +247,18 @@ class EpLink(ItemReader):
             EpRoleError: called on a worker.
             EpSendError: the send failed.
         """
-        seq_id, cmd = self._checked_header(seq_id, cmd)
-        self._require_head()
+        if type(seq_id) is not int or type(cmd) is not int or seq_id >= self._num_slots or cmd >= CMD_SHUTDOWN:
+            seq_id, cmd = self._checked_header(seq_id, cmd)  # raises, or normalises an IntEnum
+        elif seq_id < 0 or cmd < 0:
+            self._checked_header(seq_id, cmd)
+        elif not self._seq_id_on_wire:
+            seq_id = 0
+        if self._rank:
+            self._not_the_head()
+        if self._answers_ready():
+            self._raise_reports()
         self._send((encode_header(seq_id, cmd),))
+        self._commands += 1
 
     def send_word(self, word: int) -> None:
         """Head: send one follow-up word of the command in flight.
@@ -211,7 +270,8 @@ class EpLink(ItemReader):
         """
         if type(word) is not int or word >> 32:
             word = check_u32("word", word)
-        self._require_head()
+        if self._rank:
+            self._not_the_head()
         self._send((encode_word(word),))
 
     def send_tokens(self, tokens: TokenArray) -> Buffer:
@@ -227,18 +287,25 @@ class EpLink(ItemReader):
         self._send((encode_tokens_prefix(token_count(buffer)), buffer))
         return buffer
 
-    def shutdown_workers(self) -> None:
-        """Head: send the shutdown header; every worker's loop then ends.
+    def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
+        """Head: a sync point (:meth:`sync`), then the shutdown header; every worker's loop then ends.
 
-        Idempotent: later calls send nothing.  After it, other sends raise
-        :class:`EpSendError`.
+        The shutdown header goes out even when the sync point raises (the workers
+        still leave their loops), and then the sync point's error is raised: a head
+        cannot shut down past a failure it was not told of.  Idempotent: later calls
+        send nothing.  After it, other sends raise :class:`EpSendError`.
 
         Raises:
+            EpWorkerFailed, EpDivergenceError: as :meth:`sync`.
             EpRoleError: called on a worker.
             EpSendError: the send failed.
         """
         self._require_head()
-        if not self._shut_down:
+        if self._shut_down:
+            return
+        try:
+            self.sync(slots)
+        finally:
             self._send((encode_header(0, CMD_SHUTDOWN),))
             self._shut_down = True
 
@@ -260,7 +327,10 @@ class EpLink(ItemReader):
 
     def _require_head(self) -> None:
         if self._rank:
-            raise EpRoleError(f"only the head (rank 0) sends; this is worker rank {self._rank}")
+            self._not_the_head()
+
+    def _not_the_head(self) -> None:
+        raise EpRoleError(f"only the head (rank 0) sends; this is worker rank {self._rank}")
 
     def _send(self, parts: Sequence[Buffer]) -> None:
         if self._shut_down:
@@ -268,9 +338,16 @@ class EpLink(ItemReader):
         if self._closed:
             raise EpSendError("this link was closed; nothing more can be sent")
         try:
-            self._transport.send(parts, self._command_timeout)
+            self._transport_send(parts, self._command_timeout)
         except Exception as error:
             raise EpSendError(f"head: broadcast to the workers failed: {error}") from error
+        if len(parts) == 1:
+            self._crc = zlib.crc32(parts[0], self._crc)
+        else:
+            crc = self._crc
+            for part in parts:
+                crc = zlib.crc32(part, crc)
+            self._crc = crc
 
     # -- lifecycle -------------------------------------------------------------
 

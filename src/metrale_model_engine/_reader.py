@@ -8,12 +8,18 @@ message or item by item.  A follow-up of another kind or length is an
 :class:`EpMismatchError` after the item was consumed (a next command's header is
 left for the next step); what a failed command left unread is skipped on the way
 to the next header, and what a successful one left unread is reported once.
+
+The way back: every command that fails on a worker is also reported to the head
+(``EpTransport.answer``), and a sync item on the stream is answered with what the
+worker received (a count of commands and a CRC-32 of every message) and, when the
+head asks, the digest of its state.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, MutableSequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from typing_extensions import Buffer
 
@@ -23,10 +29,26 @@ from ._model import S
 from ._tokens import ArrayInterface, writable_u32_buffer
 from ._words import CMD_SHUTDOWN, U32_TYPECODE
 from .transport import EpTransport
-from .wire import Item, ItemKind, WireError, decode_header, decode_item, decode_tokens, decode_word, describe_item
+from .wire import (
+    Ack,
+    Item,
+    ItemKind,
+    Report,
+    WireError,
+    decode_header,
+    decode_item,
+    decode_tokens,
+    decode_word,
+    describe_item,
+    encode_ack,
+    encode_report,
+)
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""
+
+StateDigest = Callable[[Any], int]
+"""A digest of a rank's slots, ``digest(slots) -> int`` (u64), compared at sync points (``EpLink.state_digest``)."""
 
 _NO_WORDS = memoryview(b"").cast(U32_TYPECODE)
 
@@ -34,7 +56,19 @@ _NO_WORDS = memoryview(b"").cast(U32_TYPECODE)
 class ItemReader:
     """A worker's reading state over its transport; the base of :class:`~metrale_model_engine.EpLink`."""
 
-    __slots__ = ("_at", "_command", "_command_timeout", "_last_failed", "_rank", "_transport", "_words")
+    __slots__ = (
+        "_at",
+        "_command",
+        "_command_timeout",
+        "_commands",
+        "_crc",
+        "_last_failed",
+        "_rank",
+        "_reports",
+        "_state_digest",
+        "_transport",
+        "_words",
+    )
 
     _transport: EpTransport
     _rank: int
@@ -45,6 +79,10 @@ class ItemReader:
         self._at = 0  # the index of its next unread word
         self._last_failed = False  # the last command failed: skip what it left unread
         self._command = (0, 0)  # (seq_id, cmd) of the command in flight, for messages
+        self._commands = 0  # headers sent (head) or received (worker), shutdown excluded
+        self._crc = 0  # CRC-32 of every message's bytes sent (head) or received (worker)
+        self._reports = 0  # failures this worker reported
+        self._state_digest: StateDigest | None = None
 
     # -- the step ------------------------------------------------------------
 
@@ -72,41 +110,81 @@ class ItemReader:
             self._words, self._at = self._receive(None), 0
         header = decode_header(self._words, self._at)
         if header is None:
-            header = self._skip_to_header()
+            header = self._skip_to_header(slots)
         cmd, seq_id, self._at = header
         if cmd == CMD_SHUTDOWN:
             return False
+        self._commands += 1
         self._command = (seq_id, cmd)
         self._last_failed = True  # until the command returns
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
-        except (EpLinkError, EpCommandFailed):
+        except EpLinkError:
+            raise
+        except EpCommandFailed as failed:
+            self._report(seq_id, cmd, failed.cause)
             raise
         except Exception as error:
+            self._report(seq_id, cmd, error)
             raise EpCommandFailed(error) from error
         self._last_failed = False
         return True
 
-    def _skip_to_header(self) -> tuple[int, int, int]:
-        """Skip the items before the next header; report them unless the last command failed."""
+    def _skip_to_header(self, slots: MutableSequence[S | None]) -> tuple[int, int, int]:
+        """Answer sync points and skip follow-ups up to the next header; report what a success left unread.
+
+        What a successful command left unread is reported to the head before any sync
+        point is answered, so that the sync point hears of it.
+        """
         skipped: list[str] = []
+        reported = self._last_failed  # a failed command was reported already
         while True:
             item = self._peek(None)
             if item.kind is ItemKind.HEADER:
                 break
             self._at = item.end
-            skipped.append(describe_item(item))
-        if skipped and not self._last_failed:  # reported once; the header behind them runs at the next step
-            before_seq, before_cmd = self._command
-            them = "it was" if len(skipped) == 1 else "they were"
-            raise EpCommandFailed(
-                EpMismatchError(
-                    f"worker rank {self._rank}: command {before_cmd} (seq_id={before_seq}) "
-                    f"left {', '.join(skipped)} unread; {them} skipped"
-                )
-            )
+            if item.kind is not ItemKind.SYNC:
+                skipped.append(describe_item(item))
+                continue
+            if skipped and not reported:
+                self._report(*self._command, self._left_unread(skipped))
+                reported = True
+            self._answer_sync(item.first, bool(item.second & 1), slots)
+        if skipped and not self._last_failed:  # raised once; the header behind them runs at the next step
+            error = self._left_unread(skipped)
+            if not reported:
+                self._report(*self._command, error)
+            raise EpCommandFailed(error)
         return item.first, item.second, item.end
+
+    def _left_unread(self, skipped: list[str]) -> EpMismatchError:
+        before_seq, before_cmd = self._command
+        them = "it was" if len(skipped) == 1 else "they were"
+        return EpMismatchError(
+            f"worker rank {self._rank}: command {before_cmd} (seq_id={before_seq}) "
+            f"left {', '.join(skipped)} unread; {them} skipped"
+        )
+
+    def _report(self, seq_id: int, cmd: int, error: BaseException) -> None:
+        """Tell the head that its ``self._commands``-th command failed here, and why."""
+        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        self._answer(encode_report(Report(self._commands, seq_id, cmd, text)))
+        self._reports += 1
+
+    def _answer_sync(self, number: int, compare_state: bool, slots: MutableSequence[S | None]) -> None:
+        digest = self._state_digest(slots) if compare_state and self._state_digest is not None else None
+        self._answer(encode_ack(Ack(number, self._crc, self._commands, self._reports, digest)))
+        try:
+            self._transport.flush_answers(self._command_timeout)
+        except Exception as error:
+            raise EpReceiveError(f"worker rank {self._rank}: answering sync point {number} failed: {error}") from error
+
+    def _answer(self, answer: bytes) -> None:
+        try:
+            self._transport.answer(answer, self._command_timeout)
+        except Exception as error:
+            raise EpReceiveError(f"worker rank {self._rank}: answering the head failed: {error}") from error
 
     # -- follow-ups ----------------------------------------------------------
 
@@ -188,8 +266,8 @@ class ItemReader:
         return self._peek(self._command_timeout)
 
     def _mismatch(self, expected: str, item: Item) -> NoReturn:
-        if item.kind is not ItemKind.HEADER:
-            self._at = item.end  # consumed; a header stays for the next step
+        if item.kind not in (ItemKind.HEADER, ItemKind.SYNC):
+            self._at = item.end  # consumed; a header or a sync point stays for the next step
         raise EpMismatchError(f"worker rank {self._rank} expected {expected}, but the head sent {describe_item(item)}")
 
     # -- the stream ------------------------------------------------------------
@@ -214,4 +292,5 @@ class ItemReader:
             raise EpReceiveError(f"worker rank {self._rank}: receive from the head failed: {error}") from error
         if len(message) % 4:
             raise EpReceiveError(f"worker rank {self._rank}: a corrupt message of {len(message)} bytes from the head")
+        self._crc = zlib.crc32(message, self._crc)
         return message.cast(U32_TYPECODE)

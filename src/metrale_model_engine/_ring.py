@@ -46,7 +46,7 @@ A failed send
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from typing_extensions import Buffer
@@ -100,6 +100,7 @@ class RingWriter:
         "_spin_time",
         "_u64",
         "_wide",
+        "while_waiting",
     )
 
     def __init__(self, segment: Segment, peers: ProcessWatch, spin_time: float) -> None:
@@ -114,65 +115,69 @@ class RingWriter:
         self._room_until = layout.ring_bytes if layout.readers else 1 << 64  # room without looking
         self._next_check = 0.0  # when the next send checks that the workers live
         self._broken: str | None = None  # why a send failed: the ring is then over for the head
+        self.while_waiting: Callable[[], None] = _nothing
+        """Runs in every wait for room, with the liveness check (the transport reads answers there)."""
 
     def publish(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Publish one message, the concatenation of ``parts``; on any failure the ring breaks."""
         if self._broken is not None:
             raise TransportClosed(f"the ring is broken since an earlier send failed ({self._broken}); nothing is sent")
-        try:
-            self._publish(parts, timeout)
+        try:  # the whole body, in this one call: a try costs nothing until something is raised
+            u64, view = self._u64, self._bytes
+            now = time.monotonic()
+            if now >= self._next_check or u64[_GONE_WORD] or (self._wide and any(view[_WIDE_GONE])):
+                self.check_workers()
+                self._next_check = now + CHECK_INTERVAL
+            if len(parts) == 1:  # the common case: one bytes message
+                piece = parts[0]
+                pieces: Sequence[bytes | memoryview] = (piece if type(piece) is bytes else _bytes_of(piece),)
+                total = len(pieces[0])
+            else:
+                pieces = [part if type(part) is bytes else _bytes_of(part) for part in parts]
+                total = sum(map(len, pieces))
+            offset, deadline = 0, None
+            chunk, ring, base = self._chunk, self._ring, self._base
+            while True:
+                at = self._next
+                spot = at % ring
+                end = offset + chunk if total - offset > chunk else total
+                size = (RECORD_HEADER + end - offset + LINE - 1) & -LINE
+                wrap = spot + size > ring  # no room before the ring's end: a marker, then the record at its start
+                if wrap:
+                    size = ring - spot
+                if at + size + 8 > self._room_until:  # the record, and the next record's stamp
+                    if deadline is None:
+                        deadline = deadline_after(timeout)
+                    self._wait_for_room(at + size + 8, deadline, timeout)
+                record = base + spot
+                if not wrap:
+                    start = record + RECORD_HEADER
+                    if end - offset == total:  # the whole message in this record: the common case
+                        for piece in pieces:
+                            view[start : start + len(piece)] = piece
+                            start += len(piece)
+                    else:
+                        _copy_range(pieces, offset, end, view, start)
+                # The next record's stamp is cleared before this one's is set, so that what a
+                # worker finds there is 0 or a new stamp, never a stale one that might match.
+                u64[(base + (spot + size) % ring) >> 3] = 0
+                if not _futex.TOTAL_STORE_ORDER:
+                    _futex.full_fence()
+                line = record >> 3
+                u64[line + 1] = _WRAP if wrap else total  # the polled line, touched last
+                u64[line + 2] = offset  # where this record's bytes sit in the message
+                u64[line] = at + 1  # the stamp: the record is published
+                self._next = at + size
+                _futex.full_fence()  # the stamp is visible before the parked bytes are read
+                if u64[_PARKED_WORD] or (self._wide and any(view[_WIDE_PARKED])):
+                    _futex.futex_wake(self._address + record)
+                if not wrap:
+                    if end >= total:
+                        return
+                    offset = end
         except BaseException as error:
             self._break(error)
             raise
-
-    def _publish(self, parts: Sequence[Buffer], timeout: float | None) -> None:
-        u64, view = self._u64, self._bytes
-        now = time.monotonic()
-        if now >= self._next_check or u64[_GONE_WORD] or (self._wide and any(view[_WIDE_GONE])):
-            self.check_workers()
-            self._next_check = now + CHECK_INTERVAL
-        pieces = [part if type(part) is bytes else _bytes_of(part) for part in parts]
-        total = sum(map(len, pieces))
-        offset, deadline = 0, None
-        chunk, ring, base = self._chunk, self._ring, self._base
-        while True:
-            at = self._next
-            spot = at % ring
-            end = offset + chunk if total - offset > chunk else total
-            size = (RECORD_HEADER + end - offset + LINE - 1) & -LINE
-            wrap = spot + size > ring  # no room before the ring's end: a marker, then the record at its start
-            if wrap:
-                size = ring - spot
-            if at + size + 8 > self._room_until:  # the record, and the next record's stamp
-                if deadline is None:
-                    deadline = deadline_after(timeout)
-                self._wait_for_room(at + size + 8, deadline, timeout)
-            record = base + spot
-            if not wrap:
-                start = record + RECORD_HEADER
-                if end - offset == total:  # the whole message in this record: the common case
-                    for piece in pieces:
-                        view[start : start + len(piece)] = piece
-                        start += len(piece)
-                else:
-                    _copy_range(pieces, offset, end, view, start)
-            # The next record's stamp is cleared before this one's is set, so that what a
-            # worker finds there is 0 or a new stamp, never a stale one that might match.
-            u64[(base + (spot + size) % ring) >> 3] = 0
-            if not _futex.TOTAL_STORE_ORDER:
-                _futex.full_fence()
-            line = record >> 3
-            u64[line + 1] = _WRAP if wrap else total  # the polled line, touched last
-            u64[line + 2] = offset  # where this record's bytes sit in the message
-            u64[line] = at + 1  # the stamp: the record is published
-            self._next = at + size
-            _futex.full_fence()  # the stamp is visible before the parked bytes are read
-            if u64[_PARKED_WORD] or (self._wide and any(view[_WIDE_PARKED])):
-                _futex.futex_wake(self._address + record)
-            if not wrap:
-                if end >= total:
-                    return
-                offset = end
 
     def _break(self, error: BaseException) -> None:
         """After a failed send: no more sends, and the workers learn it when they reach the cut."""
@@ -200,6 +205,11 @@ class RingWriter:
 
         if room():
             return
+
+        def check() -> None:
+            self.check_workers()
+            self.while_waiting()
+
         try:
             wait_until(
                 room,
@@ -207,7 +217,7 @@ class RingWriter:
                 park_word=lambda: 8 * min(words, key=u64.__getitem__),  # the slowest reader's counter
                 parked_flag=WRITER_PARKED_AT,
                 deadline=deadline,
-                check=self.check_workers,
+                check=check,
                 spin=self._spin_time,
             )
         except TimeoutError:
@@ -367,6 +377,10 @@ class RingReader:
         """Mark this worker gone for the head, keeping the first reason (a failure, then close)."""
         if not self._bytes[GONE_AT + self._reader]:
             self._bytes[GONE_AT + self._reader] = why
+
+
+def _nothing() -> None:
+    """Nothing to do while waiting."""
 
 
 def _bytes_of(part: Buffer) -> memoryview:

@@ -13,9 +13,15 @@ line 0 (identity)         magic u64, layout version, world size, ring bytes, chu
 line 1 (writer)           writer-parked flag u32
 line 2 (parked)           one byte per reader: it sleeps on a record's stamp
 line 3 (gone)             one byte per reader: 0 while it serves, else why it left
+line 4 (answered)         one byte per reader: the low byte of its answers published
+line 5 (head waits)       one byte: the head sleeps waiting for an answer
 reader lines              one line per reader: consumed position u64 (the head's futex
                           word when the ring is full), pid u32
 gather lines              one line per rank: generation, acknowledgement, count, 13 words
+answer blocks             per reader: a line with its answers published u64 and its
+                          parked byte, a line with the head's answers consumed u64, then
+                          ``ANSWER_SLOTS`` slots of a length u32 and up to
+                          ``ANSWER_BYTES`` of answer
 ring (page-aligned)       ``ring_bytes`` of records, each at a 64-byte boundary: a line
                           with the stamp u64, the message's bytes u64 and the record's
                           offset in its message u64, then up to ``chunk_bytes`` of payload
@@ -46,8 +52,8 @@ NAME_PREFIX: Final[str] = "metrale-ep-"
 LINE: Final[int] = 64
 """Bytes per cache line: every field group starts on its own."""
 MAGIC: Final[int] = 0x3153_4D48_5350_454D  # b"MEPSHMS1", little-endian
-LAYOUT_VERSION: Final[int] = 2
-"""2: every record carries its offset in its message, so a continuation is checked against its message."""
+LAYOUT_VERSION: Final[int] = 3
+"""2: every record carries its offset in its message; 3: each worker has an answer ring back to the head."""
 MAX_WORLD_SIZE: Final[int] = LINE
 """Ranks in one segment at most: the parked and gone lines hold one byte per reader."""
 GATHER_WORDS: Final[int] = LINE // 4 - 3
@@ -70,7 +76,14 @@ BELL_AT: Final[int] = 32
 WRITER_PARKED_AT: Final[int] = LINE
 PARKED_AT: Final[int] = 2 * LINE
 GONE_AT: Final[int] = 3 * LINE
-_READERS_AT: Final[int] = 4 * LINE
+ANSWERED_AT: Final[int] = 4 * LINE
+HEAD_WAITS_AT: Final[int] = 5 * LINE
+_READERS_AT: Final[int] = 6 * LINE
+ANSWER_SLOTS: Final[int] = 16
+"""Answers a worker can have waiting for the head before it waits for room."""
+ANSWER_SLOT_BYTES: Final[int] = 256
+ANSWER_BYTES: Final[int] = ANSWER_SLOT_BYTES - 8
+"""Bytes of one answer at most (62 u32 words)."""
 _PAGE: Final[int] = mmap.PAGESIZE
 _LOGGER = logging.getLogger("metrale_model_engine.shm")
 
@@ -108,10 +121,15 @@ class Layout:
         """Offset of rank ``rank``'s gather line: generation, ack, count, then the words."""
         return _READERS_AT + LINE * (self.readers + rank)
 
+    def answer_at(self, reader: int) -> int:
+        """Offset of reader ``reader``'s answer block: its published line, the head's consumed line, the slots."""
+        block = 2 * LINE + ANSWER_SLOTS * ANSWER_SLOT_BYTES
+        return self.gather_at(self.world_size) + block * reader
+
     @property
     def ring_at(self) -> int:
         """Offset of the ring (page-aligned)."""
-        end = self.gather_at(self.world_size)
+        end = self.answer_at(self.readers)
         return -(-end // _PAGE) * _PAGE
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Final
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Buffer
 
+from ._segment import ANSWER_BYTES
 from .transport import TransportClosed, TransportCorrupt
 from .wire import FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
 
@@ -82,6 +84,8 @@ class TorchTransport:
         self._frame_tensor = self._frame_host if on_host else torch.empty_like(self._frame_host, device=device)
         self._frame_words = memoryview(self._frame).cast("I")
         self._inbox = bytearray(4096)
+        self._held: list[bytes] = []  # a worker's answers, until the next flush
+        self._head = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         _OPEN_TRANSPORTS.add(self)
 
     @property
@@ -133,12 +137,77 @@ class TorchTransport:
         self._broadcast(group, bulk, None, timeout, sending=False)
         return inbox[:size]
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
-        """Every rank's ``words`` (one ``all_gather``)."""
-        mine = torch.tensor(list(words), dtype=torch.int64, device=self._device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._open_group())
-        return [tensor.tolist() for tensor in everyone]
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        """Every rank's ``words``: one all-reduce of a row per rank, bounded by ``timeout`` (``None``: the group's)."""
+        values = list(words)
+        rows = torch.zeros(self.world_size, len(values), dtype=torch.int64, device=self._device)
+        rows[self.rank] = torch.tensor(values, dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        if timeout is not None:
+            options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+        self._open_group().allreduce([rows], options).wait()
+        return [row.tolist() for row in rows.cpu()]
+
+    # -- the way back: answers travel point to point, at sync points only -------
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        """Worker: hold one answer until :meth:`flush_answers` (a worker sends only while the head receives)."""
+        if self.rank == 0:
+            raise TransportClosed("the head does not answer")
+        data = bytes(memoryview(answer).cast("B"))
+        if len(data) > ANSWER_BYTES:
+            raise ValueError(f"an answer takes at most {ANSWER_BYTES} bytes, got {len(data)}")
+        self._held.append(data)
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Worker, at a sync point: every held answer to the head, as a count and one payload (two sends)."""
+        group = self._open_group()
+        held, self._held = self._held, []
+        payload = b"".join(
+            len(data).to_bytes(4, sys.byteorder) + data.ljust(-(-len(data) // 4) * 4, b"\0") for data in held
+        )
+        self._point_to_point(group, torch.tensor([len(held), len(payload) // 4], dtype=torch.int32), timeout, True)
+        if payload:
+            self._point_to_point(group, torch.frombuffer(bytearray(payload), dtype=torch.int32), timeout, True)
+
+    def answers_ready(self) -> bool:
+        """Nothing arrives between sync points over a group."""
+        return False
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """Nothing arrives between sync points over a group."""
+        return []
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Head, at a sync point: worker ``rank``'s flushed answers (after ``timeout``, the group is broken)."""
+        group = self._open_group()
+        count = torch.zeros(2, dtype=torch.int32)
+        self._point_to_point(group, count, timeout, False, rank)
+        answers, words = count.tolist()
+        if not words:
+            return []
+        payload = torch.zeros(words, dtype=torch.int32)
+        self._point_to_point(group, payload, timeout, False, rank)
+        data, found, at = payload.numpy().tobytes(), [], 0
+        for _ in range(answers):
+            length = int.from_bytes(data[at : at + 4], sys.byteorder)
+            found.append(data[at + 4 : at + 4 + length])
+            at += 4 + -(-length // 4) * 4
+        return found
+
+    def _point_to_point(
+        self, group: dist.ProcessGroup, host: torch.Tensor, timeout: float | None, sending: bool, rank: int = 0
+    ) -> None:
+        peer = self._head if sending else dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
+        tensor = host if self._device.type == "cpu" else host.to(self._device)
+        work = dist.isend(tensor, dst=peer, group=group) if sending else dist.irecv(tensor, src=peer, group=group)
+        assert work is not None  # this process is a member of the group
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+        if not sending and tensor is not host:
+            host.copy_(tensor)
 
     def _broadcast(
         self,

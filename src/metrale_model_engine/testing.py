@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import zlib
 from array import array
 from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ from ._protocol import ProtocolVersion
 from ._words import CMD_SHUTDOWN, U32_TYPECODE
 from ._worker import WorkerSummary, run_worker
 from .transport import TransportClosed
-from .wire import ItemKind, decode_item, encode_header
+from .wire import Ack, ItemKind, decode_item, encode_ack, encode_header
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
 
-EventKind = Literal["cmd", "cmd_for_seq", "tokens", "shutdown", "close"]
+EventKind = Literal["cmd", "cmd_for_seq", "tokens", "sync", "shutdown", "close"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class EpEvent:
     """One item the head sent: its kind and its u32 arguments.
 
     ``cmd_for_seq``: ``(seq_id, cmd)`` (a header); ``cmd``: ``(word,)`` (a follow-up
-    word); ``tokens``: the tokens; ``shutdown`` and ``close``: ``()``.
+    word); ``tokens``: the tokens; ``sync``: ``(number,)`` (a sync point, which
+    ``shutdown_workers`` runs first); ``shutdown`` and ``close``: ``()``.
     """
 
     kind: EventKind
@@ -54,7 +56,9 @@ class RecordingTransport:
 
     Give it to an :class:`~metrale_model_engine.EpLink` to run a head without
     processes; :attr:`messages` is then exactly what went on the wire.  The setup
-    exchange sees every rank agree.
+    exchange sees every rank agree, and the pretend workers answer every sync point
+    as workers in step would (the same commands and stream; no failures; no state,
+    so a sync point that compares state digests is told they computed none).
     """
 
     rank = 0
@@ -67,19 +71,53 @@ class RecordingTransport:
         """The words the link sent in its setup exchange (``None`` until then)."""
         self.closed: bool = False
         """Whether :meth:`close` ran."""
+        self._crc = 0
+        self._commands = 0
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Record the message."""
-        self.messages.append(tuple(memoryview(b"".join(parts)).cast(U32_TYPECODE).tolist()))
+        message = b"".join(parts)
+        self._crc = zlib.crc32(message, self._crc)
+        words = memoryview(message).cast(U32_TYPECODE)
+        self.messages.append(tuple(words.tolist()))
+        at = 0
+        while at < len(words):
+            item = decode_item(words, at)
+            at = item.end
+            self._commands += item.kind is ItemKind.HEADER and item.first != CMD_SHUTDOWN
 
     def receive(self, timeout: float | None) -> memoryview:
         """Refused: this is the head."""
         raise TransportClosed("a RecordingTransport is the head: it only sends")
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
-        """Record the setup words; every rank agrees."""
-        self.setup = list(words)
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        """Record the setup words (the first gather); every rank agrees."""
+        if self.setup is None:
+            self.setup = list(words)
         return [list(words)] * self.world_size
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        """Refused: this is the head."""
+        raise TransportClosed("a RecordingTransport is the head: it does not answer")
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Nothing is held."""
+
+    def answers_ready(self) -> bool:
+        """The pretend workers report no failures."""
+        return False
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """The pretend workers report no failures."""
+        return []
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Worker ``rank``'s acknowledgement of the last sync point, as a worker in step would send it."""
+        last = memoryview(array(U32_TYPECODE, self.messages[-1]))
+        item = decode_item(last, 0)
+        if item.kind is not ItemKind.SYNC:
+            raise TransportClosed("the pretend workers answer only sync points")
+        return [encode_ack(Ack(item.first, self._crc, self._commands, 0, None))]
 
     def close(self) -> None:
         """Mark it closed (it holds nothing)."""
@@ -103,6 +141,8 @@ class ReplayTransport:
     def __init__(self, messages: Sequence[Sequence[int]], *, setup: Sequence[int] | None = None) -> None:
         self._pending: Iterator[Sequence[int]] = iter(messages)
         self._setup = None if setup is None else list(setup)
+        self.answers: list[bytes] = []
+        """What the worker answered (failure reports, sync acknowledgements), oldest first."""
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Refused: this is a worker."""
@@ -115,10 +155,29 @@ class ReplayTransport:
             raise EOFError("the recording has no more messages")
         return memoryview(array(U32_TYPECODE, message).tobytes())
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """The recorded head's setup words (or this rank's own), then this rank's."""
-        head = list(words) if self._setup is None else self._setup
+        head = list(words) if self._setup is None or len(words) != len(self._setup) else self._setup
         return [head, list(words)]
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        """Keep the answer in :attr:`answers`."""
+        self.answers.append(bytes(memoryview(answer).cast("B")))
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Nothing is held back."""
+
+    def answers_ready(self) -> bool:
+        """A worker receives no answers."""
+        return False
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """A worker receives no answers."""
+        return []
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Refused: this is a worker."""
+        raise TransportClosed("a ReplayTransport is a worker: it receives no answers")
 
     def close(self) -> None:
         """Nothing is held."""
@@ -169,6 +228,8 @@ class RecordingEp(LinkedEp[S]):
                     events.append(EpEvent("cmd", (item.first,)))
                 elif item.kind is ItemKind.TOKENS:
                     events.append(EpEvent("tokens", tuple(words[item.second : item.end].tolist())))
+                elif item.kind is ItemKind.SYNC:
+                    events.append(EpEvent("sync", (item.first,)))
                 else:
                     events.append(EpEvent("close", ()))
         return events

@@ -56,8 +56,37 @@ class EpTransport(Protocol):
         """
         ...
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
-        """Every rank's ``words`` (at most 13 u32 words, the same count on each), by rank.  Collective."""
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        """Every rank's ``words`` (at most 13 u32 words, the same count on each), by rank.  Collective.
+
+        ``timeout`` bounds the wait for every rank (``None``: the transport's setup
+        limit).
+        """
+        ...
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        """Worker: send one small answer (u32 words, at most 248 bytes) back to the head.
+
+        Each worker's answers reach the head in order.  Over shared memory it is on
+        its way at once; over a group's collectives it is held until
+        :meth:`flush_answers`, since a worker may send only while the head receives.
+        """
+        ...
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Worker, at a sync point (the head is receiving): deliver every answer held back."""
+        ...
+
+    def answers_ready(self) -> bool:
+        """Head: whether :meth:`poll_answers` has something.  Cheap: called before every command."""
+        ...
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """Head: every answer that has arrived, as ``(rank, answer)``, without waiting."""
+        ...
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Head, at a sync point: worker ``rank``'s answers, waiting (bounded) for at least one."""
         ...
 
     def close(self) -> None:
@@ -82,9 +111,28 @@ class SoloTransport:
         """Never called: the one rank is the head."""
         raise TransportClosed("the one-rank group has no head to receive from")
 
-    def gather(self, words: Sequence[int]) -> list[list[int]]:
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """This rank's words, alone."""
         return [list(words)]
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        """Never called: the one rank is the head."""
+        raise TransportClosed("the one-rank group has no head to answer")
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Nothing is held."""
+
+    def answers_ready(self) -> bool:
+        """No worker, no answer."""
+        return False
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """No worker, no answer."""
+        return []
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Never called: there is no worker ``rank``."""
+        raise TransportClosed(f"the one-rank group has no worker rank {rank}")
 
     def close(self) -> None:
         """Nothing is held."""

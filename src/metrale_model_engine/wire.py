@@ -7,7 +7,18 @@ word says what it is (:class:`ItemKind`):
   link leaves it off, bare protocol v1);
 * word: ``[WORD, value]``: a follow-up word;
 * tokens: ``[TOKENS, count, token_0, ..., token_(count-1)]``: a follow-up token array;
-* close: ``[CLOSE]``: the head closed its link before shutting the workers down.
+* close: ``[CLOSE]``: the head closed its link before shutting the workers down;
+* sync: ``[SYNC, number, flags]``: a sync point (flag 1: compare state digests); every
+  worker answers with an acknowledgement.
+
+Workers send *answers* back (``EpTransport.answer``), each one message:
+
+* report: ``[REPORT, command (u64, 2 words), seq_id, cmd, text bytes, text...]``: the
+  command the head sent as its ``command``-th (from 1) failed on the worker;
+* acknowledgement: ``[ACK, number, stream crc32, commands (u64), reports, has state,
+  state digest (u64)]``: the worker reached sync point ``number`` having received
+  ``commands`` commands and a stream whose CRC-32 is ``stream crc32`` (over every
+  message's bytes, the sync's included), and sent ``reports`` reports in all.
 
 Items travel in *messages*, one per send of a transport: a message holds one or
 more whole items, never a part of one.  A command sent in one call
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
@@ -46,17 +58,23 @@ __all__ = [
     "U32_MIN",
     "U32_TYPECODE",
     "WIRE_VERSION",
+    "Ack",
     "Item",
     "ItemKind",
+    "Report",
     "WireError",
+    "decode_answer",
     "decode_header",
     "decode_item",
     "decode_tokens",
     "decode_word",
     "describe_item",
+    "encode_ack",
     "encode_close",
     "encode_command",
     "encode_header",
+    "encode_report",
+    "encode_sync",
     "encode_tokens_prefix",
     "encode_word",
     "frame_length",
@@ -80,6 +98,9 @@ class ItemKind(enum.IntEnum):
     WORD = 0x4D45_0002
     TOKENS = 0x4D45_0003
     CLOSE = 0x4D45_0004
+    SYNC = 0x4D45_0005
+    REPORT = 0x4D45_0011
+    ACK = 0x4D45_0012
 
 
 class Item(NamedTuple):
@@ -88,6 +109,7 @@ class Item(NamedTuple):
     * header: ``first`` is ``cmd``, ``second`` is ``seq_id``;
     * word: ``first`` is the value;
     * tokens: ``first`` is the count, ``second`` the index of the first token;
+    * sync: ``first`` is its number, ``second`` its flags;
     * close: both 0.
     """
 
@@ -110,6 +132,11 @@ _JOIN_LIMIT: Final[int] = 1 << 16
 _HEADER_KIND: Final[int] = int(ItemKind.HEADER)
 _WORD_KIND: Final[int] = int(ItemKind.WORD)
 _TOKENS_KIND: Final[int] = int(ItemKind.TOKENS)
+_REPORT: Final[struct.Struct] = struct.Struct("=6I")
+_ACK: Final[struct.Struct] = struct.Struct("=9I")
+_REPORT_TEXT_BYTES: Final[int] = 248 - _REPORT.size
+"""Bytes of error text a report carries at most: a report is one answer (248 bytes)."""
+_U32: Final[int] = 0xFFFF_FFFF
 _FRAME_PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
 
 
@@ -177,6 +204,68 @@ def decode_tokens(words: memoryview, at: int) -> tuple[int, int] | None:
     return None
 
 
+def encode_sync(number: int, compare_state: bool) -> bytes:
+    """The sync item of sync point ``number``."""
+    return _HEADER.pack(ItemKind.SYNC, number, int(compare_state))
+
+
+class Report(NamedTuple):
+    """A worker's report that a command failed: which (the head's count of commands, from 1), and why."""
+
+    command: int
+    seq_id: int
+    cmd: int
+    error: str
+
+
+class Ack(NamedTuple):
+    """A worker's acknowledgement of a sync point: what it received, and its state's digest if asked."""
+
+    number: int
+    stream_crc: int
+    commands: int
+    reports: int
+    state_digest: int | None
+
+
+def encode_report(report: Report) -> bytes:
+    """A report answer; the error text is cut (on a character) to fit one answer."""
+    text = report.error.encode()
+    if len(text) > _REPORT_TEXT_BYTES:
+        text = text[: _REPORT_TEXT_BYTES - 3].decode(errors="ignore").encode() + b"..."
+    head = _REPORT.pack(
+        ItemKind.REPORT, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text)
+    )
+    return head + text.ljust(-(-len(text) // 4) * 4, b"\0")
+
+
+def encode_ack(ack: Ack) -> bytes:
+    """An acknowledgement answer."""
+    state = 0 if ack.state_digest is None else ack.state_digest
+    return _ACK.pack(
+        ItemKind.ACK, ack.number, ack.stream_crc, ack.commands & _U32, ack.commands >> 32, ack.reports,
+        int(ack.state_digest is not None), state & _U32, state >> 32,
+    )  # fmt: skip
+
+
+def decode_answer(answer: bytes) -> Report | Ack:
+    """The report or acknowledgement in one answer.
+
+    Raises:
+        WireError: it is neither, or is cut short.
+    """
+    kind = int.from_bytes(answer[:4], sys.byteorder) if len(answer) >= 4 else None
+    if kind == ItemKind.REPORT and len(answer) >= _REPORT.size:
+        _, low, high, seq_id, cmd, length = _REPORT.unpack_from(answer)
+        if _REPORT.size + length <= len(answer):
+            text = answer[_REPORT.size : _REPORT.size + length].decode(errors="replace")
+            return Report(high << 32 | low, seq_id, cmd, text)
+    if kind == ItemKind.ACK and len(answer) == _ACK.size:
+        _, number, crc, low, high, reports, has_state, state_low, state_high = _ACK.unpack(answer)
+        return Ack(number, crc, high << 32 | low, reports, state_high << 32 | state_low if has_state else None)
+    raise WireError(f"an answer of {len(answer)} bytes is neither a report nor an acknowledgement")
+
+
 def decode_item(words: memoryview, at: int) -> Item:
     """The item that starts at word ``at`` of a message (a u32 memoryview of it).
 
@@ -191,6 +280,8 @@ def decode_item(words: memoryview, at: int) -> Item:
         return Item(kind, words[at + 1], 0, at + 2)
     if kind is ItemKind.TOKENS and at + 2 <= end and at + 2 + words[at + 1] <= end:
         return Item(kind, words[at + 1], at + 2, at + 2 + words[at + 1])
+    if kind is ItemKind.SYNC and at + 3 <= end:
+        return Item(kind, words[at + 1], words[at + 2], at + 3)
     if kind is ItemKind.CLOSE:
         return Item(kind, 0, 0, at + 1)
     if kind is None:
@@ -206,6 +297,8 @@ def describe_item(item: Item) -> str:
         return f"a follow-up word ({item.first})"
     if item.kind is ItemKind.TOKENS:
         return f"a token array of {item.first} token{'' if item.first == 1 else 's'}"
+    if item.kind is ItemKind.SYNC:
+        return f"sync point {item.first}"
     return "the head's close"
 
 

@@ -1,0 +1,236 @@
+"""What a sync point compares, and how a difference is worded: pure functions, no IO.
+
+At sync point ``n`` every worker acknowledges what it received (the count of
+commands, a CRC-32 of every message's bytes) and, when asked, its state's digest.
+The head holds the same figures for what it sent.  A stream that differs means a
+lost or altered message (or a bug in a transport); a state that differs with an
+equal stream means a model that did not apply a command the same way on every rank.
+Either way the message names the ranks, and the commands between the last sync
+point where every rank agreed and this one: where they could have diverged, as far
+as a digest can tell.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, MutableSequence, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from typing_extensions import Buffer
+
+from ._errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
+from ._reader import ItemReader
+from ._words import check_u32
+from .wire import Ack, Report, WireError, decode_answer, encode_sync
+
+
+@dataclass(frozen=True)
+class HeadFigures:
+    """What the head sent, at a sync point."""
+
+    number: int
+    commands: int
+    stream_crc: int
+    state_digest: int | None
+    agreed_commands: int
+    """The commands sent by the last sync point where every rank agreed (0: the start)."""
+
+
+def read_answers(rank: int, answers: Iterable[bytes]) -> tuple[list[WorkerFailure], list[Ack]]:
+    """The failures and acknowledgements in worker ``rank``'s answers.
+
+    Raises:
+        WireError: an answer is neither (the message names the rank).
+    """
+    failures: list[WorkerFailure] = []
+    acks: list[Ack] = []
+    for answer in answers:
+        try:
+            decoded = decode_answer(answer)
+        except WireError as error:
+            raise WireError(f"worker rank {rank}: {error}") from None
+        if isinstance(decoded, Report):
+            failures.append(WorkerFailure(rank, decoded.command, decoded.seq_id, decoded.cmd, decoded.error))
+        else:
+            acks.append(decoded)
+    return failures, acks
+
+
+def differences(head: HeadFigures, acks: Mapping[int, Ack]) -> tuple[str, list[int]] | None:
+    """``None`` when every worker's acknowledgement matches the head, else the message and the ranks that differ."""
+    found: list[str] = []
+    ranks: list[int] = []
+    states = {rank: ack.state_digest for rank, ack in acks.items()}
+    for rank, ack in sorted(acks.items()):
+        what = []
+        if ack.commands != head.commands:
+            what.append(f"received {ack.commands} commands where the head sent {head.commands}")
+        elif ack.stream_crc != head.stream_crc:
+            what.append(f"its command stream's CRC-32 is {ack.stream_crc:#010x}, the head's {head.stream_crc:#010x}")
+        expected = head.state_digest if head.state_digest is not None else states[min(states)]
+        if head.state_digest is not None or len(set(states.values())) > 1:
+            if ack.state_digest is None:
+                what.append("it computed no state digest (set link.state_digest on every rank)")
+            elif ack.state_digest != expected:
+                whose = "the head's" if head.state_digest is not None else f"worker rank {min(states)}'s"
+                what.append(f"its state digest is {ack.state_digest:#018x}, {whose} {expected:#018x}")
+        if what:
+            ranks.append(rank)
+            found.append(f"worker rank {rank}: {'; '.join(what)}")
+    if not found:
+        return None
+    since = (
+        f"they agreed at the last sync point, after command {head.agreed_commands}: they diverged within "
+        f"commands {head.agreed_commands + 1} ..= {head.commands}"
+        if head.agreed_commands
+        else f"no sync point has seen every rank agree yet: they diverged within commands 1 ..= {head.commands}"
+    )
+    return f"at sync point {head.number}, the ranks differ: {'; '.join(found)}; {since}", ranks
+
+
+def disagreement_of_values(names: Sequence[str], everyone: Sequence[Sequence[int]]) -> tuple[str, list[int]] | None:
+    """``None`` when every rank gathered the same named values, else the message (each mismatch) and the ranks."""
+    mismatches: list[str] = []
+    ranks: set[int] = set()
+    for index, name in enumerate(names):
+        values = [words[index] for words in everyone]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            mismatches.append(f"{name} ({per_rank})")
+            ranks.update(rank for rank, value in enumerate(values) if value != values[0])
+    if not mismatches:
+        return None
+    return f"the ranks disagree on {'; '.join(mismatches)}", sorted(ranks)
+
+
+class SyncPoints(ItemReader):
+    """The head's sync points and every rank's agreement helpers: a part of :class:`~metrale_model_engine.EpLink`.
+
+    Built on the reading state below it and on the link's :meth:`_send` and
+    :meth:`_require_head` above it.
+    """
+
+    __slots__ = ("_agreed_commands", "_reports_seen", "_sync_number")
+
+    _world_size: int
+
+    def _start_syncing(self) -> None:
+        self._sync_number = 0
+        self._agreed_commands = 0  # commands sent by the last sync point where every rank agreed
+        self._reports_seen = [0] * self._world_size  # by rank: failures the head has read
+
+    def _send(self, parts: Sequence[Buffer]) -> None:
+        raise NotImplementedError
+
+    def _require_head(self) -> None:
+        raise NotImplementedError
+
+    def sync(self, slots: MutableSequence[Any] | None = None) -> None:
+        """Head: wait until every worker has run every command sent so far, and check that they agree.
+
+        Sends a sync item; each worker's loop answers it with what it received (the
+        count of commands and a CRC-32 of every message) and, when ``slots`` is
+        given and :attr:`state_digest` is set, the digest of its own slots; the
+        head reads every worker's answers (its failure reports first) within
+        ``command_timeout``.  A no-op on a one-rank group.
+
+        Raises:
+            EpWorkerFailed: workers reported failed commands not raised yet (every
+                one of them, once).
+            EpDivergenceError: a worker's stream or state differs from the head's
+                (the message names the ranks and the commands within which they
+                diverged).
+            EpRoleError: called on a worker.
+            EpSendError: the sync item could not be sent.
+            EpLinkError: a worker died, or did not answer within ``command_timeout``.
+        """
+        self._require_head()
+        if self._world_size == 1:
+            return
+        mine = None if slots is None or self._state_digest is None else self._state_digest(slots)
+        self._sync_number += 1
+        self._send((encode_sync(self._sync_number, mine is not None),))
+        failures: list[WorkerFailure] = []
+        acks: dict[int, Ack] = {}
+        for rank in range(1, self._world_size):
+            while rank not in acks:
+                try:
+                    found, answered = read_answers(rank, self._transport.receive_answers(rank, self._command_timeout))
+                except WireError as error:
+                    raise EpLinkError(f"head: a corrupt answer at sync point {self._sync_number}: {error}") from None
+                except Exception as error:
+                    raise EpLinkError(f"head: sync point {self._sync_number} failed: {error}") from error
+                failures += self._seen(found)
+                acks.update((rank, ack) for ack in answered if ack.number == self._sync_number)
+        figures = HeadFigures(self._sync_number, self._commands, self._crc, mine, self._agreed_commands)
+        differ = differences(figures, acks)
+        lost = [rank for rank, ack in acks.items() if ack.reports != self._reports_seen[rank]]
+        if lost:
+            raise EpLinkError(f"head: reports of worker rank(s) {lost} were lost on the way (a transport fault)")
+        if failures:
+            raise EpWorkerFailed(failures, f"; at sync point {self._sync_number}: {differ[0]}" if differ else "")
+        if differ is not None:
+            raise EpDivergenceError(*differ)
+        self._agreed_commands = self._commands
+
+    def gather_u32(self, value: int) -> list[int]:
+        """Every rank's ``value`` (a u32), by rank, on every rank.  Collective: at the same point on every rank.
+
+        Usable inside a command: the head after sending it, each worker in its
+        hook.  Bounded by ``command_timeout``.
+
+        Raises:
+            TypeError, ValueError: ``value`` is not a u32.
+            EpLinkError: a rank did not take part in time, or died.
+        """
+        return [words[0] for words in self._gather([check_u32("value", value)], "gathering a value")]
+
+    def min_u32(self, value: int) -> int:
+        """The smallest ``value`` (a u32) of every rank, on every rank (a :meth:`gather_u32`)."""
+        return min(self.gather_u32(value))
+
+    def assert_ranks_agree(self, **values: int) -> None:
+        """Raise :class:`EpDivergenceError` on every rank unless every rank passed the same named u32 values.
+
+        Collective, like :meth:`gather_u32`; at most 12 values.  The message lists
+        every value that differs, with each rank's.
+
+        Raises:
+            TypeError, ValueError: a value is not a u32, or more than 12 are given.
+            EpDivergenceError: the ranks differ (the names too count: every rank must pass the same).
+            EpLinkError: a rank did not take part in time, or died.
+        """
+        names = sorted(values)
+        if len(names) > 12:
+            raise ValueError(f"assert_ranks_agree takes at most 12 values, got {len(names)}")
+        words = [zlib.crc32("\0".join(names).encode())] + [check_u32(name, values[name]) for name in names]
+        everyone = self._gather(words, "checking that the ranks agree")
+        differ = disagreement_of_values(["the names of the values", *names], everyone)
+        if differ is not None:
+            raise EpDivergenceError(f"rank {self._rank}: {differ[0]}", differ[1])
+
+    def _gather(self, words: list[int], doing: str) -> list[list[int]]:
+        try:
+            return self._transport.gather(words, self._command_timeout)
+        except Exception as error:
+            raise EpLinkError(f"rank {self._rank}: {doing} failed: {error}") from error
+
+    def _seen(self, failures: list[WorkerFailure]) -> list[WorkerFailure]:
+        for failure in failures:
+            self._reports_seen[failure.rank] += 1
+        return failures
+
+    def _raise_reports(self) -> None:
+        """Raise what the workers reported since the last look, before the command being sent goes out."""
+        failures: list[WorkerFailure] = []
+        try:
+            for rank, answer in self._transport.poll_answers():
+                found, _ = read_answers(rank, [answer])
+                failures += self._seen(found)
+        except WireError as error:
+            raise EpLinkError(f"head: a corrupt answer: {error}") from None
+        except Exception as error:
+            raise EpLinkError(f"head: reading the workers' answers failed: {error}") from error
+        if failures:
+            raise EpWorkerFailed(failures, "; nothing of the command being sent was sent")

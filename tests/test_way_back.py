@@ -1,0 +1,83 @@
+"""The way back over real processes, over shared memory and over gloo: no rank diverges without the head knowing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+from metrale_model_engine import WorkerSummary
+from metrale_model_engine.torch import run_group
+
+import way_back_sessions as sessions
+from rank_results import load
+
+pytestmark = pytest.mark.torch
+
+KINDS = ["shm", "torch"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_ordinary_bug_reaches_the_head_with_the_rank_and_the_error(
+    kind: str, world_size: int, tmp_path: Path
+) -> None:
+    codes = run_group(sessions.contract, world_size, kind, str(tmp_path), backend="gloo", timeout=120)
+    results = load(tmp_path, world_size)
+    assert codes == [0] * world_size
+    seen = results[0]["seen"]
+    assert isinstance(seen, dict)
+    workers = range(1, world_size)
+    # Each step sends a good command, the buggy one, then a reset: the buggy ones are commands 2, 5, 8, 11.
+    # (The last step resets nothing: the workers failed without changing the slot.)
+    expected = {
+        "fewer": (2, 2, "left a token array of 3 tokens unread; it was skipped"),
+        "more": (5, 3, "expected a follow-up word, but the head sent sync point"),
+        "kind": (8, 4, "expected a follow-up word, but the head sent a token array of 3 tokens"),
+        "worker only": (11, 6, "KeyError: 'slot 1 is not served here'"),
+    }
+    for name, (command, cmd, text) in expected.items():
+        failures = seen[name]
+        assert isinstance(failures, list) and [f[0] for f in failures] == list(workers), (name, failures)
+        for rank, failed_command, seq_id, failed_cmd, error in failures:
+            assert (failed_command, seq_id, failed_cmd) == (command, 1, cmd), (name, failures)
+            assert text in error and (name == "worker only" or f"worker rank {rank}" in error), error
+    assert seen["after the resets"] == "agree"  # a scheduler that resets the slot is back in step
+    skip = seen["skip"]
+    assert isinstance(skip, tuple) and skip[1] == list(workers)
+    assert "its state digest is" in skip[0] and "they diverged within commands 12 ..= 12" in skip[0], skip[0]
+    assert str(seen["shutdown"]).startswith("EpDivergenceError"), seen["shutdown"]  # still differ: said again
+    for rank in workers:
+        assert results[rank]["summary"] == WorkerSummary(commands_run=9, commands_failed=4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_worker_that_dies_fails_the_heads_sync_point_within_its_bound(kind: str, tmp_path: Path) -> None:
+    codes = run_group(sessions.worker_dies_during_a_sync, 3, kind, str(tmp_path), backend="gloo", timeout=120)
+    results = load(tmp_path, 3)
+    assert codes[1] == -9
+    outcome = results[0]["outcome"]
+    assert isinstance(outcome, tuple)
+    kind_of_error, message = str(outcome[0]), str(outcome[1])
+    # Over gloo the dead worker may show first as the sync item's broadcast failing (EpSendError, an EpLinkError).
+    assert kind_of_error in ("EpLinkError", "EpSendError"), message
+    assert "sync point 1" in message or "broadcast to the workers failed" in message, message
+    assert float(results[0]["seconds"]) < 10.0  # type: ignore[arg-type]  # within the command timeout
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_burst_of_failures_reaches_the_head_every_one_once(kind: str, tmp_path: Path) -> None:
+    commands = 10_000
+    codes = run_group(sessions.burst, 3, kind, commands, str(tmp_path), backend="gloo", timeout=300)
+    results = load(tmp_path, 3)
+    assert codes == [0, 0, 0]
+    by_rank = results[0]["by_rank"]
+    assert isinstance(by_rank, dict)
+    for rank in (1, 2):
+        assert by_rank[rank] == list(range(1, commands + 1))  # every command, once, none lost or doubled
+        assert results[rank]["summary"] == WorkerSummary(commands_run=0, commands_failed=commands)
+    assert results[0]["texts"] == {f"KeyError: 'slot {slot} is not served here'" for slot in range(4)}
+    if kind == "shm":
+        assert int(results[0]["raised"]) > 0  # type: ignore[call-overload]  # raised at the head's next commands too
