@@ -39,7 +39,7 @@ def print_report(
 
     print(f"\n{'gloo case':<40}{'ours':>8}{'floor':>9}{'peer':>9}{'ours/floor':>12}{'paired':>9}{'ours/peer':>11}"
           f"{'ours/(count+floor)':>20}")  # fmt: skip
-    rows = [
+    rows: list[tuple[str, str, str, str | None]] = [
         (name, "floor 1 words", "peer object_list header", None) for name in ("header v1 (gloo)", "header v2 (gloo)")
     ]
     for n in TOKEN_SIZES:
@@ -54,12 +54,12 @@ def print_report(
     )
     for name, floor_name, peer_name, two_name in rows:
         ours, floor, peer = med(name), med(floor_name), med(peer_name)
-        two = ours / med(two_name) if two_name else None
+        two_ratio = ours / med(two_name) if two_name else None
         print(f"{name:<40}{ours:>8.1f}{floor:>9.1f}{peer:>9.1f}{ours / floor:>11.2f}x{paired(name, floor_name):>8.2f}x"
-              f"{ours / peer:>10.2f}x" + (f"{two:>19.2f}x" if two else ""))  # fmt: skip
+              f"{ours / peer:>10.2f}x" + (f"{two_ratio:>19.2f}x" if two_ratio else ""))  # fmt: skip
         table.append({"case": name, "ours_us": ours, "floor_us": floor, "peer_us": peer,
                       "ours_over_floor": ours / floor, "paired_ours_over_floor": paired(name, floor_name),
-                      "ours_over_peer": ours / peer, "ours_over_count_plus_floor": two})  # fmt: skip
+                      "ours_over_peer": ours / peer, "ours_over_count_plus_floor": two_ratio})  # fmt: skip
 
     print(f"\n{'shm case':<40}{'ours':>8}{'gloo floor':>12}{'ring':>8}{'queue':>9}{'pipe':>9}{'ours/gloo':>11}"
           f"{'ring/ours':>11}{'queue/ours':>12}{'pipe/ours':>11}")  # fmt: skip
@@ -67,12 +67,12 @@ def print_report(
     for n in TOKEN_SIZES:
         rows2 += [(f"tokens {n} from list (shm)", f"floor {n} words", f"tokens {n}"),
                   (f"tokens {n} buffer into buffer (shm)", f"floor {n} words", f"tokens {n}")]  # fmt: skip
-    for name, floor_name, peer in rows2:
+    for name, floor_name, peer_case in rows2:
         ours, floor = med(name), med(floor_name)
-        ring = by_name.get(f"peer pickle ring {peer}")
-        queue, pipe = med(f"peer queue {peer}"), med(f"peer pipe {peer}")
+        ring = by_name.get(f"peer pickle ring {peer_case}")
+        queue, pipe = med(f"peer queue {peer_case}"), med(f"peer pipe {peer_case}")
         if "into" in name:
-            pipe = med(f"peer pipe bytes {peer.split()[-1]}")
+            pipe = med(f"peer pipe bytes {peer_case.split()[-1]}")
         ring_text = f"{ring.median_us:>8.1f}" if ring else f"{'-':>8}"
         ring_ratio = f"{ring.median_us / ours:>10.1f}x" if ring else f"{'-':>11}"
         print(f"{name:<40}{ours:>8.1f}{floor:>12.1f}{ring_text}{queue:>9.1f}{pipe:>9.1f}{ours / floor:>10.3f}x"
@@ -80,7 +80,7 @@ def print_report(
         table.append({"case": name, "ours_us": ours, "floor_us": floor, "ring_us": ring.median_us if ring else None,
                       "queue_us": queue, "pipe_us": pipe, "ours_over_floor": ours / floor})  # fmt: skip
 
-    one, ring = "decode step, one message (shm)", "peer pickle ring decode step"
+    one, ring_step = "decode step, one message (shm)", "peer pickle ring decode step"
 
     def delivered(name: str) -> float:
         return by_name[name].delivery_median_us
@@ -94,7 +94,7 @@ def print_report(
     cadence: dict[str, float] = {}
     for label in ("", *GAP_LABELS):
         ours_name = one + (f", after {label}" if label else "")
-        ring_name = ring + (f", after {label}" if label else "")
+        ring_name = ring_step + (f", after {label}" if label else "")
         ours, theirs = med(ours_name), med(ring_name)
         slower = paired_delivery(ours_name, one) if label else 1.0
         cadence[label] = slower
@@ -122,7 +122,7 @@ def print_report(
         "decode step: six messages (shm) / one message (shm), at least 3": paired(
             "decode step, six messages (shm)", one
         ),
-        "decode step: pickle ring / one message (shm), at least 3": paired(ring, one),
+        "decode step: pickle ring / one message (shm), at least 3": paired(ring_step, one),
         "decode step: item by item (shm) / one message (shm)": paired("decode step, item by item (shm)", one),
         "decode step: one message (gloo) / one raw broadcast of 137 words, at most 2.2": paired(
             "decode step, one message (gloo)", f"floor {DECODE_WORDS} words"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "EpCommandFailed",
+    "EpCommandRefused",
     "EpDivergenceError",
     "EpError",
     "EpLinkError",
@@ -70,6 +71,20 @@ class EpLinkError(EpError, ConnectionError):
     as :class:`EpSendError` or :class:`EpReceiveError` when a send or a receive
     does.  Never tagged as :class:`EpCommandFailed`.  The transport's own error, if
     any, is ``__cause__``: each failure is mapped once, where the link meets it.
+    """
+
+
+class EpCommandRefused(EpLinkError):
+    """A worker refuses a command whose forward needs every rank: the run stops, on every rank.
+
+    For models whose commands run collectives (all-reduces) on every rank: a worker
+    that finds a command it cannot run (a slot it does not hold, a chunk out of
+    order) must not run half a forward, and cannot skip its collectives either, or
+    the other ranks would wait in them.  It raises this (the cause is ``__cause__``)
+    before any collective: the link reports the refusal to the head, then the worker
+    leaves its loop (it is an :class:`EpLinkError`), and every other rank's next
+    collective fails at once.  As Metrale's poisoned communicator, the run ends with
+    an error on every rank; it never goes on with ranks out of step.
     """
 
 

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 from typing_extensions import Buffer
 
 from ._checks import check_slot
-from ._errors import EpCommandFailed, EpLinkError, EpMismatchError, EpReceiveError, EpRoleError
+from ._errors import EpCommandFailed, EpCommandRefused, EpLinkError, EpMismatchError, EpReceiveError, EpRoleError
 from ._model import S
 from ._tokens import ArrayInterface, writable_u32_buffer
 from ._words import CMD_SHUTDOWN, U32_TYPECODE
@@ -120,6 +120,9 @@ class ItemReader:
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
+        except EpCommandRefused as refused:  # told to the head before this worker leaves
+            self._report(seq_id, cmd, refused.__cause__ or refused)
+            raise
         except EpLinkError:
             raise
         except EpCommandFailed as failed:

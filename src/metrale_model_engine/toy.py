@@ -24,6 +24,7 @@ from ._link import EpLink
 from ._linked import LinkedEp
 from ._state import SequenceState
 from ._tokens import TokenArray, as_u32_buffer
+from .batching import check_batch, recv_batch, send_batch
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]
 
@@ -38,6 +39,7 @@ class ToyCommand(enum.IntEnum):
     PREFILL = 2
     DECODE = 3
     FREE = 4
+    DECODE_BATCH = 5
 
 
 class ToyState(SequenceState):
@@ -78,8 +80,9 @@ class ToyModel(LinkedEp[ToyState]):
     """The toy model: head methods drive a command; workers run it in :meth:`ep_run_command`.
 
     ``PREFILL`` carries the prompt as one token array and ``DECODE`` the chosen
-    token as one follow-up word; ``ALLOC`` and ``FREE`` carry nothing more.  Each is
-    one message.
+    token as one follow-up word; ``ALLOC`` and ``FREE`` carry nothing more;
+    ``DECODE_BATCH`` is a batched command (:mod:`metrale_model_engine.batching`): a
+    decode step of several slots at once.  Each is one message.
 
     Args:
         link: the engine to speak through; it must carry ``seq_id`` on the wire
@@ -127,6 +130,17 @@ class ToyModel(LinkedEp[ToyState]):
         _apply(slots, seq_id, ToyCommand.DECODE, state, (token,))
         return token
 
+    def decode_batch(self, slots: ToySlots, seq_ids: Sequence[int]) -> list[int]:
+        """One decode step of every sequence in ``seq_ids`` at once: the tokens the head picked, in order."""
+        check_batch(seq_ids, slots)
+        states = [slots[seq_id] for seq_id in seq_ids]
+        tokens = [state.next_token() for state in states if state is not None]
+        send_batch(self.ep_link, ToyCommand.DECODE_BATCH, seq_ids, tokens)
+        for state, token in zip(states, tokens, strict=True):
+            assert state is not None
+            state.consume((token,))
+        return tokens
+
     def free(self, slots: ToySlots, seq_id: int) -> None:
         """End the sequence in slot ``seq_id`` on every rank."""
         state = _check(slots, seq_id, ToyCommand.FREE)
@@ -138,6 +152,13 @@ class ToyModel(LinkedEp[ToyState]):
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
         """Read the whole command, then apply it to ``slots``."""
         payload: Sequence[int] = ()
+        if cmd == ToyCommand.DECODE_BATCH:
+            ids, tokens = recv_batch(self.ep_link, slots)
+            for seq_id_in_batch, token in zip(ids, tokens, strict=True):
+                state = slots[seq_id_in_batch]
+                assert state is not None  # recv_batch checked it
+                state.consume((token,))
+            return
         if cmd == ToyCommand.PREFILL:
             payload = self.ep_link.recv_tokens()
         elif cmd == ToyCommand.DECODE:

@@ -1,0 +1,86 @@
+"""Batched commands, their checks and prefill chunks: protocol plumbing a model would otherwise repeat.
+
+* :func:`send_batch` and :func:`recv_batch`: Metrale's batched command (a batched
+  decode, say): a header with ``seq_id`` 0, a count word, then the slot ids and one
+  u32 per slot (the tokens) as two token arrays, in one message.
+* :func:`check_batch`: what a worker checks before it touches any slot of a batch
+  (ids in range, no duplicates, every slot live), as Metrale's worker does.
+* :func:`prefill_chunks`: a prompt cut into chunks of at most a given length.
+
+Torch-free; the toy model and the reference model both use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._checks import check_int
+from ._link import EpLink
+from ._tokens import TokenArray, as_u32_buffer, token_count
+
+__all__ = ["check_batch", "prefill_chunks", "recv_batch", "send_batch"]
+
+
+def send_batch(link: EpLink, cmd: int, slot_ids: TokenArray, values: TokenArray) -> None:
+    """Head: send batched command ``cmd``: the count, ``slot_ids`` and one value per slot, as one message.
+
+    Raises:
+        TypeError, ValueError: an id or value is not a u32, or the two arrays differ
+            in length (nothing is sent).
+        EpRoleError, EpSendError: as :meth:`EpLink.send_command`.
+    """
+    ids, tokens = as_u32_buffer("slot_ids", slot_ids), as_u32_buffer("values", values)
+    count = token_count(ids)
+    if token_count(tokens) != count:
+        raise ValueError(f"a batch needs one value per slot: {count} slot ids, {token_count(tokens)} values")
+    link.send_command(0, cmd, count, ids, tokens)
+
+
+def recv_batch(link: EpLink, slots: Sequence[object | None]) -> tuple[list[int], list[int]]:
+    """Worker: read a batched command's follow-ups, then check the batch (:func:`check_batch`).
+
+    Everything is read before anything is checked, so a bad batch leaves nothing
+    unread.  Returns the slot ids and the values.
+
+    Raises:
+        EpMismatchError: the follow-ups are not a count and two arrays of that count.
+        IndexError, ValueError, KeyError: as :func:`check_batch`.
+        EpReceiveError, EpRoleError: as the link's receives.
+    """
+    count = link.recv_word()
+    ids = link.recv_tokens(count)
+    values = link.recv_tokens(count)
+    check_batch(ids, slots)
+    return ids, values
+
+
+def check_batch(slot_ids: Sequence[int], slots: Sequence[object | None]) -> None:
+    """Raise unless every id indexes a live slot (not ``None``) and no id repeats.
+
+    Raises:
+        IndexError: an id is out of range (the message names it and the slot count).
+        ValueError: an id repeats.
+        KeyError: an id's slot is free.
+    """
+    seen: set[int] = set()
+    for index, seq_id in enumerate(slot_ids):
+        if not 0 <= seq_id < len(slots):
+            raise IndexError(f"slot_ids[{index}]={seq_id} is out of range for {len(slots)} slots")
+        if seq_id in seen:
+            raise ValueError(f"slot_ids[{index}]={seq_id} repeats: a batch names each slot once")
+        if slots[seq_id] is None:
+            raise KeyError(f"slot_ids[{index}]={seq_id}: the slot is free")
+        seen.add(seq_id)
+
+
+def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each chunk of a ``length``-token prompt cut into chunks of at most ``chunk``.
+
+    An empty prompt has no chunk.
+
+    Raises:
+        TypeError, ValueError: ``length`` is not an int ``>= 0`` or ``chunk`` not an int ``>= 1``.
+    """
+    check_int("length", length, 0)
+    check_int("chunk", chunk, 1)
+    return [(start, min(chunk, length - start)) for start in range(0, length, chunk)]

@@ -1,0 +1,77 @@
+"""A reference tensor- and expert-parallel transformer in plain torch, with trained weights (extra ``torch``).
+
+The model (:class:`ShardedLm`, shape :class:`LmConfig`) is a small decoder-only
+transformer over bytes: token embedding; per layer a pre-RMSNorm multi-head
+causal self-attention with rotary positions (RoPE) and a KV cache per slot, then
+a pre-RMSNorm mixture of experts (a linear router over ``n_experts`` SwiGLU
+experts; the ``top_k`` largest router logits pick the experts, a softmax over
+those ``top_k`` logits weighs them); a final RMSNorm and an LM head.  The shipped
+weights (:data:`SHIPPED_WEIGHTS`, about 0.79 M parameters in bfloat16) were trained
+by ``scripts/train_reference.py`` on this project's two license texts, so they
+continue ``"Licensed under the"`` with license English.
+
+Sharding over ``world_size`` ranks, which must divide ``n_heads`` and ``n_experts``
+(the Megatron / gpt-fast / nano-vllm scheme):
+
+* attention: each rank holds ``n_heads / world_size`` heads: their rows of
+  ``wq``, ``wk``, ``wv`` (column parallel), the matching columns of ``wo`` (row
+  parallel), and their part of the KV cache; one all-reduce (sum) of the
+  attention output per layer;
+* experts (expert parallelism): each rank holds ``n_experts / world_size`` whole
+  experts; the router is replicated, so every rank computes the same routing and
+  adds the weighted outputs of the picked experts it holds; one all-reduce per layer;
+* embedding, norms, router and LM head are replicated: at this size
+  (256 x 128 each) splitting the vocabulary would save little and cost one more
+  collective per call.  The residual stream is replicated, and every rank ends
+  with the same logits.
+
+So each :meth:`~ShardedLm.forward`, :meth:`~ShardedLm.prefill` and
+:meth:`~ShardedLm.decode` makes ``2 * n_layers`` all-reduces, the same on every
+rank.  With one rank it is the plain single-device model.
+
+Numerics: the ranks sum the partial outputs in another order than one rank's
+matrix products do, so sharded logits equal the one-rank logits to rounding
+(within 1e-5 in float32 on the CPU), not bit for bit; the ranks of one group agree
+bit for bit, since the all-reduce hands each the same sums.  The tests bound these
+differences and check that greedy tokens agree.  Any floating dtype works: float32
+(the tests), float64, bfloat16 and float16 (norms, rotations and routing weights
+are then computed in float32).
+
+Weights travel in a small safetensors-like file (:mod:`.weights`), read
+without pickle; :func:`shard_state` cuts one rank's part out of the full state.
+The tokenizer (:mod:`.tokenizer`) maps each UTF-8 byte to one token.  This
+package imports torch; the root package never imports it.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401  (the check below; the modules import it themselves)
+except ImportError as _missing:  # pragma: no cover - exercised in a torch-less venv
+    raise ImportError(
+        "metrale_model_engine.reference needs PyTorch: install the 'torch' extra, "
+        "pip install 'metrale-model-engine[torch]' (CPU build: pip install torch==2.13.0 first)"
+    ) from _missing
+
+from .layers import AllReduce
+from .model import LmConfig, ShardedLm, check_world, init_full_state, shard_state, state_shapes
+from .tokenizer import VOCAB_SIZE, decode_text, encode
+from .weights import FORMAT_VERSION, MAGIC, SHIPPED_WEIGHTS, load_weights, save_weights
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "SHIPPED_WEIGHTS",
+    "VOCAB_SIZE",
+    "AllReduce",
+    "LmConfig",
+    "ShardedLm",
+    "check_world",
+    "decode_text",
+    "encode",
+    "init_full_state",
+    "load_weights",
+    "save_weights",
+    "shard_state",
+    "state_shapes",
+]
