@@ -283,12 +283,20 @@ class ShmEventChannel(_Closing):
     def __init__(self, shm: SharedMemory, handle: ShmEventHandle, reader: int | None) -> None:
         self.handle, self._shm, self._reader = handle, shm, reader
         self._closed = False
+        self._attached = False  # a head by attach_head: its close leaves the block to its creator
 
     @classmethod
     def create(cls, readers: int, *, size: int = 1 << 20, context: BaseContext) -> ShmEventChannel:
         """Create block and events on the head, before spawning; the head must ``close()`` (unlinks)."""
         shm = SharedMemory(create=True, size=size)
         return cls(shm, ShmEventHandle(shm.name, size, tuple(context.Event() for _ in range(readers))), None)
+
+    @classmethod
+    def attach_head(cls, handle: ShmEventHandle) -> ShmEventChannel:
+        """Be the head of a channel another process created (the creator stays its owner: it unlinks)."""
+        channel = cls(_open_untracked(handle.name), handle, None)
+        channel._attached = True
+        return channel
 
     @classmethod
     def attach(cls, handle: ShmEventHandle, reader: int) -> ShmEventChannel:
@@ -327,7 +335,7 @@ class ShmEventChannel(_Closing):
             return
         self._closed = True
         self._shm.close()
-        if self._reader is None:
+        if self._reader is None and not self._attached:
             self._shm.unlink()
 
 

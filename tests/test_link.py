@@ -1,6 +1,10 @@
 """EpLink over in-process fake transports: setup, argument checks, roles, sends, error mapping, close."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 import zlib
 from array import array
 from collections.abc import MutableSequence, Sequence
@@ -17,12 +21,14 @@ from metrale_model_engine import (
     EpRoleError,
     EpSendError,
     EpSetupError,
+    EpWorkerFailed,
     LinkedEp,
     ProtocolVersion,
     SequenceState,
 )
+from metrale_model_engine._liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
-from metrale_model_engine.wire import WIRE_VERSION, Ack, ItemKind, encode_ack, encode_close
+from metrale_model_engine.wire import WIRE_VERSION, Ack, ItemKind, Report, encode_ack, encode_close, encode_report
 
 from messages import header, sync, tokens, word, words
 
@@ -130,7 +136,7 @@ def test_protocol_from_constructor_else_environment(monkeypatch: pytest.MonkeyPa
 )
 def test_setup_mismatch_is_refused(peer: list[int], fragment: str) -> None:
     with pytest.raises(EpSetupError, match=fragment):
-        EpLink(FakeTransport(0, 2, peers=[peer]), num_slots=4, protocol=ProtocolVersion.V1)
+        EpLink(FakeTransport(0, 2, peers=[[*peer, 0, 0, 0]]), num_slots=4, protocol=ProtocolVersion.V1)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -370,3 +376,52 @@ def test_the_links_repr_says_where_it_stands() -> None:
     head = link(FakeTransport(0, 3))
     assert repr(head) == "<EpLink rank 0 of 3, protocol v2, 4 slots, FakeTransport, open>"
     assert ItemKind.CLOSE in set(ItemKind)
+
+
+# -- check_workers: why a model's own collective failed --------------------------
+
+
+def a_dead_pid() -> int:
+    """The pid of a process of this host that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def setup_words(pid: int, host: tuple[int, int]) -> list[int]:
+    return [WIRE_VERSION, 1, 1, 4, pid, *host]
+
+
+def test_check_workers_names_the_workers_of_this_host_that_exited() -> None:
+    here = host_fingerprint()
+    peers = [setup_words(a_dead_pid(), here), setup_words(os.getppid(), here)]
+    head = EpLink(FakeTransport(0, 3, peers=peers), num_slots=4, protocol=ProtocolVersion.V1)
+    with pytest.raises(EpLinkError, match=r"head: worker rank\(s\) \[1\] exited \(died or left the run\)"):
+        head.check_workers()
+    head.close()
+
+
+def test_check_workers_cannot_see_a_worker_of_another_host_and_waits_its_timeout() -> None:
+    elsewhere = setup_words(a_dead_pid(), (1, 2))  # its pid means nothing here
+    head = EpLink(FakeTransport(0, 2, peers=[elsewhere]), num_slots=4, protocol=ProtocolVersion.V1)
+    started = time.monotonic()
+    head.check_workers(0.05)
+    assert time.monotonic() - started >= 0.05
+
+
+def test_check_workers_raises_what_workers_reported_first() -> None:
+    transport = FakeTransport(0, 2, peers=[setup_words(a_dead_pid(), host_fingerprint())])
+    head = EpLink(transport, num_slots=4, protocol=ProtocolVersion.V1)
+    transport.waiting = [(1, encode_report(Report(3, 0, 7, "KeyError: 'slot 0 is free'")))]
+    with pytest.raises(EpWorkerFailed, match=r"KeyError: 'slot 0 is free'; worker rank\(s\) \[1\] then exited"):
+        head.check_workers()
+
+
+def test_check_workers_is_for_the_head_and_takes_seconds() -> None:
+    with pytest.raises(EpRoleError):
+        EpLink(FakeTransport(1, 2), num_slots=4).check_workers()
+    head = EpLink(FakeTransport(0, 2), num_slots=4)
+    with pytest.raises(ValueError, match="timeout"):
+        head.check_workers(-1.0)
+    head.check_workers()  # every worker is this process: nothing exited, nothing reported
+    EpLink(FakeTransport(0, 1), num_slots=4).check_workers(10.0)  # one rank: at once

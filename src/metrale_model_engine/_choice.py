@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from array import array
 from typing import Final, Literal
 
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from ._checks import check_choice, disagreement
 from ._errors import EpLinkError, EpSetupError
 from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
+from ._liveness import host_fingerprint
 from ._protocol import ProtocolVersion
 from ._torch_transport import TorchTransport
 from ._waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
@@ -117,17 +116,8 @@ def open_link(
 
 
 def _host_words() -> list[int]:
-    """[can run shm, two words of a fingerprint of this host's /dev/shm and pid namespace]."""
-    if not shm_supported():
-        return [0, 0, 0]
-    facts = [os.uname().nodename, str(os.stat("/dev/shm").st_dev), str(os.stat("/proc/self/ns/pid").st_ino)]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            facts.append(file.read().strip())
-    except OSError:
-        pass
-    digest = hashlib.blake2b("\0".join(facts).encode(), digest_size=8).digest()
-    return [1, int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
+    """[can run shm, the two words of :func:`host_fingerprint`]."""
+    return [1, *host_fingerprint()] if shm_supported() else [0, 0, 0]
 
 
 def _rendezvous(base: TorchTransport, kind: TransportKind, spins: tuple[float, float]) -> TorchTransport | ShmTransport:

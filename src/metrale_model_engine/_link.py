@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from collections.abc import Callable, MutableSequence, Sequence
 from typing import Any, Final
@@ -16,6 +17,7 @@ from ._errors import (
     EpSendError,
     EpSetupError,
 )
+from ._liveness import host_fingerprint
 from ._protocol import ProtocolVersion
 from ._reader import StateDigest
 from ._sync import SyncPoints
@@ -110,7 +112,7 @@ class EpLink(SyncPoints):
         self._command_timeout = check_seconds("command_timeout", command_timeout, allow_none=True)
         self._shut_down = False
         self._closed = False
-        self._agree_on_setup(transport)
+        local_workers = self._agree_on_setup(transport)
         self._transport = transport
         self._transport_send = transport.send  # the hot paths call these bound methods
         self._answers_ready = transport.answers_ready
@@ -118,11 +120,17 @@ class EpLink(SyncPoints):
         self._world_size = transport.world_size
         self._start_reading()
         self._start_syncing()
+        if self._rank == 0:
+            self._watch_workers(local_workers)
 
-    def _agree_on_setup(self, transport: EpTransport) -> None:
-        """Run the setup exchange over ``transport``; raise unless every rank agrees."""
+    def _agree_on_setup(self, transport: EpTransport) -> dict[int, int]:
+        """Run the setup exchange over ``transport``; raise unless every rank agrees.
+
+        Returns the pid of every worker on this host, by rank.
+        """
         rank = transport.rank
-        mine = [WIRE_VERSION, self._protocol.code, int(self._seq_id_on_wire), self._num_slots]
+        mine = [WIRE_VERSION, self._protocol.code, int(self._seq_id_on_wire), self._num_slots, os.getpid()]
+        mine += host_fingerprint()
         try:
             everyone = transport.gather(mine)
         except Exception as error:
@@ -137,6 +145,11 @@ class EpLink(SyncPoints):
             problem = disagreement(rank, name, [words[field] for words in everyone], shown)
             if problem is not None:
                 raise EpSetupError(problem)
+        return {
+            peer: words[4]
+            for peer, words in enumerate(everyone)
+            if peer and words[5:] == mine[5:] and words[4] not in (0, mine[4])
+        }
 
     # -- what every rank can ask -------------------------------------------
 
@@ -368,6 +381,7 @@ class EpLink(SyncPoints):
         except Exception as error:  # noqa: BLE001  (the workers may be gone: the transport's close is what is left)
             _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
         finally:
+            self._stop_watching()
             self._transport.close()
 
     def __enter__(self) -> Self:

@@ -28,7 +28,7 @@ class ModelEp(abc.ABC, Generic[S]):
     has no ``__init__`` and ``__slots__ = ()``, so it adds no state and keeps slotted
     subclasses slotted.  Every method has a default that is right for a single-GPU
     model, which therefore overrides nothing.  A multi-rank model overrides them all
-    (or inherits a backend such as :class:`metrale_model_engine.torch.TorchEp`).
+    (or inherits :class:`~metrale_model_engine.LinkedEp`, which speaks them over an :class:`EpLink`).
 
     ``S`` is the slot type; it defaults to :class:`SequenceState`.  Errors are
     raised exceptions: see :class:`EpCommandFailed` for how a worker tells a failed

@@ -246,7 +246,8 @@ class RingWriter:
                     self._peers.add(pid)
         dead = self._peers.dead()
         if dead:
-            raise PeerLost(f"worker process(es) {sorted(dead)} died; nothing more can reach every worker")
+            ranks = sorted(r + 1 for r in range(layout.readers) if u32[layout.pid_at(r) // 4] in dead)
+            raise PeerLost(f"worker rank(s) {ranks} died (pids {sorted(dead)}); nothing more can reach every worker")
 
 
 class RingReader:

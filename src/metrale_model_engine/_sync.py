@@ -12,17 +12,23 @@ as a digest can tell.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from typing_extensions import Buffer
 
+from ._checks import check_seconds
 from ._errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
+from ._liveness import ProcessWatch
 from ._reader import ItemReader
 from ._words import check_u32
 from .wire import Ack, Report, WireError, decode_answer, encode_sync
+
+_CHECK_PAUSE: Final = 0.001
+"""Seconds between two looks of :meth:`SyncPoints.check_workers`."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ class SyncPoints(ItemReader):
     :meth:`_require_head` above it.
     """
 
-    __slots__ = ("_agreed_commands", "_reports_seen", "_sync_number")
+    __slots__ = ("_agreed_commands", "_reports_seen", "_sync_number", "_worker_ranks", "_workers")
 
     _world_size: int
 
@@ -119,6 +125,8 @@ class SyncPoints(ItemReader):
         self._sync_number = 0
         self._agreed_commands = 0  # commands sent by the last sync point where every rank agreed
         self._reports_seen = [0] * self._world_size  # by rank: failures the head has read
+        self._workers: ProcessWatch | None = None
+        self._worker_ranks: dict[int, int] = {}
 
     def _send(self, parts: Sequence[Buffer]) -> None:
         raise NotImplementedError
@@ -221,8 +229,60 @@ class SyncPoints(ItemReader):
             self._reports_seen[failure.rank] += 1
         return failures
 
-    def _raise_reports(self) -> None:
-        """Raise what the workers reported since the last look, before the command being sent goes out."""
+    def check_workers(self, timeout: float = 0.0) -> None:
+        """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
+
+        For a model whose own collective (an all-reduce in its forward) failed, which
+        tells only that some peer is gone: this names the ranks and, where their
+        reports arrived, the reason (a refused command, say).  It looks until it
+        finds something or ``timeout`` seconds have passed (a worker that just failed
+        takes a moment to exit), and returns when it found nothing: no worker
+        stopped, or the one that did runs on another host and sent no report.  A
+        no-op on one rank.
+
+        Raises:
+            EpWorkerFailed: workers reported failed or refused commands (each
+                report once); the message adds which ranks have exited.
+            EpLinkError: worker ranks on this host have exited (it names them).
+            EpRoleError: called on a worker.
+            TypeError, ValueError: ``timeout`` is not a number of seconds ``>= 0``.
+        """
+        self._require_head()
+        limit = check_seconds("timeout", timeout, allow_zero=True)
+        assert limit is not None
+        deadline = time.monotonic() + limit
+        while self._world_size > 1:
+            exited = self._exited_workers()  # first: a report written before the exit is in the ring by now
+            failures = self._poll_reports()
+            if failures:
+                raise EpWorkerFailed(failures, f"; worker rank(s) {exited} then exited" if exited else "")
+            if exited:
+                raise EpLinkError(
+                    f"head: worker rank(s) {exited} exited (died or left the run) after command {self._commands}"
+                )
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(_CHECK_PAUSE)
+
+    def _watch_workers(self, pids: Mapping[int, int]) -> None:
+        """Head: watch the worker processes ``{rank: pid}`` of this host, for :meth:`check_workers`."""
+        self._workers = ProcessWatch()
+        self._worker_ranks = {pid: rank for rank, pid in pids.items()}
+        for pid in pids.values():
+            self._workers.add(pid)
+
+    def _stop_watching(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def _exited_workers(self) -> list[int]:
+        if self._workers is None:
+            return []
+        return sorted(self._worker_ranks[pid] for pid in self._workers.dead())
+
+    def _poll_reports(self) -> list[WorkerFailure]:
+        """The failures the workers reported since the last look (each counted as seen)."""
         failures: list[WorkerFailure] = []
         try:
             for rank, answer in self._transport.poll_answers():
@@ -232,5 +292,10 @@ class SyncPoints(ItemReader):
             raise EpLinkError(f"head: a corrupt answer: {error}") from None
         except Exception as error:
             raise EpLinkError(f"head: reading the workers' answers failed: {error}") from error
+        return failures
+
+    def _raise_reports(self) -> None:
+        """Raise what the workers reported since the last look, before the command being sent goes out."""
+        failures = self._poll_reports()
         if failures:
             raise EpWorkerFailed(failures, "; nothing of the command being sent was sent")

@@ -1,62 +1,90 @@
-"""The demo: a toy multi-rank model serving interleaved sequences over torch.distributed.
+"""The main job: the reference tensor- and expert-parallel model, served over the protocol by several ranks.
 
-Run ``python -m metrale_model_engine.demo`` (2 local gloo ranks by default), or
-under ``torchrun --nproc-per-node N -m metrale_model_engine.demo``.  The head
-allocates ``--sequences`` slots, prefills each with a ``--prompt-tokens`` prompt,
-decodes them in turn and frees them; the workers run
-:func:`~metrale_model_engine.run_worker`.  It ends with a summary (commands, words
-and tokens broadcast, wall time, per-command latency on the head; ``--json PATH``
-writes it too) and every rank's digest of its slot states: exit 0 when all agree,
-1 with a message when they do not, 2 with one ``error: ...`` line when torch is
-missing or an argument or ``METRALE_EP_PROTOCOL`` is bad.
+Run ``python -m metrale_model_engine.demo`` (2 local ranks by default), or under
+``torchrun --nproc-per-node N -m metrale_model_engine.demo``.  Every rank loads the
+shipped weights (:mod:`metrale_model_engine.reference`) and keeps its shard: its
+attention heads and its experts.  The head serves a handful of prompts from the
+project's license texts with continuous batching (two of them arrive while the
+others run); the workers run :func:`~metrale_model_engine.run_worker`.  It prints
+each request's prompt and generated text, then tokens/s and how the head's decode
+step splits into compute, collectives and protocol (``--json PATH`` writes it all
+too).  Sync points compare every rank's KV bookkeeping as it goes and at the end.
+
+Exit status: 0 when every rank served and agreed; 1 with one ``error: ...`` line
+when the run failed (a rank died or diverged); 2 with one ``error: ...`` line when
+torch is missing or an argument or ``METRALE_EP_PROTOCOL`` is bad.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, MutableSequence, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
 from ._protocol import ProtocolVersion
-from ._tokens import TokenArray, token_count
-from ._worker import run_worker
-from .toy import ToyModel, ToySlots, ToyState, slots_digest
+from ._segment import MAX_WORLD_SIZE
+
+if TYPE_CHECKING:
+    from ._link import EpLink
+    from .reference import Completion, ReferenceLm, Server
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_DETAILED_ITEMS = 4
-"""Sequences and decode steps shown one line each; past them, progress only."""
-R = TypeVar("R")
-_PROGRESS_SECONDS = 1.0
-"""How often a non-terminal output gets a progress line."""
+_SHARED_UNITS: Final = 4
+"""The shipped model's attention heads and experts (both 4): a world size must divide them."""
+
+PROMPTS: Final[tuple[str, ...]] = (
+    "Licensed under the",
+    "Permission is hereby granted",
+    "THE SOFTWARE IS PROVIDED",
+    "you may not use this file",
+    "Unless required by applicable law",
+    "The above copyright notice",
+)
+"""What the demo asks; the last :data:`LATE_PROMPTS` arrive at step :data:`LATE_STEP`, while the others run."""
+LATE_PROMPTS: Final = 2
+LATE_STEP: Final = 6
 
 
-def _positive(text: str) -> int:
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
+
+
+def _world_size(text: str) -> int:
+    value = _whole(text, 1)
+    if value > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE} (the most ranks one ring serves)")
+    if _SHARED_UNITS % value:
+        raise argparse.ArgumentTypeError(
+            f"must divide the model's {_SHARED_UNITS} attention heads and {_SHARED_UNITS} experts "
+            f"(1, 2 or 4), got {value}"
+        )
     return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--world-size", type=_positive, default=2, help="local ranks to spawn (default 2; ignored under torchrun)")
+    add("--world-size", type=_world_size, default=2, help="local ranks: 1, 2 or 4 (default 2; torchrun sets it)")
     versions = [p.value for p in ProtocolVersion]
     add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
-    add("--sequences", type=_positive, default=4, help="interleaved sequences, one slot each (default 4)")
-    add("--prompt-tokens", type=_positive, default=16, help="tokens in each prompt (default 16)")
-    add("--decode-steps", type=_positive, default=8, help="decode steps per sequence (default 8)")
+    add("--slots", type=lambda t: _whole(t, 1), default=4, help="sequences served at once (default 4)")
+    add("--max-new-tokens", type=lambda t: _whole(t, 1), default=48, help="tokens generated per prompt (default 48)")
+    add("--prefill-chunk", type=lambda t: _whole(t, 1), default=16, help="most prompt tokens per prefill (default 16)")
+    add("--sync-every", type=lambda t: _whole(t, 1), default=16, help="steps between sync points (default 16)")
     add(
         "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with a CUDA device per rank, else gloo"
     )
@@ -77,189 +105,191 @@ class Work:
 
     protocol: ProtocolVersion
     transport: str
-    sequences: int
-    prompt_tokens: int
-    decode_steps: int
+    slots: int
+    max_new_tokens: int
+    prefill_chunk: int
+    sync_every: int
     json_path: Path | None
 
 
-def prompt_for(seq_id: int, length: int) -> list[int]:
-    """A deterministic prompt of ``length`` tokens for sequence ``seq_id``."""
-    return [(seq_id * 7919 + i * 104_729) % 32_000 for i in range(length)]
-
-
-@dataclass
-class Traffic:
-    """What the head sent, counted at the trait's broadcast methods."""
-
-    commands: int = 0
-    words: int = 0
-    tokens: int = 0
-    latencies_s: list[float] = field(default_factory=list)
-    """Seconds per command as the head saw it, checks and broadcasts included."""
-
-
-class CountingToy(ToyModel):
-    """The toy model, counting every command, follow-up word and token the head sends."""
-
-    __slots__ = ("traffic",)
-
-    traffic: Traffic
-
-    def alloc(self, slots: ToySlots, seq_id: int) -> None:
-        super().alloc(slots, seq_id)
-        self.traffic.commands += 1
-
-    def prefill(self, slots: ToySlots, seq_id: int, prompt: TokenArray) -> None:
-        super().prefill(slots, seq_id, prompt)
-        self.traffic.commands += 1
-        self.traffic.tokens += token_count(prompt)
-
-    def decode(self, slots: ToySlots, seq_id: int) -> int:
-        token = super().decode(slots, seq_id)
-        self.traffic.commands += 1
-        self.traffic.words += 1
-        return token
-
-    def free(self, slots: ToySlots, seq_id: int) -> None:
-        super().free(slots, seq_id)
-        self.traffic.commands += 1
-
-
-def serve(rank: int, world_size: int, work: Work) -> None:
-    """One rank's part: build the model, drive (head) or serve (worker), compare digests."""
-    import torch.distributed as dist
-
-    from .torch import open_link
-
-    with CountingToy(open_link(work.transport, num_slots=work.sequences, protocol=work.protocol)) as model:
-        model.traffic = Traffic()
-        slots: list[ToyState | None] = [None] * work.sequences
-        if rank == 0:
-            started = time.perf_counter()
-            _drive(model, slots, work)
-            summary = _summary(model, time.perf_counter() - started, dist.get_backend())
-            _print_summary(summary)
-            if work.json_path is not None:
-                work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
-        else:
-            served = run_worker(model, slots)
-            _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
-    digests: list[object] = [None] * world_size
-    dist.all_gather_object(digests, slots_digest(slots))
-    if rank == 0:
-        for other, digest in enumerate(digests):
-            _say(f"[rank {other}] slot digest {digest}")
-    problem = digests_disagree(digests)
-    if problem is not None:
-        if rank == 0:
-            _say(f"error: {problem}", sys.stderr)
-        raise SystemExit(1)
-    if rank == 0:
-        _say(f"all {world_size} ranks agree")
-
-
-def digests_disagree(digests: Sequence[object]) -> str | None:
-    """``None`` when every rank's digest is rank 0's, else a message naming the first that differs."""
-    for rank, digest in enumerate(digests):
-        if digest != digests[0]:
-            return f"the ranks' slot states differ: rank {rank} has {digest}, rank 0 has {digests[0]}"
-    return None
-
-
 def _say(line: str, stream: TextIO | None = None) -> None:
-    """Print ``line`` to ``stream`` (default stdout) in one write and flush it: the ranks
-    share the terminal, and ``print`` writes the newline separately, which lets another
-    rank's line in between."""
+    """Print ``line`` in one write and flush it: the ranks share the terminal, and ``print`` writes the
+    newline separately, which lets another rank's line in between."""
     out = sys.stdout if stream is None else stream
     out.write(line + "\n")
     out.flush()
 
 
-class _Progress:
-    """One line per item for the first few, then a progress line: in place on a terminal, else periodic."""
+def _fail(line: str) -> NoReturn:
+    _say(line, sys.stderr)
+    raise SystemExit(1)
 
-    def __init__(self, total: int, label: str) -> None:
-        self._total, self._label = total, label
-        self._tty = sys.stdout.isatty()
-        self._last = time.monotonic()
 
-    def item(self, done: int, detail: str) -> None:
-        if done <= _DETAILED_ITEMS:
-            _say(f"[head] {detail}")
+class _OneLine(logging.Handler):
+    """The worker loop's log, one line per record (the error, never a traceback)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(logging.INFO)
+        self._rank = rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = f": {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else ""
+        _say(f"[worker {self._rank}] {record.getMessage()}{error}", sys.stderr)
+
+
+def serve(rank: int, world_size: int, work: Work) -> None:
+    """One rank's part: build the model over a link, then drive it (head) or serve it (worker).
+
+    Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank.
+    """
+    import torch
+
+    from .reference import LmState, ReferenceLm
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the ranks share this host's cores
+    try:
+        model = ReferenceLm(_open_link(world_size, work))
+        pids = model.ep_link.gather_u32(os.getpid())
+    except Exception as error:  # noqa: BLE001  (one line, not a traceback)
+        _fail(f"error: rank {rank} could not start: {error}")
+    with model:
+        slots: list[LmState | None] = [None] * work.slots
+        if rank == 0:
+            try:
+                _drive(model, work, pids)
+            except Exception as error:  # noqa: BLE001
+                _fail(f"error: {type(error).__name__}: {error}")
             return
-        now = time.monotonic()
-        if self._tty:
-            end = "\n" if done == self._total else ""
-            print(f"\r[head] {self._label}: {done}/{self._total}", end=end, flush=True)
-        elif done == self._total or now - self._last >= _PROGRESS_SECONDS:
-            _say(f"[head] {self._label}: {done}/{self._total}")
-            self._last = now
+        from . import run_worker
+
+        logger = logging.getLogger(f"metrale_model_engine.demo.worker{rank}")
+        logger.addHandler(_OneLine(rank))
+        logger.propagate = False
+        try:
+            served = run_worker(model, slots, logger=logger)
+        except Exception:  # noqa: BLE001  (the logger said it, in one line)
+            raise SystemExit(1) from None
+        _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
 
 
-def _drive(model: CountingToy, slots: MutableSequence[ToyState | None], work: Work) -> None:
-    count, latencies = len(slots), model.traffic.latencies_s
+def _open_link(world_size: int, work: Work) -> EpLink:
+    if world_size == 1:
+        from . import EpLink
+        from .transport import SoloTransport
+
+        return EpLink(SoloTransport(), num_slots=work.slots, protocol=work.protocol)
+    from .torch import open_link
+
+    return open_link(work.transport, num_slots=work.slots, protocol=work.protocol)
+
+
+def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
+    from .reference import Request, Server, decode_text, encode
+
+    link = model.ep_link
+    ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
     _say(
-        f"[head] {model.ep_link.world_size} ranks, protocol {model.ep_link.protocol.value}, {count} sequences x "
-        f"{work.prompt_tokens}-token prompts x {work.decode_steps} decode steps"
+        f"[head] the reference MoE transformer ({sum(p.numel() for p in model.lm.parameters()):,} parameters on "
+        f"this rank), {ranks}, protocol {link.protocol.value}; {work.slots} slots, prefill chunks of "
+        f"{work.prefill_chunk}; pids {' '.join(map(str, pids))}"
     )
 
-    progress = _Progress(count, "alloc + prefill")
-    for seq_id in range(count):
-        prompt = prompt_for(seq_id, work.prompt_tokens)
-        _timed(latencies, partial(model.alloc, slots, seq_id))
-        _timed(latencies, partial(model.prefill, slots, seq_id, prompt))
-        progress.item(seq_id + 1, f"seq {seq_id}: alloc + prefill {len(prompt)} tokens")
-    progress = _Progress(work.decode_steps, "decode steps")
-    for step in range(1, work.decode_steps + 1):
-        tokens = []
-        for seq_id in range(count):
-            tokens.append(_timed(latencies, partial(model.decode, slots, seq_id)))
-        shown = tokens if len(tokens) <= 8 else [*tokens[:8], "..."]
-        progress.item(step, f"decode step {step}/{work.decode_steps}: {shown}")
-    for seq_id in range(count - 1):  # the last sequence stays live, so digests cover a slot
-        _timed(latencies, partial(model.free, slots, seq_id))
-    _say(f"[head] freed {count - 1} sequences; shutting the workers down")
-    model.ep_link.shutdown_workers()
+    def report(completion: Completion) -> None:
+        request = completion.request
+        late = f", arrived after step {completion.submitted_step}" if completion.submitted_step else ""
+        _say(f"[request {request.id}{late}] {decode_text(request.prompt)!r} -> {decode_text(completion.tokens)!r}")
 
-
-def _timed(latencies: list[float], command: Callable[[], R]) -> R:
-    """Run one head command, appending its duration in seconds to ``latencies``."""
+    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
+    requests = [Request(i, tuple(encode(text)), work.max_new_tokens) for i, text in enumerate(PROMPTS)]
+    early, late = requests[:-LATE_PROMPTS], requests[-LATE_PROMPTS:]
+    for request in early:
+        server.submit(request)
+    reported: set[int] = set()
     started = time.perf_counter()
-    result = command()
-    latencies.append(time.perf_counter() - started)
-    return result
+    while server.busy or late:
+        if server.steps == LATE_STEP:
+            for request in late:
+                server.submit(request)
+            late = []
+        server.step()
+        for completion in server.completions.values():
+            if completion.finished_step is not None and completion.request.id not in reported:
+                reported.add(completion.request.id)
+                report(completion)
+    wall_s = time.perf_counter() - started
+    server.shutdown()
+    summary = _summary(model, server, wall_s)
+    _print_summary(summary, len(server.completions), server.steps // work.sync_every + 1)
+    if work.json_path is not None:
+        work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def _summary(model: CountingToy, wall_s: float, backend: str) -> dict[str, object]:
-    traffic = model.traffic
-    latencies = sorted(traffic.latencies_s)
-    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+def _summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, object]:
+    from .reference import decode_text
+
+    link = model.ep_link
+    generated = sum(len(c.tokens) for c in server.completions.values())
+    steps = server.decode_steps
+    median = statistics.median(step.total_s for step in steps)
+
+    def share(part: float) -> float:
+        return round(part / sum(step.total_s for step in steps), 4)
+
+    backend = "none"
+    if model.is_ep():
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend())
     return {
-        "ranks": model.ep_link.world_size,
-        "protocol": model.ep_link.protocol.value,
-        "transport": type(model.ep_link.transport).__name__,
+        "ranks": link.world_size,
+        "protocol": link.protocol.value,
+        "transport": type(link.transport).__name__,
         "backend": backend,
-        "commands": traffic.commands,
-        "words": traffic.words,
-        "tokens": traffic.tokens,
+        "slots": link.num_slots,
+        "steps": server.steps,
+        "tokens": generated,
         "wall_s": round(wall_s, 4),
-        "command_latency_us": {
-            "median": round(statistics.median(latencies) * 1e6, 1),
-            "p99": round(p99 * 1e6, 1),
+        "tokens_per_s": round(generated / wall_s, 1),
+        "decode_step": {
+            "count": len(steps),
+            "median_ms": round(median * 1e3, 3),
+            "largest_batch": max(step.batch for step in steps),
+            "protocol_share": share(sum(step.protocol_s for step in steps)),
+            "collectives_share": share(sum(step.collectives_s for step in steps)),
+            "compute_share": share(sum(step.compute_s for step in steps)),
+            "protocol_us_median": round(statistics.median(step.protocol_s for step in steps) * 1e6, 1),
         },
+        "requests": [
+            {
+                "id": c.request.id,
+                "prompt": decode_text(c.request.prompt),
+                "tokens": c.tokens,
+                "text": decode_text(c.tokens),
+                "submitted_step": c.submitted_step,
+                "admitted_step": c.admitted_step,
+                "finished_step": c.finished_step,
+            }
+            for c in server.completions.values()
+        ],
     }
 
 
-def _print_summary(summary: dict[str, object]) -> None:
-    latency = summary["command_latency_us"]
-    assert isinstance(latency, dict)
+def _print_summary(summary: dict[str, object], requests: int, sync_points: int) -> None:
+    step = summary["decode_step"]
+    assert isinstance(step, dict)
     _say(
-        f"[head] summary: {summary['commands']} commands, {summary['words']} follow-up words, "
-        f"{summary['tokens']} tokens broadcast in {summary['wall_s']:.3f} s; per command on the head: "
-        f"median {latency['median']:.0f} us, p99 {latency['p99']:.0f} us "
-        f"({summary['transport']} over {summary['backend']})"
+        f"[head] {requests} requests, {summary['tokens']} tokens in {summary['wall_s']:.2f} s: "
+        f"{summary['tokens_per_s']:.0f} tokens/s"
     )
+    _say(
+        f"[head] a decode step (median {step['median_ms']:.2f} ms, batches up to {step['largest_batch']}): "
+        f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
+        f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
+    )
+    if summary["ranks"] == 1:
+        _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
+    else:
+        _say(f"[head] all {summary['ranks']} ranks agree: KV bookkeeping compared at {sync_points} sync points")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,13 +309,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if speaks:
             print(f"error: {error}", file=sys.stderr)
         return 2
-    work = Work(protocol, args.transport, args.sequences, args.prompt_tokens, args.decode_steps, args.json)
+    work = Work(
+        protocol, args.transport, args.slots, args.max_new_tokens, args.prefill_chunk, args.sync_every, args.json
+    )
     if all(name in os.environ for name in _TORCHRUN_VARS):
         return _under_torchrun(args.backend, work)
+    if args.world_size == 1:
+        return _exit_code(lambda: serve(0, 1, work))
     codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
-    if any(codes):
-        print(f"error: rank exit codes {codes}", file=sys.stderr)
-        return 1
+    if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
+        print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
+    return 1 if any(codes) else 0
+
+
+def _exit_code(run: Callable[[], None]) -> int:
+    try:
+        run()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
     return 0
 
 
@@ -296,12 +337,9 @@ def _under_torchrun(backend: str | None, work: Work) -> int:
 
     init_group_from_env(backend=backend)
     try:
-        serve(dist.get_rank(), dist.get_world_size(), work)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+        return _exit_code(lambda: serve(dist.get_rank(), dist.get_world_size(), work))
     finally:
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

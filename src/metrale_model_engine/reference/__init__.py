@@ -55,21 +55,51 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
 
 from .layers import AllReduce
 from .model import LmConfig, ShardedLm, check_world, init_full_state, shard_state, state_shapes
+from .server import Completion, DecodeStep, Request, ServedLm, Server
+from .serving import (
+    CMD_ALLOC,
+    CMD_DECODE,
+    CMD_PREFILL,
+    EXIT_GRACE,
+    LmSlots,
+    LmState,
+    ReferenceLm,
+    TimeSpent,
+    check_decode,
+    check_prefill,
+    kv_digest,
+)
 from .tokenizer import VOCAB_SIZE, decode_text, encode
 from .weights import FORMAT_VERSION, MAGIC, SHIPPED_WEIGHTS, load_weights, save_weights
 
 __all__ = [
+    "CMD_ALLOC",
+    "CMD_DECODE",
+    "CMD_PREFILL",
+    "EXIT_GRACE",
     "FORMAT_VERSION",
     "MAGIC",
     "SHIPPED_WEIGHTS",
     "VOCAB_SIZE",
     "AllReduce",
+    "Completion",
+    "DecodeStep",
     "LmConfig",
+    "LmSlots",
+    "LmState",
+    "ReferenceLm",
+    "Request",
+    "ServedLm",
+    "Server",
     "ShardedLm",
+    "TimeSpent",
+    "check_decode",
+    "check_prefill",
     "check_world",
     "decode_text",
     "encode",
     "init_full_state",
+    "kv_digest",
     "load_weights",
     "save_weights",
     "shard_state",

@@ -1,0 +1,403 @@
+"""The reference model served through the protocol: Metrale's command words, the slot state, :class:`ReferenceLm`.
+
+Every rank builds a :class:`ReferenceLm` over its link.  The head drives it with
+:meth:`~ReferenceLm.alloc`, :meth:`~ReferenceLm.prefill`, :meth:`~ReferenceLm.decode`
+and :meth:`~ReferenceLm.free`: each checks its arguments, sends its command as one
+message, then runs the same forward as the workers.  Each worker runs
+:func:`~metrale_model_engine.run_worker`, whose hook reads the command, checks it
+against its own slots, and runs that forward.  A forward makes ``2 * n_layers``
+all-reduces; they pair up across ranks because every rank runs the same commands
+in the same order.
+
+The command words are Metrale's:
+
+* ``CMD_ALLOC`` (``0xFFFFFFF1``) and one word: 1 allocates slot ``seq_id`` (a
+  slot that was held is freed first), 0 frees it.  No collective.
+* ``CMD_PREFILL`` (``0xFFFFFFF0``): words ``chunk_len``, ``chunk_start``,
+  ``full_len``, then the whole prompt (``full_len`` tokens) as one token array;
+  the chunk ``prompt[chunk_start : chunk_start + chunk_len]`` goes into the slot's
+  KV cache, after the ``chunk_start`` tokens it holds already.
+* ``CMD_DECODE`` (``0xFFFFFFE0``): a batched command
+  (:func:`~metrale_model_engine.batching.send_batch`): a count, then the slot ids
+  and one token per slot as two token arrays; each slot feeds its token.
+
+Failures (the README's contract for failures inside a forward):
+
+* A command a worker cannot run before its collectives (a prefill or decode of a
+  slot it does not hold, a chunk out of order, an unknown word): the worker
+  raises :class:`~metrale_model_engine.EpCommandRefused` before any collective, so
+  the link reports it to the head and the worker leaves.  The ranks still in the
+  forward see their all-reduce fail: a worker raises
+  :class:`~metrale_model_engine.EpLinkError` and leaves too; the head raises
+  :class:`~metrale_model_engine.EpWorkerFailed` with the refusal (where the
+  transport carries reports between sync points: shared memory) or
+  :class:`~metrale_model_engine.EpLinkError` naming the ranks that exited.  The
+  run stops on every rank, as Metrale's poisoned communicator stops it; no rank
+  goes on out of step.
+* A rank that dies inside a collective: the same, from the all-reduce's failure on.
+* An alloc or free that fails on a worker (no collective to pair): an ordinary
+  failed command; the worker stays up and the head raises it at its next command
+  or sync point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from array import array
+from collections.abc import MutableSequence, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import EpCommandRefused, EpLink, EpLinkError, LinkedEp, SequenceState, check_slot
+from ..batching import check_batch, recv_batch, send_batch
+from .model import LmConfig, ShardedLm
+from .weights import load_weights
+
+__all__ = [
+    "CMD_ALLOC",
+    "CMD_DECODE",
+    "CMD_PREFILL",
+    "EXIT_GRACE",
+    "LmSlots",
+    "LmState",
+    "ReferenceLm",
+    "TimeSpent",
+    "check_decode",
+    "check_prefill",
+    "kv_digest",
+]
+
+CMD_PREFILL: Final = 0xFFFFFFF0
+"""A prefill chunk: ``chunk_len``, ``chunk_start``, ``full_len``, then the whole prompt."""
+CMD_ALLOC: Final = 0xFFFFFFF1
+"""Allocate (word 1; a held slot is freed first) or free (word 0) slot ``seq_id``."""
+CMD_DECODE: Final = 0xFFFFFFE0
+"""A batched decode step: a count, the slot ids, one token per slot."""
+EXIT_GRACE: Final = 5.0
+"""Seconds the head looks for the rank behind a failed all-reduce (a failing worker takes a moment to exit)."""
+
+
+class LmState(SequenceState):
+    """One sequence in its slot: the tokens fed so far, whose keys and values fill positions ``0 .. length - 1``."""
+
+    __slots__ = ()
+
+    @property
+    def length(self) -> int:
+        """Positions of the slot's KV cache in use: the next token goes at this position."""
+        return len(self.tokens)
+
+
+LmSlots = MutableSequence[LmState | None]
+"""One rank's slot array for the reference model."""
+
+
+@dataclass
+class TimeSpent:
+    """Seconds a rank spent, summed since it was built: sending commands, and inside its all-reduces.
+
+    On the CPU an all-reduce returns when it is done; on CUDA it returns once queued,
+    so there :attr:`collectives_s` counts only the launch.
+    """
+
+    protocol_s: float = 0.0
+    collectives_s: float = 0.0
+
+    def copy(self) -> TimeSpent:
+        """A snapshot, to subtract from a later one."""
+        return dataclasses.replace(self)
+
+
+def kv_digest(slots: Sequence[LmState | None]) -> int:
+    """A u64 digest of the KV bookkeeping of ``slots``: which slots are held, and the tokens each has fed.
+
+    Equal on two ranks when both ran the same commands; set as the link's
+    ``state_digest``, so sync points compare it.
+    """
+    low = high = 0
+    for seq_id, state in enumerate(slots):
+        if state is not None:
+            data = array("I", (seq_id, state.length, *state.tokens)).tobytes()
+            low, high = zlib.crc32(data, low), zlib.adler32(data, high)
+    return (high << 32) | low
+
+
+def _held(slots: Sequence[LmState | None], seq_id: int) -> LmState:
+    check_slot(seq_id, slots)
+    state = slots[seq_id]
+    if state is None:
+        raise KeyError(f"slot {seq_id} is free")
+    return state
+
+
+def _check_tokens(name: str, tokens: Sequence[int], vocab_size: int) -> None:
+    for index, token in enumerate(tokens):
+        if type(token) is not int:
+            raise TypeError(f"{name}[{index}] must be an int, got {type(token).__name__} {token!r}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{name}[{index}]={token} is outside the vocabulary (0 ..= {vocab_size - 1})")
+
+
+def check_prefill(
+    slots: Sequence[LmState | None], seq_id: int, prompt: Sequence[int], start: int, length: int, config: LmConfig
+) -> LmState:
+    """Check a prefill chunk against ``slots`` before anything runs; return the slot's state.
+
+    The chunk ``prompt[start : start + length]`` must follow what the slot holds
+    (``start == state.length``), be non-empty, end within the prompt, and the prompt
+    must fit ``max_seq_len`` and the vocabulary.
+
+    Raises:
+        IndexError: ``seq_id`` is out of range.
+        KeyError: the slot is free.
+        TypeError, ValueError: the chunk or the prompt is wrong (the message says how).
+    """
+    state = _held(slots, seq_id)
+    for name, value in (("start", start), ("length", length)):
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if length < 1 or start + length > len(prompt):
+        raise ValueError(f"chunk {start} ..< {start + length} is not a non-empty part of a {len(prompt)}-token prompt")
+    if start != state.length:
+        raise ValueError(f"chunk starts at {start}, but slot {seq_id} holds {state.length} tokens: chunks go in order")
+    if len(prompt) > config.max_seq_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_seq_len={config.max_seq_len}")
+    _check_tokens("prompt", prompt, config.vocab_size)
+    return state
+
+
+def check_decode(
+    slots: Sequence[LmState | None], seq_ids: Sequence[int], tokens: Sequence[int], config: LmConfig
+) -> list[LmState]:
+    """Check a decode step against ``slots`` before anything runs; return the states, in batch order.
+
+    Every id must index a held slot that has fed at least one token and has room
+    for one more (``length < max_seq_len``); ids distinct; one token per id, in the
+    vocabulary.
+
+    Raises:
+        IndexError, KeyError, ValueError: as :func:`~metrale_model_engine.batching.check_batch`.
+        TypeError, ValueError: a token or a slot's length is wrong (the message says which).
+    """
+    if not seq_ids:
+        raise ValueError("a decode step needs at least one sequence")
+    if len(tokens) != len(seq_ids):
+        raise ValueError(f"a decode step needs one token per sequence: {len(seq_ids)} ids, {len(tokens)} tokens")
+    check_batch(seq_ids, slots)
+    _check_tokens("tokens", tokens, config.vocab_size)
+    states = [_held(slots, seq_id) for seq_id in seq_ids]
+    for state in states:
+        if not 0 < state.length < config.max_seq_len:
+            raise ValueError(
+                f"slot {state.seq_id} holds {state.length} tokens: a decode needs 1 ..= {config.max_seq_len - 1}"
+            )
+    return states
+
+
+class ReferenceLm(nn.Module, LinkedEp[LmState]):
+    """The reference model on one rank, as a ``torch.nn.Module`` that speaks the protocol through its link.
+
+    Every rank of the group builds one, at the same point, over its own link; the
+    group that carries the model's all-reduces is ``group`` (default the world
+    group), whose rank and size must be the link's.  With one rank (a link over a
+    :class:`~metrale_model_engine.transport.SoloTransport`) it is the single-GPU
+    model: ``is_ep()`` is false, no collective runs, and torch.distributed need
+    not be initialised.
+
+    Args:
+        link: this rank's link; its slot count is the model's.
+        weights: a weights file (:func:`~metrale_model_engine.reference.save_weights`);
+            default the shipped one.  Every rank loads it and keeps its shard.
+        dtype, device: of the weights, KV cache and activations.
+        group: the process group of the all-reduces.
+
+    Attributes:
+        lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
+        spent: the time this rank spent sending commands and in all-reduces.
+
+    Raises:
+        ValueError: the link's group cannot share the model (see
+            :func:`~metrale_model_engine.reference.check_world`), or ``group`` is
+            not the link's group.
+        RuntimeError: several ranks and torch.distributed is not initialised.
+        OSError: the weights file cannot be read.
+    """
+
+    def __init__(
+        self,
+        link: EpLink,
+        *,
+        weights: str | Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.ep_link = link
+        rank, world_size = link.rank, link.world_size
+        if world_size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"{world_size} ranks share the model, but torch.distributed is not initialised")
+            ranks = (dist.get_rank(group), dist.get_world_size(group))
+            if ranks != (rank, world_size):
+                raise ValueError(
+                    f"group: this process is rank {ranks[0]} of {ranks[1]} there, but rank {rank} of "
+                    f"{world_size} on the link; the all-reduces must run over the link's ranks"
+                )
+        self._group = group
+        config, full = load_weights(weights, dtype=dtype)
+        reduce = self._all_reduce if world_size > 1 else None
+        self.lm = ShardedLm(
+            config,
+            num_slots=link.num_slots,
+            rank=rank,
+            world_size=world_size,
+            all_reduce=reduce,
+            dtype=dtype,
+            device=device,
+        )
+        self.lm.load_full_state(full)
+        self.spent = TimeSpent()
+        link.state_digest = kv_digest
+
+    @property
+    def config(self) -> LmConfig:
+        """The model's shape."""
+        return self.lm.config
+
+    # -- head ------------------------------------------------------------------
+
+    def alloc(self, slots: LmSlots, seq_id: int) -> None:
+        """Head: give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed)."""
+        check_slot(seq_id, slots)
+        self._send(seq_id, CMD_ALLOC, 1)
+        slots[seq_id] = LmState(seq_id)
+
+    def free(self, slots: LmSlots, seq_id: int) -> None:
+        """Head: free slot ``seq_id`` on every rank.  Raises ``KeyError`` if it is free (nothing is sent)."""
+        _held(slots, seq_id)
+        self._send(seq_id, CMD_ALLOC, 0)
+        slots[seq_id] = None
+
+    def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
+        """Head: feed the chunk ``prompt[start : start + length]`` into slot ``seq_id`` on every rank.
+
+        Returns:
+            The logits ``[vocab]`` after the chunk's last token.
+
+        Raises:
+            IndexError, KeyError, TypeError, ValueError: as :func:`check_prefill`
+                (nothing is sent).
+            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command`.
+            EpWorkerFailed, EpLinkError: an all-reduce failed: see the module.
+        """
+        state = check_prefill(slots, seq_id, prompt, start, length, self.config)
+        self._send(seq_id, CMD_PREFILL, length, start, len(prompt), prompt)
+        return self.forward_prefill(state, prompt, start, length)
+
+    def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Head: one decode step on every rank: slot ``seq_ids[i]`` feeds ``tokens[i]``.
+
+        Returns:
+            The logits ``[len(seq_ids), vocab]``.
+
+        Raises:
+            IndexError, KeyError, TypeError, ValueError: as :func:`check_decode` (nothing is sent).
+            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command`.
+            EpWorkerFailed, EpLinkError: an all-reduce failed: see the module.
+        """
+        states = check_decode(slots, seq_ids, tokens, self.config)
+        started = time.perf_counter()
+        send_batch(self.ep_link, CMD_DECODE, seq_ids, tokens)
+        self.spent.protocol_s += time.perf_counter() - started
+        return self.forward_decode(states, tokens)
+
+    def _send(self, seq_id: int, cmd: int, *follow_ups: int | Sequence[int]) -> None:
+        started = time.perf_counter()
+        self.ep_link.send_command(seq_id, cmd, *follow_ups)
+        self.spent.protocol_s += time.perf_counter() - started
+
+    # -- every rank: the forwards, once a command is known and checked ------------
+
+    def forward_prefill(self, state: LmState, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
+        """Run a checked prefill chunk (:func:`check_prefill`) in ``state``'s slot; the logits after its last token."""
+        chunk = prompt[start : start + length]
+        state.extend(chunk)
+        tokens = torch.tensor(chunk, dtype=torch.int64)
+        return self.lm.prefill(state.seq_id, tokens, start)
+
+    def forward_decode(self, states: Sequence[LmState], tokens: Sequence[int]) -> torch.Tensor:
+        """Run a checked decode step (:func:`check_decode`): ``states[i]`` feeds ``tokens[i]``; logits ``[B, vocab]``.
+
+        Every rank runs it once the command is known: the head after sending it, a worker after reading it.
+        """
+        positions = [state.length for state in states]
+        for state, token in zip(states, tokens, strict=True):
+            state.append(token)
+        as_tensor = torch.tensor
+        return self.lm.decode(
+            as_tensor([state.seq_id for state in states], dtype=torch.int64),
+            as_tensor(tokens, dtype=torch.int64),
+            as_tensor(positions, dtype=torch.int64),
+        )
+
+    # -- worker ----------------------------------------------------------------
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[LmState | None]) -> None:
+        """Worker hook: read the command whole, check it against this rank's slots, run it.
+
+        A prefill or decode that fails its check, and an unknown word, raise
+        :class:`~metrale_model_engine.EpCommandRefused` (the run stops, see the
+        module); a bad alloc or free fails as an ordinary command.
+        """
+        link = self.ep_link
+        if cmd == CMD_ALLOC:
+            if link.recv_word():
+                slots[seq_id] = LmState(seq_id)
+            else:
+                _held(slots, seq_id)
+                slots[seq_id] = None
+        elif cmd == CMD_PREFILL:
+            length, start, full_length = link.recv_word(), link.recv_word(), link.recv_word()
+            prompt = link.recv_tokens(full_length)
+            try:
+                state = check_prefill(slots, seq_id, prompt, start, length, self.config)
+            except (IndexError, KeyError, TypeError, ValueError) as error:
+                raise EpCommandRefused(f"rank {link.rank} refuses a prefill of slot {seq_id}: {error}") from error
+            self.forward_prefill(state, prompt, start, length)
+        elif cmd == CMD_DECODE:
+            try:
+                seq_ids, tokens = recv_batch(link, slots)
+                states = check_decode(slots, seq_ids, tokens, self.config)
+            except (IndexError, KeyError, TypeError, ValueError) as error:
+                raise EpCommandRefused(f"rank {link.rank} refuses a decode step: {error}") from error
+            self.forward_decode(states, tokens)
+        else:
+            unknown = ValueError(f"unknown command word {cmd:#010x} (seq_id={seq_id})")
+            raise EpCommandRefused(f"rank {link.rank} refuses a command it does not know") from unknown
+
+    # -- the collectives -----------------------------------------------------------
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
+        try:
+            dist.all_reduce(tensor, group=self._group)
+        except Exception as error:  # the backend's own error (RuntimeError from gloo): a rank is gone
+            raise self._collective_failed(error) from error
+        self.spent.collectives_s += time.perf_counter() - started
+
+    def _collective_failed(self, error: Exception) -> EpLinkError:
+        """Why an all-reduce failed, as well as this rank can tell (the head asks its link which ranks stopped)."""
+        link = self.ep_link
+        if link.rank == 0:
+            link.check_workers(EXIT_GRACE)  # raises when it finds the ranks that stopped
+        return EpLinkError(
+            f"rank {link.rank}: an all-reduce of the forward failed, so a rank died or left the run: {error}"
+        )

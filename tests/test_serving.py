@@ -1,0 +1,304 @@
+"""The reference model served through the protocol: same tokens at every world size, faults inside a forward.
+
+The multi-rank tests run real processes (``torch.run_group``), bounded by a timeout.
+Float tolerance: a sharded forward sums its partial products in another order than
+one rank does, so the head's logits match one rank's to :data:`LOGIT_TOLERANCE`
+(float32), not bit for bit; the greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+import torch
+
+import serving_sessions as sessions
+from metrale_model_engine import EpLink, EpRoleError
+from metrale_model_engine.reference import (
+    LmConfig,
+    LmState,
+    ReferenceLm,
+    Request,
+    Server,
+    check_decode,
+    check_prefill,
+    decode_text,
+    encode,
+    kv_digest,
+)
+from metrale_model_engine.testing import RecordingTransport
+from metrale_model_engine.torch import run_group
+from metrale_model_engine.transport import SoloTransport
+
+from rank_results import load
+
+pytestmark = pytest.mark.torch
+
+LOGIT_TOLERANCE = 1e-4
+"""Largest difference allowed between a sharded head's logits and one rank's (float32; seen: about 1e-6)."""
+RUN_LIMIT = 240.0
+"""Seconds a multi-rank test may run before its ranks are killed."""
+FAULT_BOUND = 10.0
+"""Seconds from a rank's death (or refusal) to the error on every other rank."""
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> tuple[dict[int, list[int]], list[torch.Tensor], int]:
+    return sessions.one_rank_reference()
+
+
+def solo_model(slots: int = 4) -> ReferenceLm:
+    return ReferenceLm(EpLink(SoloTransport(), num_slots=slots))
+
+
+# -- one rank, in this process ---------------------------------------------------
+
+
+def test_one_rank_continues_license_text() -> None:
+    server = Server(solo_model())
+    (completion,) = server.run([Request(0, tuple(encode("Licensed under the")), 28)]).values()
+    assert decode_text(completion.tokens).startswith(" Apache License, Version 2.0")
+    assert not solo_model().is_ep()
+
+
+def test_requests_that_arrive_mid_run_get_the_tokens_they_get_alone(one_rank: tuple[dict[int, list[int]], ...]) -> None:
+    batched = one_rank[0]
+    for request in sessions.WORKLOAD:
+        alone = Server(solo_model(sessions.SLOTS), prefill_chunk=sessions.PREFILL_CHUNK).run([request])
+        assert alone[request.id].tokens == batched[request.id], request
+    assert all(len(tokens) == sessions.NEW_TOKENS for tokens in batched.values())
+
+
+def test_the_server_batches_queues_and_frees() -> None:
+    requests = [Request(i, tuple(encode(f"request {i}: Licensed")), 3) for i in range(5)]
+    server = Server(solo_model(2), prefill_chunk=4)
+    done = server.run(requests)
+    # two slots; 19-token prompts take 5 chunks, the step of the last one decodes too, one more decode: 6 steps
+    assert [done[i].admitted_step for i in range(5)] == [1, 1, 7, 7, 13]
+    assert [done[i].finished_step for i in range(5)] == [6, 6, 12, 12, 18]
+    assert all(c.finished_step is not None and len(c.tokens) == 3 for c in done.values())
+    assert server.slots == [None, None] and not server.busy
+    assert max(step.batch for step in server.decode_steps) == 2
+    assert all(step.total_s >= step.protocol_s + step.collectives_s for step in server.decode_steps)
+
+
+def test_tokens_stream_as_they_are_chosen() -> None:
+    seen: list[tuple[int, int]] = []
+    server = Server(solo_model(), on_token=lambda request, token: seen.append((request.id, token)))
+    done = server.run([Request(7, tuple(encode("THE SOFTWARE")), 5)])
+    assert seen == [(7, token) for token in done[7].tokens]
+
+
+def test_a_sequence_ends_when_its_cache_is_full() -> None:
+    model = solo_model()
+    prompt = tuple(encode("Licensed under the Apache License")) * 7  # 231 tokens of the 256 positions
+    done = Server(model, prefill_chunk=64).run([Request(0, prompt, 1000)])
+    assert len(done[0].tokens) == model.config.max_seq_len - len(prompt) + 1  # the last token is never fed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": ()}, "request 1: the prompt is empty"),
+        ({"prompt": (1, "2")}, "request 1: prompt\\[1\\] must be an int, got str"),
+        ({"max_new_tokens": 0}, "request 1: max_new_tokens must be an int >= 1, got 0"),
+        ({"id": -1}, "id=-1 is outside the u32 range"),
+    ],
+)
+def test_bad_requests_are_refused(kwargs: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"id": 1, "prompt": (1, 2), "max_new_tokens": 3, **kwargs}
+    with pytest.raises((TypeError, ValueError), match=message):
+        Request(**fields)  # type: ignore[arg-type]
+
+
+def test_the_server_refuses_what_the_model_cannot_serve() -> None:
+    server = Server(solo_model())
+    server.submit(Request(1, (1,), 1))
+    with pytest.raises(ValueError, match="request 1 was submitted already"):
+        server.submit(Request(1, (2,), 1))
+    with pytest.raises(ValueError, match="request 2: the prompt has 257 tokens, more than max_seq_len=256"):
+        server.submit(Request(2, (1,) * 257, 1))
+    with pytest.raises(ValueError, match="request 3: prompt\\[1\\]=256 is outside the vocabulary"):
+        server.submit(Request(3, (1, 256), 1))
+    assert list(server.completions) == [1]  # nothing of the refused ones was kept
+    for name in ("prefill_chunk", "sync_every"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got 0"):
+            Server(solo_model(), **{name: 0})  # type: ignore[arg-type]
+
+
+CONFIG = LmConfig()
+
+
+def held(*lengths: int | None) -> list[LmState | None]:
+    return [None if n is None else LmState(i, [65] * n) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize(
+    ("slots", "seq_id", "prompt", "start", "length", "error", "message"),
+    [
+        (held(0), 1, [1], 0, 1, IndexError, "seq_id=1 is out of range for 1 slots"),
+        (held(None), 0, [1], 0, 1, KeyError, "slot 0 is free"),
+        (held(0), 0, [1, 2], 0, 0, ValueError, "chunk 0 ..< 0 is not a non-empty part of a 2-token prompt"),
+        (held(0), 0, [1, 2], 1, 2, ValueError, "chunk 1 ..< 3 is not a non-empty part of a 2-token prompt"),
+        (held(2), 0, [1, 2, 3, 4], 1, 2, ValueError, "chunk starts at 1, but slot 0 holds 2 tokens"),
+        (held(0), 0, [1] * 257, 0, 1, ValueError, "the prompt has 257 tokens, more than max_seq_len=256"),
+        (held(0), 0, [1, 300], 0, 1, ValueError, "prompt\\[1\\]=300 is outside the vocabulary"),
+        (held(0), 0, [1], True, 1, TypeError, "start must be an int, got bool"),
+    ],
+)
+def test_check_prefill(
+    slots: list[LmState | None],
+    seq_id: int,
+    prompt: list[int],
+    start: int,
+    length: int,
+    error: type[Exception],
+    message: str,
+) -> None:
+    with pytest.raises(error, match=message):
+        check_prefill(slots, seq_id, prompt, start, length, CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("slots", "seq_ids", "tokens", "error", "message"),
+    [
+        (held(1), [], [], ValueError, "a decode step needs at least one sequence"),
+        (held(1, 1), [0, 1], [5], ValueError, "one token per sequence: 2 ids, 1 tokens"),
+        (held(1), [1], [5], IndexError, "slot_ids\\[0\\]=1 is out of range for 1 slots"),
+        (held(1, 1), [1, 1], [5, 5], ValueError, "slot_ids\\[1\\]=1 repeats"),
+        (held(1, None), [0, 1], [5, 5], KeyError, "slot_ids\\[1\\]=1: the slot is free"),
+        (held(1), [0], [256], ValueError, "tokens\\[0\\]=256 is outside the vocabulary"),
+        (held(0), [0], [5], ValueError, "slot 0 holds 0 tokens: a decode needs 1 ..= 255"),
+        (held(256), [0], [5], ValueError, "slot 0 holds 256 tokens: a decode needs 1 ..= 255"),
+    ],
+)
+def test_check_decode(
+    slots: list[LmState | None], seq_ids: list[int], tokens: list[int], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        check_decode(slots, seq_ids, tokens, CONFIG)
+
+
+def test_the_head_sends_nothing_for_a_command_it_refuses() -> None:
+    model = solo_model(2)
+    slots: list[LmState | None] = [None, None]
+    model.alloc(slots, 0)
+    sent = model.ep_link.commands
+    with pytest.raises(KeyError, match="slot 1 is free"):
+        model.free(slots, 1)
+    with pytest.raises(ValueError, match="chunk starts at 1"):
+        model.prefill(slots, 0, [1, 2], 1, 1)
+    with pytest.raises(ValueError, match="slot 0 holds 0 tokens"):
+        model.decode(slots, [0], [5])
+    with pytest.raises(IndexError, match="seq_id=2 is out of range for 2 slots"):
+        model.alloc(slots, 2)
+    assert model.ep_link.commands == sent and slots == [LmState(0), None]
+
+
+def test_kv_digest_tells_slots_apart() -> None:
+    assert kv_digest(held(2, None)) == kv_digest(held(2, None))
+    others = [held(None, 2), held(2, 0), held(3, None), [LmState(0, [66, 65]), None]]
+    assert len({kv_digest(held(2, None)), *(kv_digest(slots) for slots in others)}) == 5
+
+
+def test_several_ranks_need_torch_distributed() -> None:
+    with pytest.raises(RuntimeError, match=r"2 ranks share the model, but torch\.distributed is not initialised"):
+        ReferenceLm(EpLink(RecordingTransport(2), num_slots=2))
+
+
+def _a_group_of_another_size(rank: int, world_size: int, out: str) -> None:
+    from rank_results import save
+
+    try:
+        ReferenceLm(EpLink(RecordingTransport(2), num_slots=2))
+    except ValueError as error:
+        save(out, rank, message=str(error))
+
+
+def test_the_group_must_be_the_links(tmp_path: Path) -> None:
+    assert run_group(_a_group_of_another_size, 1, str(tmp_path), timeout=RUN_LIMIT) == [0]
+    message = load(tmp_path, 1)[0]["message"]
+    assert message == (
+        "group: this process is rank 0 of 1 there, but rank 0 of 2 on the link; "
+        "the all-reduces must run over the link's ranks"
+    )
+
+
+def test_the_worker_hook_is_for_workers() -> None:
+    with pytest.raises(EpRoleError):
+        solo_model().ep_worker_step([None] * 4)
+
+
+# -- several ranks, real processes ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kind", "protocol"),
+    [(2, "shm", "v1"), (2, "torch", "v2"), (4, "shm", "v2"), (4, "torch", "v1")],  # each value twice, pairwise
+)
+def test_every_world_size_serves_the_tokens_of_one_rank(
+    world_size: int,
+    kind: str,
+    protocol: str,
+    one_rank: tuple[dict[int, list[int]], list[torch.Tensor], int],
+    tmp_path: Path,
+) -> None:
+    tokens, logits, digest = one_rank
+    codes = run_group(sessions.serve_workload, world_size, kind, protocol, str(tmp_path), timeout=RUN_LIMIT)
+    assert codes == [0] * world_size
+    results = load(tmp_path, world_size)
+    head = results[0]
+    assert head["tokens"] == tokens
+    assert len(head["logits"]) == len(logits)  # type: ignore[arg-type]
+    for step, (sharded, alone) in enumerate(zip(head["logits"], logits, strict=True)):  # type: ignore[call-overload]
+        difference = float((sharded - alone).abs().max())
+        assert difference <= LOGIT_TOLERANCE, f"step {step}: logits differ by {difference}"
+    assert {results[rank]["digest"] for rank in range(world_size)} == {digest}
+    assert all(results[rank]["failed"] == 0 for rank in range(1, world_size))
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_killed_inside_a_decode_stops_the_head_with_its_rank(kind: str, tmp_path: Path) -> None:
+    codes = run_group(sessions.fault, 2, kind, 1, "die", str(tmp_path), timeout=RUN_LIMIT)
+    assert codes[1] < 0  # killed
+    head, victim = load(tmp_path, 2)[0], load(tmp_path, 2)[1]
+    assert head["kind"] == "EpLinkError", head
+    assert "worker rank(s) [1] exited" in head["message"]  # type: ignore[operator]
+    assert 0 <= head["at"] - victim["killed_at"] < FAULT_BOUND  # type: ignore[operator]
+
+
+def test_the_head_killed_inside_a_decode_stops_every_worker(tmp_path: Path) -> None:
+    codes = run_group(sessions.fault, 4, "shm", 0, "die", str(tmp_path), timeout=RUN_LIMIT)
+    assert codes[0] < 0
+    results = load(tmp_path, 4)
+    for rank in (1, 2, 3):
+        assert results[rank]["kind"] == "EpLinkError", results[rank]
+        assert "an all-reduce of the forward failed" in results[rank]["message"]  # type: ignore[operator]
+        assert 0 <= results[rank]["at"] - results[0]["killed_at"] < FAULT_BOUND  # type: ignore[operator]
+
+
+def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Path) -> None:
+    run_group(sessions.fault, 4, "shm", 2, "forget", str(tmp_path), timeout=RUN_LIMIT)
+    results = load(tmp_path, 4)
+    head = results[0]
+    assert head["kind"] == "EpWorkerFailed", head
+    assert "worker rank 2" in head["message"] and "slot 0 is free" in head["message"]  # type: ignore[operator]
+    assert results[2]["kind"] == "EpCommandRefused"
+    assert "rank 2 refuses a prefill of slot 0: 'slot 0 is free'" in results[2]["message"]  # type: ignore[operator]
+    for rank in (1, 3):  # in the forward's all-reduce with the head when rank 2 left
+        assert results[rank]["kind"] == "EpLinkError", results[rank]
+    refused_at = float(results[2]["at"])  # type: ignore[arg-type]
+    assert all(0 <= float(results[rank]["at"]) - refused_at < FAULT_BOUND for rank in range(4))  # type: ignore[arg-type]
+
+
+def test_a_refusal_over_the_backend_names_the_rank_that_left(tmp_path: Path) -> None:
+    run_group(sessions.fault, 2, "torch", 1, "forget", str(tmp_path), timeout=RUN_LIMIT)
+    results = load(tmp_path, 2)
+    assert results[0]["kind"] == "EpLinkError", results[0]
+    assert "worker rank(s) [1] exited" in results[0]["message"]  # type: ignore[operator]
+    assert results[1]["kind"] == "EpCommandRefused"
+    assert 0 <= results[0]["at"] - results[1]["at"] < FAULT_BOUND  # type: ignore[operator]
