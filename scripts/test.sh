@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite in a fresh virtual environment: ruff lint and format,
-# pytest, mypy --strict and basedpyright --verifytypes (100% required).
+# pytest, mypy --strict and basedpyright --verifytypes (100% required; without torch,
+# 100% outside the torch-only reference package: scripts/verify_types.py).
 #
 #   ./scripts/test.sh                    # with the default python3
 #   PYTHON=python3.12 ./scripts/test.sh  # with another interpreter
@@ -28,7 +29,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 extras=test
 if [ "$with_torch" = 1 ]; then
     "${pip[@]}" torch==2.13.0
-    extras=test,torch
+    extras=test,torch,bench
 fi
 "${pip[@]}" -e "$root[$extras]"
 
@@ -40,7 +41,7 @@ echo "== pytest"
 "$venv/bin/python" -m pytest
 echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
-    "$venv/bin/python" -m mypy --strict  # src, tests and examples (pyproject)
+    "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)
 else
     # Without torch: the core (not torch.py, demo.py), its tests and the torch-free example; modules that
     # need torch are followed silently (their own run is the one with torch).
@@ -52,6 +53,5 @@ else
         $(ls src/metrale_model_engine/*.py | grep -vE '/(torch|demo).py$') "${torch_free[@]}"
 fi
 echo "== basedpyright --verifytypes (type completeness of the public API must be 100%)"
-PYTHONPATH="$root/src" "$venv/bin/basedpyright" --pythonpath "$venv/bin/python" \
-    --verifytypes metrale_model_engine --ignoreexternal
+"$venv/bin/python" scripts/verify_types.py
 echo "== Python $version: all checks passed"

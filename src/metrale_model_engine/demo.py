@@ -76,6 +76,7 @@ def _world_size(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The demo's command line (``sys.argv[1:]`` by default); a bad argument exits 2 with argparse's line."""
     parser = argparse.ArgumentParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--world-size", type=_world_size, default=2, help="local ranks: 1, 2 or 4 (default 2; torchrun sets it)")
@@ -217,9 +218,14 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
                 reported.add(completion.request.id)
                 report(completion)
     wall_s = time.perf_counter() - started
-    server.shutdown()
     summary = _summary(model, server, wall_s)
-    _print_summary(summary, len(server.completions), server.steps // work.sync_every + 1)
+    _print_summary(summary, len(server.completions))
+    server.shutdown()  # a last sync point: it raises unless every rank's KV bookkeeping is the head's
+    if model.is_ep():
+        sync_points = server.steps // work.sync_every + 1
+        _say(f"[head] all {link.world_size} ranks agree: KV bookkeeping compared at {sync_points} sync points")
+    else:
+        _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
     if work.json_path is not None:
         work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -274,7 +280,7 @@ def _summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, obj
     }
 
 
-def _print_summary(summary: dict[str, object], requests: int, sync_points: int) -> None:
+def _print_summary(summary: dict[str, object], requests: int) -> None:
     step = summary["decode_step"]
     assert isinstance(step, dict)
     _say(
@@ -286,13 +292,10 @@ def _print_summary(summary: dict[str, object], requests: int, sync_points: int) 
         f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
         f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
     )
-    if summary["ranks"] == 1:
-        _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
-    else:
-        _say(f"[head] all {summary['ranks']} ranks agree: KV bookkeeping compared at {sync_points} sync points")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; returns its exit status (see the module)."""
     args = parse_args(argv)
     speaks = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone reports errors
     try:

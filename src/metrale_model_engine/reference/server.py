@@ -96,13 +96,21 @@ class ServedLm(Protocol):
     @property
     def spent(self) -> TimeSpent: ...
 
-    def alloc(self, slots: LmSlots, seq_id: int) -> None: ...
+    def alloc(self, slots: LmSlots, seq_id: int) -> None:
+        """Give slot ``seq_id`` a new, empty sequence on every rank."""
+        ...
 
-    def free(self, slots: LmSlots, seq_id: int) -> None: ...
+    def free(self, slots: LmSlots, seq_id: int) -> None:
+        """Free slot ``seq_id`` on every rank."""
+        ...
 
-    def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor: ...
+    def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
+        """Feed ``prompt[start : start + length]`` into slot ``seq_id``; the logits after the chunk."""
+        ...
 
-    def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+    def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step: slot ``seq_ids[i]`` feeds ``tokens[i]``; the logits, one row per slot."""
+        ...
 
 
 @dataclass
@@ -140,12 +148,14 @@ class Server:
         for name, value in (("prefill_chunk", prefill_chunk), ("sync_every", sync_every)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self.model = model
-        self.prefill_chunk = prefill_chunk
-        self.on_token = on_token
-        self.sync_every = sync_every
+        self.model: ServedLm = model
+        self.prefill_chunk: int = prefill_chunk
+        self.on_token: Callable[[Request, int], None] | None = on_token
+        self.sync_every: int | None = sync_every
         self.slots: LmSlots = [None] * model.ep_link.num_slots
-        self.steps = 0
+        """The head's slot array."""
+        self.steps: int = 0
+        """Steps run so far."""
         self.decode_steps: list[DecodeStep] = []
         """The head's time in each batched decode so far."""
         self.completions: dict[int, Completion] = {}

@@ -208,8 +208,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     group that carries the model's all-reduces is ``group`` (default the world
     group), whose rank and size must be the link's.  With one rank (a link over a
     :class:`~metrale_model_engine.transport.SoloTransport`) it is the single-GPU
-    model: ``is_ep()`` is false, no collective runs, and torch.distributed need
-    not be initialised.
+    model: ``is_ep()`` is false, no command is sent and no collective runs, and
+    torch.distributed need not be initialised.
 
     Args:
         link: this rank's link; its slot count is the model's.
@@ -254,7 +254,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         self._group = group
         config, full = load_weights(weights, dtype=dtype)
         reduce = self._all_reduce if world_size > 1 else None
-        self.lm = ShardedLm(
+        self.lm: ShardedLm = ShardedLm(
             config,
             num_slots=link.num_slots,
             rank=rank,
@@ -264,7 +264,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             device=device,
         )
         self.lm.load_full_state(full)
-        self.spent = TimeSpent()
+        self.spent: TimeSpent = TimeSpent()
+        self._sends = world_size > 1  # one rank is the single-GPU model: no command to send, nothing to pay
         link.state_digest = kv_digest
 
     @property
@@ -314,15 +315,17 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             EpWorkerFailed, EpLinkError: an all-reduce failed: see the module.
         """
         states = check_decode(slots, seq_ids, tokens, self.config)
-        started = time.perf_counter()
-        send_batch(self.ep_link, CMD_DECODE, seq_ids, tokens)
-        self.spent.protocol_s += time.perf_counter() - started
+        if self._sends:
+            started = time.perf_counter()
+            send_batch(self.ep_link, CMD_DECODE, seq_ids, tokens)
+            self.spent.protocol_s += time.perf_counter() - started
         return self.forward_decode(states, tokens)
 
     def _send(self, seq_id: int, cmd: int, *follow_ups: int | Sequence[int]) -> None:
-        started = time.perf_counter()
-        self.ep_link.send_command(seq_id, cmd, *follow_ups)
-        self.spent.protocol_s += time.perf_counter() - started
+        if self._sends:
+            started = time.perf_counter()
+            self.ep_link.send_command(seq_id, cmd, *follow_ups)
+            self.spent.protocol_s += time.perf_counter() - started
 
     # -- every rank: the forwards, once a command is known and checked ------------
 
