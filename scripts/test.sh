@@ -43,14 +43,18 @@ echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
     "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)
 else
-    # Without torch: the core (not torch.py, demo.py), its tests and the torch-free example; modules that
-    # need torch are followed silently (their own run is the one with torch).
+    # Without torch: the core (every module that imports neither torch nor a module that does), its tests
+    # and the torch-free example; modules that need torch are followed silently (their own run is the one
+    # with torch).
     torch_free=()
+    for file in src/metrale_model_engine/*.py; do
+        grep -qE "^(import torch|from torch)|^    import torch|^from \.(_torch_transport|_groups|_choice|torch) import" \
+            "$file" || torch_free+=("$file")
+    done
     for file in tests/*.py examples/*.py; do
         grep -qE "^(import torch|from metrale_model_engine.torch|    import torch)|importorskip\(\"torch\"" "$file" || torch_free+=("$file")
     done
-    "$venv/bin/python" -m mypy --strict --follow-imports=silent \
-        $(ls src/metrale_model_engine/*.py | grep -vE '/(torch|demo).py$') "${torch_free[@]}"
+    "$venv/bin/python" -m mypy --strict --follow-imports=silent "${torch_free[@]}"
 fi
 echo "== basedpyright --verifytypes (type completeness of the public API must be 100%)"
 "$venv/bin/python" scripts/verify_types.py

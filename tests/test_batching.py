@@ -162,4 +162,4 @@ def test_a_refused_command_is_reported_then_ends_the_worker() -> None:
         worker.step(refuse, slots)
     assert isinstance(info.value, EpLinkError)  # run_worker re-raises it: the worker leaves
     (report,) = [decode_answer(answer) for answer in replay.answers]
-    assert report == Report(1, 2, 7, "KeyError: 'slot 2 is free here'")
+    assert report == Report(1, 2, 7, "EpCommandRefused: refused before its forward")  # the refusal, by name

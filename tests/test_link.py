@@ -125,6 +125,11 @@ def test_protocol_from_constructor_else_environment(monkeypatch: pytest.MonkeyPa
     assert EpLink(FakeTransport(0, 2), num_slots=2, protocol=ProtocolVersion.V1).protocol is ProtocolVersion.V1
 
 
+def test_a_setup_of_another_length_is_refused() -> None:
+    with pytest.raises(EpSetupError, match=r"rank 0: rank 1 sent a setup of 4 words, not 7: every rank must run"):
+        EpLink(FakeTransport(0, 2, peers=[[3, 1, 1, 4]]), num_slots=4, protocol=ProtocolVersion.V1)
+
+
 @pytest.mark.parametrize(
     ("peer", "fragment"),
     [

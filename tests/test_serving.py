@@ -17,7 +17,13 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 import torch
 
 import serving_sessions as sessions
-from metrale_model_engine import EpLink, EpRoleError
+from metrale_model_engine import (
+    EpCommandRefused,
+    EpLink,
+    EpRoleError,
+    ProtocolVersion,
+    run_worker,
+)
 from metrale_model_engine.reference import (
     LmConfig,
     LmState,
@@ -29,10 +35,13 @@ from metrale_model_engine.reference import (
     decode_text,
     encode,
     kv_digest,
+    serving,
 )
-from metrale_model_engine.testing import RecordingTransport
+from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, RunStopped
+from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.torch import run_group
 from metrale_model_engine.transport import SoloTransport
+from metrale_model_engine.wire import Report, decode_answer
 
 from rank_results import load
 
@@ -105,7 +114,8 @@ def test_a_sequence_ends_when_its_cache_is_full() -> None:
     [
         ({"prompt": ()}, "request 1: the prompt is empty"),
         ({"prompt": (1, "2")}, "request 1: prompt\\[1\\] must be an int, got str"),
-        ({"max_new_tokens": 0}, "request 1: max_new_tokens must be an int >= 1, got 0"),
+        ({"max_new_tokens": 0}, "request 1: max_new_tokens must be at least 1, got 0"),
+        ({"max_new_tokens": 2.0}, "request 1: max_new_tokens must be an int, got float 2.0"),
         ({"id": -1}, "id=-1 is outside the u32 range"),
     ],
 )
@@ -126,7 +136,7 @@ def test_the_server_refuses_what_the_model_cannot_serve() -> None:
         server.submit(Request(3, (1, 256), 1))
     assert list(server.completions) == [1]  # nothing of the refused ones was kept
     for name in ("prefill_chunk", "sync_every"):
-        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got 0"):
+        with pytest.raises(ValueError, match=f"{name} must be at least 1, got 0"):
             Server(solo_model(), **{name: 0})  # type: ignore[arg-type]
 
 
@@ -233,6 +243,144 @@ def test_the_worker_hook_is_for_workers() -> None:
         solo_model().ep_worker_step([None] * 4)
 
 
+# -- the worker hook and the head's failures, in this process (an all-reduce that adds nothing) --
+
+
+def no_reduce(tensor: torch.Tensor) -> None:
+    """A stand-in all-reduce: each rank keeps its own shard's sum (wrong logits, the same on every run)."""
+
+
+def no_slots(count: int) -> list[LmState | None]:
+    return [None] * count
+
+
+def recorded_head(slots: int = 4) -> tuple[ReferenceLm, RecordingTransport]:
+    transport = RecordingTransport(2)
+    link = EpLink(transport, num_slots=slots, protocol=ProtocolVersion.V2)
+    return ReferenceLm(link, all_reduce=no_reduce), transport
+
+
+def replaying_worker(
+    messages: list[list[int]] | list[tuple[int, ...]], slots: int = 4
+) -> tuple[ReferenceLm, ReplayTransport]:
+    transport = ReplayTransport(messages)
+    link = EpLink(transport, num_slots=slots, protocol=ProtocolVersion.V2)
+    return ReferenceLm(link, all_reduce=no_reduce), transport
+
+
+def message(seq_id: int, cmd: int, *follow_ups: int | list[int]) -> list[int]:
+    """The words of one command as the head sends it."""
+    transport = RecordingTransport(2)
+    EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2).send_command(seq_id, cmd, *follow_ups)
+    return list(transport.messages[-1])
+
+
+def reports(transport: ReplayTransport) -> list[str]:
+    """The error text of every failure the worker reported to the head."""
+    return [answer.error for answer in map(decode_answer, transport.answers) if isinstance(answer, Report)]
+
+
+def test_a_worker_replays_what_the_head_served_to_the_same_kv_state() -> None:
+    head, recording = recorded_head()
+    server = Server(head, prefill_chunk=8)
+    server.run(sessions.WORKLOAD[:3])
+    head.alloc(server.slots, 1)
+    head.prefill(server.slots, 1, sessions.TAIL.prompt, 0, len(sessions.TAIL.prompt))
+    head.ep_link.shutdown_workers()
+    worker, _ = replaying_worker(recording.messages)
+    slots: list[LmState | None] = [None] * 4
+    assert run_worker(worker, slots).commands_failed == 0
+    assert kv_digest(slots) == kv_digest(server.slots) and slots[1] is not None
+
+
+@pytest.mark.parametrize(
+    ("command", "fragment"),
+    [
+        (
+            message(0, CMD_DECODE, 1, [1], [65]),
+            "rank 1 refuses a decode step: KeyError: 'slot_ids[0]=1: the slot is free'",
+        ),
+        (message(2, CMD_PREFILL, 1, 0, 2, [65, 66]), "rank 1 refuses a prefill of slot 2: KeyError: 'slot 2 is free'"),
+        (message(0, CMD_PREFILL, 2, 0, 2, [65, 300]), "prompt[1]=300 is outside the vocabulary"),
+        (message(0, CMD_PREFILL, 1, 0, 3, [65]), "EpMismatchError"),  # full_len says 3, the array holds 1
+        (message(0, 0x1234), "rank 1 refuses a command: ValueError: unknown command word 0x00001234"),
+    ],
+)
+def test_a_worker_refuses_what_it_cannot_run_and_leaves_having_told_the_head(command: list[int], fragment: str) -> None:
+    worker, transport = replaying_worker([message(0, CMD_ALLOC, 1), command])
+    with pytest.raises(EpCommandRefused, match="rank 1 refuses"):
+        run_worker(worker, no_slots(4), logger=sessions.QUIET)
+    (report,) = reports(transport)
+    assert report.startswith("EpCommandRefused: rank 1 refuses") and fragment in report, report
+
+
+class FailsInItsForward(ReferenceLm):
+    def forward_decode(self, states: object, tokens: object) -> torch.Tensor:
+        raise RuntimeError("out of memory")
+
+
+def test_an_error_inside_a_workers_forward_is_a_refusal_too() -> None:
+    transport = ReplayTransport(
+        [message(0, CMD_ALLOC, 1), message(0, CMD_PREFILL, 1, 0, 1, [65]), message(0, CMD_DECODE, 1, [0], [66])]
+    )
+    worker = FailsInItsForward(EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2), all_reduce=no_reduce)
+    with pytest.raises(EpCommandRefused, match="rank 1 refuses a decode step: RuntimeError: out of memory"):
+        run_worker(worker, no_slots(4), logger=sessions.QUIET)
+
+
+def test_a_bad_alloc_or_free_is_an_ordinary_failure_and_the_worker_stays() -> None:
+    commands = [message(0, CMD_ALLOC, 2), message(3, CMD_ALLOC, 0), message(1, CMD_ALLOC, 1), header_shutdown()]
+    worker, transport = replaying_worker(commands)
+    slots: list[LmState | None] = [None] * 4
+    summary = run_worker(worker, slots, logger=sessions.QUIET)
+    assert (summary.commands_run, summary.commands_failed) == (1, 2)
+    assert slots == [None, LmState(1), None, None]
+    assert [r.split(":")[0] for r in reports(transport)] == ["ValueError", "KeyError"]
+    assert "an alloc's word must be 1 (alloc) or 0 (free), got 2" in reports(transport)[0]
+
+
+def header_shutdown() -> list[int]:
+    transport = RecordingTransport(2)
+    EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2).shutdown_workers()
+    return list(transport.messages[-1])
+
+
+def test_a_worker_with_the_wrong_slot_count_leaves_at_once() -> None:
+    worker, _ = replaying_worker([message(0, CMD_ALLOC, 1)])
+    with pytest.raises(ValueError, match="slots has 3 entries, but the link has num_slots=4"):
+        run_worker(worker, no_slots(3))
+
+
+def test_the_heads_own_forward_failing_ends_the_run_for_good() -> None:
+    class HeadFails(ReferenceLm):
+        def forward_prefill(self, *args: object) -> torch.Tensor:
+            raise RuntimeError("a bug on the head")
+
+    link = EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2)
+    head = HeadFails(link, all_reduce=no_reduce)
+    slots: list[LmState | None] = [None, None]
+    head.alloc(slots, 0)
+    with pytest.raises(RunStopped, match="the head's own forward failed: RuntimeError: a bug on the head"):
+        head.prefill(slots, 0, [65], 0, 1)
+    assert link.closed and slots == [LmState(0), None]  # the chunk is not recorded: it was never written
+    with pytest.raises(RunStopped, match="the run stopped earlier"):
+        head.alloc(slots, 1)
+
+
+def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(tensor: torch.Tensor) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(serving, "EXIT_GRACE", 0.01)
+    head = ReferenceLm(EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2), all_reduce=broken)
+    slots: list[LmState | None] = [None, None]
+    head.alloc(slots, 0)
+    with pytest.raises(RunStopped, match="rank 0: an all-reduce of the forward failed, so a rank died or left"):
+        head.prefill(slots, 0, [65], 0, 1)
+    with pytest.raises(RunStopped):
+        head.decode(slots, [0], [66])
+
+
 # -- several ranks, real processes ----------------------------------------------
 
 
@@ -266,7 +414,7 @@ def test_a_worker_killed_inside_a_decode_stops_the_head_with_its_rank(kind: str,
     codes = run_group(sessions.fault, 2, kind, 1, "die", str(tmp_path), timeout=RUN_LIMIT)
     assert codes[1] < 0  # killed
     head, victim = load(tmp_path, 2)[0], load(tmp_path, 2)[1]
-    assert head["kind"] == "EpLinkError", head
+    assert head["kind"] == "RunStopped", head
     assert "worker rank(s) [1] exited" in head["message"]  # type: ignore[operator]
     assert 0 <= head["at"] - victim["killed_at"] < FAULT_BOUND  # type: ignore[operator]
 
@@ -276,7 +424,7 @@ def test_the_head_killed_inside_a_decode_stops_every_worker(tmp_path: Path) -> N
     assert codes[0] < 0
     results = load(tmp_path, 4)
     for rank in (1, 2, 3):
-        assert results[rank]["kind"] == "EpLinkError", results[rank]
+        assert results[rank]["kind"] == "RunStopped", results[rank]
         assert "an all-reduce of the forward failed" in results[rank]["message"]  # type: ignore[operator]
         assert 0 <= results[rank]["at"] - results[0]["killed_at"] < FAULT_BOUND  # type: ignore[operator]
 
@@ -285,12 +433,12 @@ def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Pa
     run_group(sessions.fault, 4, "shm", 2, "forget", str(tmp_path), timeout=RUN_LIMIT)
     results = load(tmp_path, 4)
     head = results[0]
-    assert head["kind"] == "EpWorkerFailed", head
+    assert head["kind"] == "RunStopped", head
     assert "worker rank 2" in head["message"] and "slot 0 is free" in head["message"]  # type: ignore[operator]
     assert results[2]["kind"] == "EpCommandRefused"
-    assert "rank 2 refuses a prefill of slot 0: 'slot 0 is free'" in results[2]["message"]  # type: ignore[operator]
+    assert "rank 2 refuses a prefill of slot 0: KeyError: 'slot 0 is free'" in results[2]["message"]  # type: ignore[operator]
     for rank in (1, 3):  # in the forward's all-reduce with the head when rank 2 left
-        assert results[rank]["kind"] == "EpLinkError", results[rank]
+        assert results[rank]["kind"] == "RunStopped", results[rank]
     refused_at = float(results[2]["at"])  # type: ignore[arg-type]
     assert all(0 <= float(results[rank]["at"]) - refused_at < FAULT_BOUND for rank in range(4))  # type: ignore[arg-type]
 
@@ -298,7 +446,7 @@ def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Pa
 def test_a_refusal_over_the_backend_names_the_rank_that_left(tmp_path: Path) -> None:
     run_group(sessions.fault, 2, "torch", 1, "forget", str(tmp_path), timeout=RUN_LIMIT)
     results = load(tmp_path, 2)
-    assert results[0]["kind"] == "EpLinkError", results[0]
+    assert results[0]["kind"] == "RunStopped", results[0]
     assert "worker rank(s) [1] exited" in results[0]["message"]  # type: ignore[operator]
     assert results[1]["kind"] == "EpCommandRefused"
     assert 0 <= results[0]["at"] - results[1]["at"] < FAULT_BOUND  # type: ignore[operator]

@@ -125,6 +125,7 @@ REFERENCE_SURFACE = [
     "MAGIC",
     "ReferenceLm",
     "Request",
+    "RunStopped",
     "SHIPPED_WEIGHTS",
     "ServedLm",
     "Server",

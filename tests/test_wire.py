@@ -34,7 +34,7 @@ def view(*values: int) -> memoryview:
 
 
 def test_the_layout_is_fixed() -> None:
-    assert WIRE_VERSION == 3 and (FRAME_WORDS, FRAME_PAYLOAD) == (16, 15)
+    assert WIRE_VERSION == 4 and (FRAME_WORDS, FRAME_PAYLOAD) == (16, 15)
     assert words(encode_header(7, 3)) == (0x4D45_0001, 3, 7)
     assert words(encode_word(9)) == (0x4D45_0002, 9)
     assert words(encode_tokens_prefix(2)) == (0x4D45_0003, 2)

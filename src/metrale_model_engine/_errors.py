@@ -82,9 +82,10 @@ class EpCommandRefused(EpLinkError):
     order) must not run half a forward, and cannot skip its collectives either, or
     the other ranks would wait in them.  It raises this (the cause is ``__cause__``)
     before any collective: the link reports the refusal to the head, then the worker
-    leaves its loop (it is an :class:`EpLinkError`), and every other rank's next
-    collective fails at once.  As Metrale's poisoned communicator, the run ends with
-    an error on every rank; it never goes on with ranks out of step.
+    leaves its loop (it is an :class:`EpLinkError`) and its process exits (or
+    destroys its process group), and every other rank's collective fails at once.
+    As under Metrale's poisoned communicator, the run ends with an error on every
+    rank; it never goes on with ranks out of step.
     """
 
 

@@ -135,6 +135,12 @@ class EpLink(SyncPoints):
             everyone = transport.gather(mine)
         except Exception as error:
             raise EpLinkError(f"rank {rank}: the setup exchange failed: {error}") from error
+        for peer, words in enumerate(everyone):
+            if len(words) != len(mine):
+                raise EpSetupError(
+                    f"rank {rank}: rank {peer} sent a setup of {len(words)} words, not {len(mine)}: "
+                    "every rank must run the same version of this library"
+                )
         fields: tuple[tuple[str, Callable[[int], str]], ...] = (
             ("wire version", str),
             ("protocol", "v{}".format),

@@ -121,7 +121,7 @@ class ItemReader:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
         except EpCommandRefused as refused:  # told to the head before this worker leaves
-            self._report(seq_id, cmd, refused.__cause__ or refused)
+            self._report(seq_id, cmd, refused)
             raise
         except EpLinkError:
             raise

@@ -7,7 +7,8 @@
   (ids in range, no duplicates, every slot live), as Metrale's worker does.
 * :func:`prefill_chunks`: a prompt cut into chunks of at most a given length.
 
-Torch-free; the toy model and the reference model both use them.
+Torch-free.  The toy model's and the reference model's batched decodes use the
+first three; the reference server cuts prompts with :func:`prefill_chunks`.
 """
 
 from __future__ import annotations

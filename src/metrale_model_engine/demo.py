@@ -235,11 +235,12 @@ def _summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, obj
 
     link = model.ep_link
     generated = sum(len(c.tokens) for c in server.completions.values())
-    steps = server.decode_steps
-    median = statistics.median(step.total_s for step in steps)
+    steps = server.decode_steps  # none when every request ends at its prefill (--max-new-tokens 1)
+    median = statistics.median(step.total_s for step in steps) if steps else 0.0
 
     def share(part: float) -> float:
-        return round(part / sum(step.total_s for step in steps), 4)
+        total = sum(step.total_s for step in steps)
+        return round(part / total, 4) if total else 0.0
 
     backend = "none"
     if model.is_ep():
@@ -259,11 +260,11 @@ def _summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, obj
         "decode_step": {
             "count": len(steps),
             "median_ms": round(median * 1e3, 3),
-            "largest_batch": max(step.batch for step in steps),
+            "largest_batch": max((step.batch for step in steps), default=0),
             "protocol_share": share(sum(step.protocol_s for step in steps)),
             "collectives_share": share(sum(step.collectives_s for step in steps)),
             "compute_share": share(sum(step.compute_s for step in steps)),
-            "protocol_us_median": round(statistics.median(step.protocol_s for step in steps) * 1e6, 1),
+            "protocol_us_median": round(statistics.median(s.protocol_s for s in steps) * 1e6, 1) if steps else 0.0,
         },
         "requests": [
             {

@@ -81,8 +81,9 @@ __all__ = [
     "frame_message",
 ]
 
-WIRE_VERSION: Final[int] = 3
-"""Version of this wire format; every rank must run the same one.  3: items in messages."""
+WIRE_VERSION: Final[int] = 4
+"""Version of this wire format; every rank must run the same one.  3: items in messages; 4: the setup
+exchange carries each rank's pid and host."""
 
 FRAME_WORDS: Final[int] = 16
 """u32 words per frame over a fixed-size broadcast (64 bytes: one cache line)."""

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from .. import EpLink, check_u32
+from ..batching import prefill_chunks
 from .model import LmConfig
 from .serving import LmSlots, LmState, TimeSpent
 
@@ -38,8 +39,8 @@ class Request:
     """A prompt to continue by ``max_new_tokens`` greedy tokens (fewer if its slot's cache fills up).
 
     Raises:
-        TypeError, ValueError: ``id`` is not a u32, the prompt is empty or holds a
-            non-int, or ``max_new_tokens < 1``.
+        TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int.
+        ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
     """
 
     id: int
@@ -54,8 +55,14 @@ class Request:
         for index, token in enumerate(self.prompt):
             if type(token) is not int:
                 raise TypeError(f"request {self.id}: prompt[{index}] must be an int, got {type(token).__name__}")
-        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
-            raise ValueError(f"request {self.id}: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        _check_count(f"request {self.id}: max_new_tokens", self.max_new_tokens)
+
+
+def _check_count(name: str, value: object) -> None:
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 @dataclass
@@ -117,7 +124,8 @@ class ServedLm(Protocol):
 class _Running:
     completion: Completion
     seq_id: int
-    prefilled: int = 0
+    chunks: deque[tuple[int, int]]
+    """The prompt's chunks still to feed, ``(start, length)``."""
     pending: int | None = None
     """The last token chosen, which the next decode feeds."""
 
@@ -134,7 +142,10 @@ class Server:
             ``None``: none but :meth:`shutdown`'s.
 
     Raises:
-        TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` is not an int ``>= 1``.
+        TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` (unless ``None``) is not an int ``>= 1``.
+
+    A step that raises leaves the server as it was when the error struck (a
+    request may be half admitted); after a :class:`RunStopped` the run is over.
     """
 
     def __init__(
@@ -145,9 +156,9 @@ class Server:
         on_token: Callable[[Request, int], None] | None = None,
         sync_every: int | None = None,
     ) -> None:
-        for name, value in (("prefill_chunk", prefill_chunk), ("sync_every", sync_every)):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        _check_count("prefill_chunk", prefill_chunk)
+        if sync_every is not None:
+            _check_count("sync_every", sync_every)
         self.model: ServedLm = model
         self.prefill_chunk: int = prefill_chunk
         self.on_token: Callable[[Request, int], None] | None = on_token
@@ -205,17 +216,18 @@ class Server:
         model, slots = self.model, self.slots
         free = [seq_id for seq_id, state in enumerate(slots) if state is None]
         while self._waiting and free:
-            running = _Running(self._waiting.popleft(), free.pop(0))
-            running.completion.admitted_step = self.steps
-            model.alloc(slots, running.seq_id)
-            self._running.append(running)
+            model.alloc(slots, free[0])  # first: a request is taken off the queue only once it has its slot
+            completion = self._waiting.popleft()
+            completion.admitted_step = self.steps
+            prompt = completion.request.prompt
+            self._running.append(
+                _Running(completion, free.pop(0), deque(prefill_chunks(len(prompt), self.prefill_chunk)))
+            )
         for running in self._running:
-            prompt = running.completion.request.prompt
-            if running.prefilled < len(prompt):
-                length = min(self.prefill_chunk, len(prompt) - running.prefilled)
-                logits = model.prefill(slots, running.seq_id, prompt, running.prefilled, length)
-                running.prefilled += length
-                if running.prefilled == len(prompt):
+            if running.chunks:
+                start, length = running.chunks.popleft()
+                logits = model.prefill(slots, running.seq_id, running.completion.request.prompt, start, length)
+                if not running.chunks:
                     self._choose(running, int(torch.argmax(logits)))
         decoding = [running for running in self._running if running.pending is not None and not self._done(running)]
         if decoding:
@@ -234,7 +246,10 @@ class Server:
     def _decode(self, decoding: list[_Running]) -> None:
         model = self.model
         seq_ids = [running.seq_id for running in decoding]
-        tokens = [running.pending for running in decoding if running.pending is not None]
+        tokens: list[int] = []
+        for running in decoding:
+            assert running.pending is not None  # only sequences with a token to feed decode
+            tokens.append(running.pending)
         before = model.spent.copy()
         started = time.perf_counter()
         logits = model.decode(self.slots, seq_ids, tokens)

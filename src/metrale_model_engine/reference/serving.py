@@ -23,21 +23,30 @@ The command words are Metrale's:
 
 Failures (the README's contract for failures inside a forward):
 
-* A command a worker cannot run before its collectives (a prefill or decode of a
-  slot it does not hold, a chunk out of order, an unknown word): the worker
-  raises :class:`~metrale_model_engine.EpCommandRefused` before any collective, so
-  the link reports it to the head and the worker leaves.  The ranks still in the
-  forward see their all-reduce fail: a worker raises
-  :class:`~metrale_model_engine.EpLinkError` and leaves too; the head raises
-  :class:`~metrale_model_engine.EpWorkerFailed` with the refusal (where the
-  transport carries reports between sync points: shared memory) or
-  :class:`~metrale_model_engine.EpLinkError` naming the ranks that exited.  The
-  run stops on every rank, as Metrale's poisoned communicator stops it; no rank
-  goes on out of step.
+* A prefill or decode a worker cannot run (a slot it does not hold, a chunk out
+  of order, follow-ups it cannot read, an error in its forward) and an unknown
+  word: the worker raises :class:`~metrale_model_engine.EpCommandRefused`, so the
+  link reports it to the head and the worker leaves (its process exits, which
+  closes its sockets).  The ranks still in the forward see their all-reduce fail:
+  a worker raises :class:`~metrale_model_engine.EpLinkError` and leaves too; the
+  head raises :class:`RunStopped` (an ``EpLinkError``) saying which ranks stopped
+  and, where the transport carries reports between sync points (shared memory),
+  why.  The run stops on every rank, as Metrale's poisoned communicator stops it;
+  no rank goes on out of step.
 * A rank that dies inside a collective: the same, from the all-reduce's failure on.
+* The head's own forward failing after it sent the command: the model is broken
+  for good (every later head call raises :class:`RunStopped`) and the link is
+  closed; the workers' all-reduce fails once the head's process exits.
 * An alloc or free that fails on a worker (no collective to pair): an ordinary
   failed command; the worker stays up and the head raises it at its next command
   or sync point.
+
+Measured on gloo (CPU).  Under NCCL a collective's failure surfaces through the
+communicator's own watchdog and timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), not
+as an exception of the all-reduce call, so the bounds above are gloo's.
+
+A prefill chunk carries the whole prompt, as Metrale's word layout has it: a prompt
+of ``L`` tokens in chunks of ``c`` costs ``L * ceil(L / c)`` tokens on the wire.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ import dataclasses
 import time
 import zlib
 from array import array
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -55,8 +64,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import EpCommandRefused, EpLink, EpLinkError, LinkedEp, SequenceState, check_slot
+from .. import (
+    EpCommandRefused,
+    EpLink,
+    EpLinkError,
+    EpWorkerFailed,
+    LinkedEp,
+    SequenceState,
+    WorkerFailure,
+    check_slot,
+)
 from ..batching import check_batch, recv_batch, send_batch
+from .layers import AllReduce
 from .model import LmConfig, ShardedLm
 from .weights import load_weights
 
@@ -68,6 +87,7 @@ __all__ = [
     "LmSlots",
     "LmState",
     "ReferenceLm",
+    "RunStopped",
     "TimeSpent",
     "check_decode",
     "check_prefill",
@@ -97,6 +117,22 @@ class LmState(SequenceState):
 
 LmSlots = MutableSequence[LmState | None]
 """One rank's slot array for the reference model."""
+
+
+class RunStopped(EpLinkError):
+    """The run is over on every rank: a rank refused a command, died or failed inside a forward.
+
+    :attr:`failures` holds what workers reported (a refusal, with its reason), when
+    their reports reached the head; empty otherwise (the message names the ranks
+    that exited).  Unlike :class:`~metrale_model_engine.EpWorkerFailed` for an
+    ordinary command, nothing can be retried: the model refuses every later call.
+    """
+
+    failures: tuple[WorkerFailure, ...]
+
+    def __init__(self, message: str, failures: Sequence[WorkerFailure] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
 
 
 @dataclass
@@ -215,8 +251,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         link: this rank's link; its slot count is the model's.
         weights: a weights file (:func:`~metrale_model_engine.reference.save_weights`);
             default the shipped one.  Every rank loads it and keeps its shard.
-        dtype, device: of the weights, KV cache and activations.
+        dtype, device: of the weights, KV cache and activations; the device
+            defaults to the current CUDA device under NCCL, else torch's default.
         group: the process group of the all-reduces.
+        all_reduce: the in-place sum over the ranks; default ``dist.all_reduce``
+            over ``group`` (tests pass their own to run ranks without a group).
 
     Attributes:
         lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
@@ -226,7 +265,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         ValueError: the link's group cannot share the model (see
             :func:`~metrale_model_engine.reference.check_world`), or ``group`` is
             not the link's group.
-        RuntimeError: several ranks and torch.distributed is not initialised.
+        RuntimeError: several ranks, no ``all_reduce`` and torch.distributed is not initialised.
         OSError: the weights file cannot be read.
     """
 
@@ -238,11 +277,13 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         group: dist.ProcessGroup | None = None,
+        all_reduce: AllReduce | None = None,
     ) -> None:
         super().__init__()
         self.ep_link = link
         rank, world_size = link.rank, link.world_size
-        if world_size > 1:
+        self._reduce = all_reduce
+        if world_size > 1 and all_reduce is None:
             if not dist.is_initialized():
                 raise RuntimeError(f"{world_size} ranks share the model, but torch.distributed is not initialised")
             ranks = (dist.get_rank(group), dist.get_world_size(group))
@@ -251,7 +292,10 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
                     f"group: this process is rank {ranks[0]} of {ranks[1]} there, but rank {rank} of "
                     f"{world_size} on the link; the all-reduces must run over the link's ranks"
                 )
+            if device is None and dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
         self._group = group
+        self._stopped: str | None = None
         config, full = load_weights(weights, dtype=dtype)
         reduce = self._all_reduce if world_size > 1 else None
         self.lm: ShardedLm = ShardedLm(
@@ -277,12 +321,14 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
 
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
         """Head: give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed)."""
+        self._check_running()
         check_slot(seq_id, slots)
         self._send(seq_id, CMD_ALLOC, 1)
         slots[seq_id] = LmState(seq_id)
 
     def free(self, slots: LmSlots, seq_id: int) -> None:
         """Head: free slot ``seq_id`` on every rank.  Raises ``KeyError`` if it is free (nothing is sent)."""
+        self._check_running()
         _held(slots, seq_id)
         self._send(seq_id, CMD_ALLOC, 0)
         slots[seq_id] = None
@@ -296,12 +342,13 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         Raises:
             IndexError, KeyError, TypeError, ValueError: as :func:`check_prefill`
                 (nothing is sent).
-            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command`.
-            EpWorkerFailed, EpLinkError: an all-reduce failed: see the module.
+            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command` (nothing is sent).
+            RunStopped: the run is over (see the module).
         """
+        self._check_running()
         state = check_prefill(slots, seq_id, prompt, start, length, self.config)
         self._send(seq_id, CMD_PREFILL, length, start, len(prompt), prompt)
-        return self.forward_prefill(state, prompt, start, length)
+        return self._head_forward(lambda: self.forward_prefill(state, prompt, start, length))
 
     def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Head: one decode step on every rank: slot ``seq_ids[i]`` feeds ``tokens[i]``.
@@ -311,15 +358,16 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
 
         Raises:
             IndexError, KeyError, TypeError, ValueError: as :func:`check_decode` (nothing is sent).
-            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command`.
-            EpWorkerFailed, EpLinkError: an all-reduce failed: see the module.
+            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command` (nothing is sent).
+            RunStopped: the run is over (see the module).
         """
+        self._check_running()
         states = check_decode(slots, seq_ids, tokens, self.config)
         if self._sends:
             started = time.perf_counter()
             send_batch(self.ep_link, CMD_DECODE, seq_ids, tokens)
             self.spent.protocol_s += time.perf_counter() - started
-        return self.forward_decode(states, tokens)
+        return self._head_forward(lambda: self.forward_decode(states, tokens))
 
     def _send(self, seq_id: int, cmd: int, *follow_ups: int | Sequence[int]) -> None:
         if self._sends:
@@ -327,80 +375,131 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             self.ep_link.send_command(seq_id, cmd, *follow_ups)
             self.spent.protocol_s += time.perf_counter() - started
 
+    def _check_running(self) -> None:
+        if self._stopped is not None:
+            raise RunStopped(f"head: the run stopped earlier ({self._stopped}); nothing more can run")
+
+    def _head_forward(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run the head's forward of a command already sent; any failure ends the run."""
+        try:
+            return forward()
+        except RunStopped as stopped:
+            self._stop(str(stopped))
+            raise
+        except BaseException as error:  # its workers are in this forward's collectives: the run is over
+            self._stop(f"the head's own forward failed: {type(error).__name__}: {error}")
+            if not isinstance(error, Exception):
+                raise
+            raise RunStopped(f"head: {self._stopped}") from error
+
+    def _stop(self, why: str) -> None:
+        if self._stopped is None:
+            self._stopped = why
+            self.ep_link.close()
+
     # -- every rank: the forwards, once a command is known and checked ------------
 
     def forward_prefill(self, state: LmState, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
-        """Run a checked prefill chunk (:func:`check_prefill`) in ``state``'s slot; the logits after its last token."""
+        """Run a checked prefill chunk (:func:`check_prefill`) in ``state``'s slot; the logits after its last token.
+
+        The state records the chunk once the forward has written its keys and values.
+        """
         chunk = prompt[start : start + length]
+        logits = self.lm.prefill(state.seq_id, torch.tensor(chunk, dtype=torch.int64), start)
         state.extend(chunk)
-        tokens = torch.tensor(chunk, dtype=torch.int64)
-        return self.lm.prefill(state.seq_id, tokens, start)
+        return logits
 
     def forward_decode(self, states: Sequence[LmState], tokens: Sequence[int]) -> torch.Tensor:
         """Run a checked decode step (:func:`check_decode`): ``states[i]`` feeds ``tokens[i]``; logits ``[B, vocab]``.
 
-        Every rank runs it once the command is known: the head after sending it, a worker after reading it.
+        Every rank runs it once the command is known: the head after sending it, a
+        worker after reading it.  The states record their tokens once the forward
+        has written their keys and values.
         """
-        positions = [state.length for state in states]
-        for state, token in zip(states, tokens, strict=True):
-            state.append(token)
         as_tensor = torch.tensor
-        return self.lm.decode(
+        logits = self.lm.decode(
             as_tensor([state.seq_id for state in states], dtype=torch.int64),
             as_tensor(tokens, dtype=torch.int64),
-            as_tensor(positions, dtype=torch.int64),
+            as_tensor([state.length for state in states], dtype=torch.int64),
         )
+        for state, token in zip(states, tokens, strict=True):
+            state.append(token)
+        return logits
 
     # -- worker ----------------------------------------------------------------
+
+    def ep_worker_step(self, slots: MutableSequence[LmState | None]) -> bool:
+        """Worker: as :meth:`LinkedEp.ep_worker_step`, after checking that ``slots`` has the link's slot count.
+
+        Raises:
+            ValueError: ``len(slots)`` is not the link's ``num_slots`` (a command for
+                a slot this rank lacks could not even reach the hook, and the head
+                would wait in its forward): ``run_worker`` lets it through, and the
+                worker exits.
+        """
+        if len(slots) != self.ep_link.num_slots:
+            raise ValueError(f"slots has {len(slots)} entries, but the link has num_slots={self.ep_link.num_slots}")
+        return super().ep_worker_step(slots)
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[LmState | None]) -> None:
         """Worker hook: read the command whole, check it against this rank's slots, run it.
 
-        A prefill or decode that fails its check, and an unknown word, raise
+        A prefill or decode that cannot be read, fails its check or fails in its
+        forward other than in a collective, and an unknown word, raise
         :class:`~metrale_model_engine.EpCommandRefused` (the run stops, see the
         module); a bad alloc or free fails as an ordinary command.
         """
         link = self.ep_link
         if cmd == CMD_ALLOC:
-            if link.recv_word():
+            word = link.recv_word()
+            if word == 1:
                 slots[seq_id] = LmState(seq_id)
-            else:
+            elif word == 0:
                 _held(slots, seq_id)
                 slots[seq_id] = None
-        elif cmd == CMD_PREFILL:
-            length, start, full_length = link.recv_word(), link.recv_word(), link.recv_word()
-            prompt = link.recv_tokens(full_length)
-            try:
+            else:
+                raise ValueError(f"an alloc's word must be 1 (alloc) or 0 (free), got {word}")
+            return
+        try:
+            if cmd == CMD_PREFILL:
+                length, start, full_length = link.recv_word(), link.recv_word(), link.recv_word()
+                prompt = link.recv_tokens(full_length)
                 state = check_prefill(slots, seq_id, prompt, start, length, self.config)
-            except (IndexError, KeyError, TypeError, ValueError) as error:
-                raise EpCommandRefused(f"rank {link.rank} refuses a prefill of slot {seq_id}: {error}") from error
-            self.forward_prefill(state, prompt, start, length)
-        elif cmd == CMD_DECODE:
-            try:
+                self.forward_prefill(state, prompt, start, length)
+            elif cmd == CMD_DECODE:
                 seq_ids, tokens = recv_batch(link, slots)
-                states = check_decode(slots, seq_ids, tokens, self.config)
-            except (IndexError, KeyError, TypeError, ValueError) as error:
-                raise EpCommandRefused(f"rank {link.rank} refuses a decode step: {error}") from error
-            self.forward_decode(states, tokens)
-        else:
-            unknown = ValueError(f"unknown command word {cmd:#010x} (seq_id={seq_id})")
-            raise EpCommandRefused(f"rank {link.rank} refuses a command it does not know") from unknown
+                self.forward_decode(check_decode(slots, seq_ids, tokens, self.config), tokens)
+            else:
+                raise ValueError(f"unknown command word {cmd:#010x} (seq_id={seq_id})")
+        except EpLinkError:
+            raise  # a receive or a collective failed: the worker leaves as it is
+        except Exception as error:
+            what = {CMD_PREFILL: f"a prefill of slot {seq_id}", CMD_DECODE: "a decode step"}.get(cmd, "a command")
+            raise EpCommandRefused(f"rank {link.rank} refuses {what}: {type(error).__name__}: {error}") from error
 
     # -- the collectives -----------------------------------------------------------
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
         try:
-            dist.all_reduce(tensor, group=self._group)
+            if self._reduce is None:
+                dist.all_reduce(tensor, group=self._group)
+            else:
+                self._reduce(tensor)
         except Exception as error:  # the backend's own error (RuntimeError from gloo): a rank is gone
             raise self._collective_failed(error) from error
         self.spent.collectives_s += time.perf_counter() - started
 
-    def _collective_failed(self, error: Exception) -> EpLinkError:
+    def _collective_failed(self, error: Exception) -> RunStopped:
         """Why an all-reduce failed, as well as this rank can tell (the head asks its link which ranks stopped)."""
         link = self.ep_link
         if link.rank == 0:
-            link.check_workers(EXIT_GRACE)  # raises when it finds the ranks that stopped
-        return EpLinkError(
+            try:
+                link.check_workers(EXIT_GRACE)
+            except EpWorkerFailed as reported:
+                return RunStopped(f"head: the run stopped: {reported}", reported.failures)
+            except EpLinkError as exited:
+                return RunStopped(str(exited))
+        return RunStopped(
             f"rank {link.rank}: an all-reduce of the forward failed, so a rank died or left the run: {error}"
         )
