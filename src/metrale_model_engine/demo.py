@@ -223,7 +223,8 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
     server.shutdown()  # a last sync point: it raises unless every rank's KV bookkeeping is the head's
     if model.is_ep():
         sync_points = server.steps // work.sync_every + 1
-        _say(f"[head] all {link.world_size} ranks agree: KV bookkeeping compared at {sync_points} sync points")
+        points = f"{sync_points} sync point{'s' if sync_points != 1 else ''}"
+        _say(f"[head] all {link.world_size} ranks agree: KV bookkeeping compared at {points}")
     else:
         _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
     if work.json_path is not None:
@@ -288,6 +289,9 @@ def _print_summary(summary: dict[str, object], requests: int) -> None:
         f"[head] {requests} requests, {summary['tokens']} tokens in {summary['wall_s']:.2f} s: "
         f"{summary['tokens_per_s']:.0f} tokens/s"
     )
+    if not step["count"]:
+        _say("[head] no decode step: every request ended with its prefill")
+        return
     _say(
         f"[head] a decode step (median {step['median_ms']:.2f} ms, batches up to {step['largest_batch']}): "
         f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
