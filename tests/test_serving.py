@@ -158,6 +158,7 @@ def held(*lengths: int | None) -> list[LmState | None]:
         (held(0), 0, [1] * 257, 0, 1, ValueError, "the prompt has 257 tokens, more than max_seq_len=256"),
         (held(0), 0, [1, 300], 0, 1, ValueError, "prompt\\[1\\]=300 is outside the vocabulary"),
         (held(0), 0, [1], True, 1, TypeError, "start must be an int, got bool"),
+        (held(0), 0, [1, "x"], 0, 1, TypeError, "prompt\\[1\\] must be an int, got str 'x'"),
     ],
 )
 def test_check_prefill(

@@ -134,6 +134,7 @@ REFERENCE_SURFACE = [
     "VOCAB_SIZE",
     "check_decode",
     "check_prefill",
+    "check_prompt",
     "check_world",
     "decode_text",
     "encode",

@@ -68,6 +68,7 @@ from .serving import (
     TimeSpent,
     check_decode,
     check_prefill,
+    check_prompt,
     kv_digest,
 )
 from .tokenizer import VOCAB_SIZE, decode_text, encode
@@ -97,6 +98,7 @@ __all__ = [
     "TimeSpent",
     "check_decode",
     "check_prefill",
+    "check_prompt",
     "check_world",
     "decode_text",
     "encode",

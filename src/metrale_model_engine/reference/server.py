@@ -29,7 +29,7 @@ import torch
 from .. import EpLink, check_u32
 from ..batching import prefill_chunks
 from .model import LmConfig
-from .serving import LmSlots, LmState, TimeSpent
+from .serving import LmSlots, LmState, TimeSpent, check_prompt
 
 __all__ = ["Completion", "DecodeStep", "Request", "ServedLm", "Server"]
 
@@ -186,17 +186,9 @@ class Server:
             ValueError: the id was submitted before, or the prompt does not fit the
                 model (its length, or a token outside the vocabulary).
         """
-        config = self.model.config
         if request.id in self.completions:
             raise ValueError(f"request {request.id} was submitted already")
-        if len(request.prompt) > config.max_seq_len:
-            raise ValueError(
-                f"request {request.id}: the prompt has {len(request.prompt)} tokens, "
-                f"more than max_seq_len={config.max_seq_len}"
-            )
-        for index, token in enumerate(request.prompt):
-            if not 0 <= token < config.vocab_size:
-                raise ValueError(f"request {request.id}: prompt[{index}]={token} is outside the vocabulary")
+        check_prompt(request.prompt, self.model.config, where=f"request {request.id}: ")
         completion = Completion(request, submitted_step=self.steps)
         self.completions[request.id] = completion
         self._waiting.append(completion)

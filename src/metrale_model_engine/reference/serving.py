@@ -91,6 +91,7 @@ __all__ = [
     "TimeSpent",
     "check_decode",
     "check_prefill",
+    "check_prompt",
     "kv_digest",
 ]
 
@@ -173,6 +174,18 @@ def _held(slots: Sequence[LmState | None], seq_id: int) -> LmState:
     return state
 
 
+def check_prompt(prompt: Sequence[int], config: LmConfig, *, where: str = "") -> None:
+    """Check that ``prompt`` fits ``max_seq_len`` and holds ints of the vocabulary; ``where`` prefixes the message.
+
+    Raises:
+        TypeError: a token is not an int.
+        ValueError: the prompt is too long, or a token is outside the vocabulary.
+    """
+    if len(prompt) > config.max_seq_len:
+        raise ValueError(f"{where}the prompt has {len(prompt)} tokens, more than max_seq_len={config.max_seq_len}")
+    _check_tokens(f"{where}prompt", prompt, config.vocab_size)
+
+
 def _check_tokens(name: str, tokens: Sequence[int], vocab_size: int) -> None:
     for index, token in enumerate(tokens):
         if type(token) is not int:
@@ -203,9 +216,7 @@ def check_prefill(
         raise ValueError(f"chunk {start} ..< {start + length} is not a non-empty part of a {len(prompt)}-token prompt")
     if start != state.length:
         raise ValueError(f"chunk starts at {start}, but slot {seq_id} holds {state.length} tokens: chunks go in order")
-    if len(prompt) > config.max_seq_len:
-        raise ValueError(f"the prompt has {len(prompt)} tokens, more than max_seq_len={config.max_seq_len}")
-    _check_tokens("prompt", prompt, config.vocab_size)
+    check_prompt(prompt, config)
     return state
 
 
@@ -323,14 +334,14 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         """Head: give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed)."""
         self._check_running()
         check_slot(seq_id, slots)
-        self._send(seq_id, CMD_ALLOC, 1)
+        self._send(self.ep_link.send_command, seq_id, CMD_ALLOC, 1)
         slots[seq_id] = LmState(seq_id)
 
     def free(self, slots: LmSlots, seq_id: int) -> None:
         """Head: free slot ``seq_id`` on every rank.  Raises ``KeyError`` if it is free (nothing is sent)."""
         self._check_running()
         _held(slots, seq_id)
-        self._send(seq_id, CMD_ALLOC, 0)
+        self._send(self.ep_link.send_command, seq_id, CMD_ALLOC, 0)
         slots[seq_id] = None
 
     def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
@@ -347,7 +358,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         """
         self._check_running()
         state = check_prefill(slots, seq_id, prompt, start, length, self.config)
-        self._send(seq_id, CMD_PREFILL, length, start, len(prompt), prompt)
+        self._send(self.ep_link.send_command, seq_id, CMD_PREFILL, length, start, len(prompt), prompt)
         return self._head_forward(lambda: self.forward_prefill(state, prompt, start, length))
 
     def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -363,16 +374,14 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         """
         self._check_running()
         states = check_decode(slots, seq_ids, tokens, self.config)
-        if self._sends:
-            started = time.perf_counter()
-            send_batch(self.ep_link, CMD_DECODE, seq_ids, tokens)
-            self.spent.protocol_s += time.perf_counter() - started
+        self._send(send_batch, self.ep_link, CMD_DECODE, seq_ids, tokens)
         return self._head_forward(lambda: self.forward_decode(states, tokens))
 
-    def _send(self, seq_id: int, cmd: int, *follow_ups: int | Sequence[int]) -> None:
+    def _send(self, send: Callable[..., None], *args: object) -> None:
+        """Run ``send(*args)``, one command to the workers, counting its time as protocol (one rank: nothing)."""
         if self._sends:
             started = time.perf_counter()
-            self.ep_link.send_command(seq_id, cmd, *follow_ups)
+            send(*args)
             self.spent.protocol_s += time.perf_counter() - started
 
     def _check_running(self) -> None:
