@@ -17,7 +17,7 @@ from collections.abc import MutableSequence
 
 import torch.distributed as dist
 
-from metrale_model_engine import EpLink, LinkedEp, SequenceState, TokenArray, as_u32_buffer, run_worker
+from metrale_model_engine import EpLink, EpSetupError, LinkedEp, SequenceState, TokenArray, as_u32_buffer, run_worker
 from metrale_model_engine.torch import init_group_from_env, open_link, run_group
 
 PREFILL, DECODE = 1, 2
@@ -88,10 +88,15 @@ def main() -> None:
         serve(dist.get_rank(), dist.get_world_size())
         dist.destroy_process_group()  # leave the group before the interpreter exits
     else:
-        codes = run_group(serve, 2)
+        codes = run_group(serve, 2)  # a failed setup (EpSetupError) of the ranks is raised here, once
         if any(codes):
             raise SystemExit(f"rank exit codes {codes}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except EpSetupError as error:  # the ranks could not set up their link: one line, from rank 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

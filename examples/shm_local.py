@@ -3,7 +3,9 @@
 python examples/shm_local.py
 """
 
-from metrale_model_engine import EpLink, ProtocolVersion, run_worker
+import sys
+
+from metrale_model_engine import EpLink, EpSetupError, ProtocolVersion, run_worker
 from metrale_model_engine.shm import ShmTransport, run_ring
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
@@ -29,4 +31,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except EpSetupError as error:  # no ring (too little /dev/shm, say): the ranks said nothing, run_ring says why
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

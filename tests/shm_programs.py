@@ -252,3 +252,8 @@ def cadence(transport: ShmTransport, steps: int, gap: float, out: str) -> None:
     else:
         summary = run_worker(model, slots)
         save(out, transport.rank, digest=slots_digest(slots), summary=summary)
+
+
+def disagree_on_slots(transport: ShmTransport) -> None:
+    """Each rank asks for a different slot count: the link's setup raises ``EpSetupError`` on every rank."""
+    EpLink(transport, num_slots=SLOTS + transport.rank)

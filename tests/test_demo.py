@@ -17,7 +17,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 from metrale_model_engine.demo import PROMPTS, parse_args
 from metrale_model_engine.torch import free_port
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 
 
 def run_bounded(command: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:

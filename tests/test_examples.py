@@ -51,6 +51,7 @@ def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
     assert f"protocol {protocol}: the worker's slots equal the head's" in done.stdout
 
 
+@pytest.mark.ranks
 def test_shm_example_runs_without_torch_and_every_rank_agrees() -> None:
     done = run_example("shm_local.py")
     digests = [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if ": slot digest " in line]
@@ -61,6 +62,7 @@ def slot_lines(output: str) -> list[str]:
     return [line.split(": ", 1)[1] for line in output.splitlines() if re.match(r"rank \d+ of \d+: slots", line)]
 
 
+@pytest.mark.ranks
 @pytest.mark.torch
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
 def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
@@ -105,6 +107,7 @@ def launch(script: Path, world_size: int, protocol: str) -> list[tuple[int, str]
     return results
 
 
+@pytest.mark.ranks
 @pytest.mark.torch
 @pytest.mark.parametrize(
     "script",

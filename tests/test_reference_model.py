@@ -391,6 +391,7 @@ def one_rank(shipped: tuple[LmConfig, dict[str, torch.Tensor]]) -> dict[str, lis
     return greedy_session(shipped_model(shipped))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_equals_one_rank(
     world_size: int, tmp_path: Path, one_rank: dict[str, list[list[float]] | list[list[int]]]

@@ -230,6 +230,7 @@ def _a_group_of_another_size(rank: int, world_size: int, out: str) -> None:
         save(out, rank, message=str(error))
 
 
+@pytest.mark.ranks
 def test_the_group_must_be_the_links(tmp_path: Path) -> None:
     assert run_group(_a_group_of_another_size, 1, str(tmp_path), timeout=RUN_LIMIT) == [0]
     message = load(tmp_path, 1)[0]["message"]
@@ -385,6 +386,7 @@ def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: 
 # -- several ranks, real processes ----------------------------------------------
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     ("world_size", "kind", "protocol"),
     [(2, "shm", "v1"), (2, "torch", "v2"), (4, "shm", "v2"), (4, "torch", "v1")],  # each value twice, pairwise
@@ -410,6 +412,7 @@ def test_every_world_size_serves_the_tokens_of_one_rank(
     assert all(results[rank]["failed"] == 0 for rank in range(1, world_size))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("kind", ["shm", "torch"])
 def test_a_worker_killed_inside_a_decode_stops_the_head_with_its_rank(kind: str, tmp_path: Path) -> None:
     codes = run_group(sessions.fault, 2, kind, 1, "die", str(tmp_path), timeout=RUN_LIMIT)
@@ -420,6 +423,7 @@ def test_a_worker_killed_inside_a_decode_stops_the_head_with_its_rank(kind: str,
     assert 0 <= head["at"] - victim["killed_at"] < FAULT_BOUND  # type: ignore[operator]
 
 
+@pytest.mark.ranks
 def test_the_head_killed_inside_a_decode_stops_every_worker(tmp_path: Path) -> None:
     codes = run_group(sessions.fault, 4, "shm", 0, "die", str(tmp_path), timeout=RUN_LIMIT)
     assert codes[0] < 0
@@ -430,6 +434,7 @@ def test_the_head_killed_inside_a_decode_stops_every_worker(tmp_path: Path) -> N
         assert 0 <= results[rank]["at"] - results[0]["killed_at"] < FAULT_BOUND  # type: ignore[operator]
 
 
+@pytest.mark.ranks
 def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Path) -> None:
     run_group(sessions.fault, 4, "shm", 2, "forget", str(tmp_path), timeout=RUN_LIMIT)
     results = load(tmp_path, 4)
@@ -444,6 +449,7 @@ def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Pa
     assert all(0 <= float(results[rank]["at"]) - refused_at < FAULT_BOUND for rank in range(4))  # type: ignore[arg-type]
 
 
+@pytest.mark.ranks
 def test_a_refusal_over_the_backend_names_the_rank_that_left(tmp_path: Path) -> None:
     run_group(sessions.fault, 2, "torch", 1, "forget", str(tmp_path), timeout=RUN_LIMIT)
     results = load(tmp_path, 2)

@@ -18,7 +18,7 @@ from metrale_model_engine.toy import ToyState  # noqa: E402
 import torch_sessions as sessions  # noqa: E402
 from rank_results import load  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 
 RUN_TIMEOUT = 120.0
 Ts = TypeVarTuple("Ts")

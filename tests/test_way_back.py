@@ -14,7 +14,7 @@ from metrale_model_engine.torch import run_group
 import way_back_sessions as sessions
 from rank_results import load
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 
 KINDS = ["shm", "torch"]
 

@@ -401,3 +401,8 @@ def head_leaves_its_with_block(rank: int, world_size: int, kind: str, out: str) 
             save(out, rank, error_type=type(error).__name__, error=str(error), at=time.time(), slots=slots)
             return
         save(out, rank, error_type=None, at=time.time(), slots=slots)
+
+
+def disagree_on_slots(rank: int, world_size: int) -> None:
+    """Each rank asks for a different slot count: the link's setup raises ``EpSetupError`` on every rank."""
+    EpLink(TorchTransport(), num_slots=SLOTS + rank)

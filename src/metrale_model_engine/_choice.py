@@ -14,6 +14,7 @@ from ._errors import EpLinkError, EpSetupError
 from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
 from ._liveness import host_fingerprint
 from ._protocol import ProtocolVersion
+from ._shm_transport import RING_SETUP_ERRORS, ring_setup_failed, setup_reason
 from ._torch_transport import TorchTransport
 from ._waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
 from ._words import U32_TYPECODE
@@ -129,24 +130,24 @@ def _rendezvous(base: TorchTransport, kind: TransportKind, spins: tuple[float, f
         try:
             ring = ShmTransport.create(base.world_size, spin_time=spins[0], max_spin_time=spins[1])
             name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
-        except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
-            problem = str(error)
+        except RING_SETUP_ERRORS as error:
+            problem = setup_reason(error)
     name = array(U32_TYPECODE, base.gather(name_words)[0]).tobytes().rstrip(b"\0").decode()
     if base.rank != 0 and name:
         try:
             ring = ShmTransport.attach(name, base.rank, spin_time=spins[0], max_spin_time=spins[1])
-        except (OSError, RuntimeError, ValueError) as error:  # no space, no platform, a bad segment
-            problem = str(error)
+        except RING_SETUP_ERRORS as error:
+            problem = setup_reason(error)
     reasons: list[object] = [None] * base.world_size
     dist.all_gather_object(reasons, problem, group=base.group)
-    failed = {rank: reason for rank, reason in enumerate(reasons) if reason is not None}
+    failed = {rank: str(reason) for rank, reason in enumerate(reasons) if reason is not None}
     if not failed and ring is not None:
         return ring
     if ring is not None:
         ring.close()
-    why = "; ".join(f"rank {rank}: {reason}" for rank, reason in failed.items())
+    failure = ring_setup_failed(failed)
     if kind == "auto":
         if base.rank == 0:
-            _LOGGER.warning("the shared-memory ring could not be set up (%s); every rank uses torch.distributed", why)
+            _LOGGER.warning("%s; every rank uses torch.distributed", failure)
         return base
-    raise EpSetupError(f"the shared-memory ring could not be set up ({why})")
+    raise failure

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import TypeVarTuple, Unpack
 
-from ._launch import check_launch, join_all
+from ._launch import check_launch, launch
 from ._torch_transport import _OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
@@ -121,25 +121,26 @@ def run_group(
     (``metrale_model_engine.shm.run_ring`` is its counterpart without torch: its
     target gets ``(transport, *args)``.)
 
+    A failed setup is raised here, once, rather than printed by the ranks: an
+    :class:`~metrale_model_engine.EpSetupError` out of ``target`` (``open_link``'s,
+    when ``/dev/shm`` is too small for ``"shm"`` or the ranks disagree) makes its
+    rank exit with code 2 and no traceback.
+
     Returns:
         Every rank's exit code, by rank (0 for success; negative: killed by that signal).
 
     Raises:
         TypeError, ValueError: ``world_size`` is not an int ``>= 1``, or ``timeout``
             is neither ``None`` (the default: no limit) nor a positive number of seconds.
+        EpSetupError: ``target`` raised one on some rank: the lowest such rank's.
         TimeoutError: ranks still ran after ``timeout`` seconds; they were killed,
             and the message names them.
     """
     limit = check_launch(world_size, timeout)
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    processes = [
-        context.Process(target=_local_rank_main, args=(target, rank, world_size, port, backend, args))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    return join_all(processes, limit)
+    rank_args = [(target, rank, world_size, port, backend, args) for rank in range(world_size)]
+    return launch(context, _local_rank_main, rank_args, limit)
 
 
 def _local_rank_main(

@@ -1,12 +1,26 @@
-"""Running one function in N fresh processes: the local launchers' common part."""
+"""Running one function in N fresh processes: the local launchers' common part.
+
+A rank whose setup fails (an :class:`~metrale_model_engine.EpSetupError` out of its
+function) prints no traceback: it sends the error's text to the launcher and exits
+with :data:`SETUP_FAILED`, and the launcher raises the lowest such rank's error
+once every rank has ended.  Every rank of a failed setup raises, most with the same
+text, so a program that catches it in the launching process reports it once.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
+from typing import Final
 
 from ._checks import check_int, check_seconds
+from ._errors import EpSetupError
+
+SETUP_FAILED: Final = 2
+"""A rank's exit code when its setup failed; its launcher raises the error."""
 
 
 def check_launch(world_size: object, timeout: object, *, max_world_size: int | None = None) -> float | None:
@@ -18,6 +32,43 @@ def check_launch(world_size: object, timeout: object, *, max_world_size: int | N
     """
     check_int("world_size", world_size, 1, max_world_size)
     return check_seconds("timeout", timeout, allow_none=True)
+
+
+def launch(
+    context: SpawnContext,
+    rank_main: Callable[..., None],
+    rank_args: Sequence[tuple[object, ...]],
+    timeout: float | None,
+    *,
+    parent_ends: Sequence[Connection] = (),
+) -> list[int]:
+    """Run ``rank_main(*rank_args[rank])`` in one process per rank; wait for all of them.
+
+    ``parent_ends`` are this process's copies of connections the ranks hold: they
+    are closed once every rank has started, so that a rank's death closes its
+    peers' ends.
+
+    Returns:
+        Every exit code, by rank (0 for success; negative: killed by that signal).
+
+    Raises:
+        EpSetupError: a rank's setup failed: the lowest such rank's error.
+        TimeoutError: see :func:`join_all`.
+    """
+    reports = [context.Pipe(duplex=False) for _ in rank_args]
+    processes = [
+        context.Process(target=_run_rank, args=(rank_main, args, send))
+        for args, (_, send) in zip(rank_args, reports, strict=True)
+    ]
+    for process in processes:
+        process.start()
+    for connection in [*parent_ends, *(send for _, send in reports)]:
+        connection.close()
+    codes = join_all(processes, timeout)
+    failures = [text for receive, _ in reports if (text := _report(receive)) is not None]
+    if failures:
+        raise EpSetupError(failures[0])
+    return codes
 
 
 def join_all(processes: Sequence[BaseProcess], timeout: float | None) -> list[int]:
@@ -44,3 +95,23 @@ def join_all(processes: Sequence[BaseProcess], timeout: float | None) -> list[in
             "pass a larger timeout, or timeout=None to wait as long as they run"
         )
     return codes
+
+
+def _run_rank(rank_main: Callable[..., None], args: tuple[object, ...], report: Connection) -> None:
+    try:
+        rank_main(*args)
+    except EpSetupError as error:
+        report.send(str(error))
+        raise SystemExit(SETUP_FAILED) from None
+    finally:
+        report.close()
+
+
+def _report(receive: Connection) -> str | None:
+    """The setup failure a rank sent, if it sent one."""
+    try:
+        text = receive.recv() if receive.poll() else None
+    except (EOFError, OSError):  # the rank ended without a word, or died mid-send
+        text = None
+    receive.close()
+    return text if isinstance(text, str) else None

@@ -12,6 +12,7 @@ from typing_extensions import Buffer, Self
 from . import _futex
 from ._answers import ANSWERED_WORD, AnswerReader, AnswerWriter
 from ._checks import check_int, check_seconds
+from ._errors import EpSetupError
 from ._gather import SetupGather
 from ._liveness import ProcessWatch, process_exists
 from ._ring import RingReader, RingWriter
@@ -39,6 +40,10 @@ Measured on a 2-core machine (a 256 KiB message): 16 KiB records cost twice the 
 64-128 KiB ones; each record costs both sides a few microseconds of Python."""
 DEFAULT_SETUP_TIMEOUT: Final[float] = 300.0
 """Seconds a gather (the setup exchange) waits for every rank to attach and answer."""
+RING_SETUP_ERRORS: Final = (OSError, RuntimeError, ValueError)
+"""What :meth:`ShmTransport.create` and :meth:`~ShmTransport.attach` raise when the ring cannot be had
+(no space, no platform, a bad segment); launchers gather their :func:`setup_reason` into
+:func:`ring_setup_failed`."""
 
 
 def shm_supported() -> bool:
@@ -308,6 +313,19 @@ class ShmTransport:
         if self._answers_in is None or self._closed:
             raise TransportClosed("this ShmTransport was closed" if self._closed else "a worker receives no answers")
         return self._answers_in.receive(rank, timeout)
+
+
+def setup_reason(error: Exception) -> str:
+    """What a rank says of its failed setup: the error's text, without ``[Errno N]``."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror if error.filename is None else f"{error.strerror}: {error.filename!r}"
+    return str(error)
+
+
+def ring_setup_failed(reasons: dict[int, str]) -> EpSetupError:
+    """The error every rank raises when the ring could not be set up: ``reasons`` by failed rank."""
+    why = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(reasons.items()))
+    return EpSetupError(f"the shared-memory ring could not be set up ({why})")
 
 
 def _release(name: str, head_pid: int | None) -> None:

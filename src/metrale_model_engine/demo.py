@@ -12,7 +12,9 @@ too).  Sync points compare every rank's KV bookkeeping as it goes and at the end
 
 Exit status: 0 when every rank served and agreed; 1 with one ``error: ...`` line
 when the run failed (a rank died or diverged); 2 with one ``error: ...`` line when
-torch is missing or an argument or ``METRALE_EP_PROTOCOL`` is bad.
+it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
+or the ranks could not set up their link (``--transport shm`` with too little
+``/dev/shm``, say; the line gives the root cause, once, whichever rank had it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
+from ._errors import EpSetupError
 from ._protocol import ProtocolVersion
 from ._segment import MAX_WORLD_SIZE
 
@@ -141,7 +144,9 @@ class _OneLine(logging.Handler):
 def serve(rank: int, world_size: int, work: Work) -> None:
     """One rank's part: build the model over a link, then drive it (head) or serve it (worker).
 
-    Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank.
+    Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank,
+    and lets :class:`~metrale_model_engine.EpSetupError` (the link's setup failed, the
+    same on every rank) through to the launcher, which reports it once.
     """
     import torch
 
@@ -151,6 +156,8 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     try:
         model = ReferenceLm(_open_link(world_size, work))
         pids = model.ep_link.gather_u32(os.getpid())
+    except EpSetupError:
+        raise
     except Exception as error:  # noqa: BLE001  (one line, not a traceback)
         _fail(f"error: rank {rank} could not start: {error}")
     with model:
@@ -324,7 +331,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _under_torchrun(args.backend, work)
     if args.world_size == 1:
         return _exit_code(lambda: serve(0, 1, work))
-    codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
+    try:
+        codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
+    except EpSetupError as error:  # every rank exited 2 without a word
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
         print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
     return 1 if any(codes) else 0
@@ -346,6 +357,10 @@ def _under_torchrun(backend: str | None, work: Work) -> int:
     init_group_from_env(backend=backend)
     try:
         return _exit_code(lambda: serve(dist.get_rank(), dist.get_world_size(), work))
+    except EpSetupError as error:  # the same on every rank: rank 0 says it
+        if dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
     finally:
         dist.destroy_process_group()
 

@@ -45,17 +45,21 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
+from contextlib import suppress
 from multiprocessing.connection import Connection
 
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
-from ._launch import check_launch, join_all
+from ._launch import SETUP_FAILED, check_launch, launch
 from ._segment import MAX_WORLD_SIZE
 from ._shm_transport import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_RING_BYTES,
     DEFAULT_SETUP_TIMEOUT,
+    RING_SETUP_ERRORS,
     ShmTransport,
+    ring_setup_failed,
+    setup_reason,
     shm_supported,
 )
 from ._waiting import CHECK_INTERVAL, DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
@@ -95,6 +99,11 @@ def run_ring(
     to every rank's transport.  (``metrale_model_engine.torch.run_group``
     is its counterpart over a process group: its target gets ``(rank, world_size, *args)``.)
 
+    A failed setup is raised here, once, rather than printed by the ranks: the
+    ring's (``/dev/shm`` too small, say), or one that ``target`` raises as an
+    :class:`~metrale_model_engine.EpSetupError` (an ``EpLink`` whose ranks
+    disagree).  Its ranks exit with code 2 and no traceback.
+
     Returns:
         Every rank's exit code, by rank (0 for success; negative: killed by that signal).
 
@@ -102,24 +111,18 @@ def run_ring(
         TypeError, ValueError: ``world_size`` is not an int in ``1 ..= 64``, or
             ``timeout`` is neither ``None`` (the default: no limit) nor a positive
             number of seconds.
+        EpSetupError: the ring could not be set up (the message gives each failed
+            rank's reason), or ``target`` raised one (the lowest rank's).
         TimeoutError: ranks still ran after ``timeout`` seconds; they were killed,
             and the message names them.
     """
     limit = check_launch(world_size, timeout, max_world_size=MAX_WORLD_SIZE)
     spins = (spin_time, max_spin_time)
     context = multiprocessing.get_context("spawn")
-    pipes = [context.Pipe(duplex=False) for _ in range(world_size - 1)]
-    names: list[list[Connection]] = [[send for _, send in pipes]] + [[receive] for receive, _ in pipes]
-    processes = [
-        context.Process(target=_local_rank, args=(target, rank, world_size, names[rank], spins, args))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    for receive, send in pipes:  # the ranks hold their own ends: a dead head closes the workers' pipes
-        receive.close()
-        send.close()
-    return join_all(processes, limit)
+    pipes = [context.Pipe() for _ in range(world_size - 1)]
+    ends: list[list[Connection]] = [[head for head, _ in pipes]] + [[worker] for _, worker in pipes]
+    rank_args = [(target, rank, ends[rank], spins, args) for rank in range(world_size)]
+    return launch(context, _local_rank, rank_args, limit, parent_ends=[end for pair in pipes for end in pair])
 
 
 @deprecated("metrale_model_engine.shm.run_local is now run_ring (same arguments); run_local goes in 0.3")
@@ -137,23 +140,59 @@ def run_local(
 def _local_rank(
     target: Callable[..., None],
     rank: int,
-    world_size: int,
-    names: list[Connection],
+    ends: list[Connection],
     spins: tuple[float, float],
     args: tuple[object, ...],
 ) -> None:
-    spin_time, max_spin_time = spins
-    if rank == 0:
-        transport = ShmTransport.create(world_size, spin_time=spin_time, max_spin_time=max_spin_time)
-        for pipe in names:
-            pipe.send(transport.name)
-            pipe.close()
-    else:
-        (pipe,) = names
-        try:
-            name = pipe.recv()
-        except EOFError:
-            raise SystemExit(f"rank {rank}: the head exited before it sent the ring's name (see its error)") from None
-        transport = ShmTransport.attach(name, rank, spin_time=spin_time, max_spin_time=max_spin_time)
+    transport = _set_up_head(ends, spins) if rank == 0 else _set_up_worker(rank, ends[0], spins)
     with transport:
         target(transport, *args)
+
+
+def _set_up_head(workers: list[Connection], spins: tuple[float, float]) -> ShmTransport:
+    """Create the ring, send its name to each worker (``None`` if it failed), and hear that each attached."""
+    ring: ShmTransport | None = None
+    reasons: dict[int, str] = {}
+    try:
+        ring = ShmTransport.create(len(workers) + 1, spin_time=spins[0], max_spin_time=spins[1])
+    except RING_SETUP_ERRORS as error:
+        reasons[0] = setup_reason(error)
+    for rank, worker in enumerate(workers, start=1):
+        try:
+            worker.send(None if ring is None else ring.name)
+        except OSError:
+            reasons[rank] = "it exited before it attached"
+    for rank, worker in enumerate(workers, start=1):
+        if ring is not None and rank not in reasons:
+            try:
+                reason = worker.recv()
+            except (EOFError, OSError):
+                reason = "it exited before it attached"
+            if reason is not None:
+                reasons[rank] = str(reason)
+        worker.close()
+    if reasons:
+        if ring is not None:
+            ring.close()
+        raise ring_setup_failed(reasons)
+    assert ring is not None
+    return ring
+
+
+def _set_up_worker(rank: int, head: Connection, spins: tuple[float, float]) -> ShmTransport:
+    """Attach to the ring the head names, and tell it whether that worked; exit quietly if there is no ring."""
+    try:
+        name = head.recv()
+    except EOFError:  # the head died: its own error, or its exit code, tells why
+        name = None
+    if name is None:  # no ring: the head raises why, and its launcher reports it
+        raise SystemExit(SETUP_FAILED)
+    try:
+        transport = ShmTransport.attach(name, rank, spin_time=spins[0], max_spin_time=spins[1])
+    except RING_SETUP_ERRORS as error:
+        head.send(setup_reason(error))  # the head raises it, with every other worker's reason
+        raise SystemExit(SETUP_FAILED) from None
+    with suppress(OSError):  # a head that died since is found by the transport's first wait
+        head.send(None)
+    head.close()
+    return transport

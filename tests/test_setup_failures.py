@@ -1,0 +1,176 @@
+"""A setup that fails is one ``error: ...`` line with its root cause, from one rank, and exit code 2.
+
+The launchers raise a rank's ``EpSetupError`` once, in the launching process; the
+demo and the examples print it.  The real case, a ``/dev/shm`` too small for the
+ring, runs in a private mount namespace with a 64 KiB ``/dev/shm`` where this
+process may make one (root, ``unshare``), and is skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from metrale_model_engine import EpSetupError
+from metrale_model_engine.shm import ShmTransport, _set_up_head, _set_up_worker, run_ring, shm_supported
+
+import shm_programs as programs
+
+pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
+
+ROOT = Path(__file__).resolve().parent.parent
+SPINS = (0.0, 0.0)
+TINY_SHM = "mount -t tmpfs -o size=64k tmpfs /dev/shm"
+NO_ROOM = (
+    "error: the shared-memory ring could not be set up (rank 0: /dev/shm has 0.1 MiB free, too little for the "
+    "ring's 1.0 MiB: pass a smaller ring_bytes, or give the machine (a container: docker run --shm-size) a larger "
+    "/dev/shm)"
+)
+
+
+@functools.cache
+def private_mounts() -> str | None:
+    """``None`` when this process can run a command in a mount namespace of its own, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    if os.geteuid() != 0:
+        return "a private mount namespace with its own /dev/shm needs root"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", TINY_SHM],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return None if probe.returncode == 0 else f"unshare --mount failed here: {probe.stderr.strip()}"
+
+
+def with_tiny_dev_shm(*command: str) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` where ``/dev/shm`` is a 64 KiB tmpfs of its own (skip if this process cannot)."""
+    reason = private_mounts()
+    if reason is not None:
+        pytest.skip(reason)
+    script = f'{TINY_SHM} && exec "$@"'
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *command],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.ranks
+def test_the_shm_example_without_room_says_why_in_one_line() -> None:
+    done = with_tiny_dev_shm(sys.executable, "examples/shm_local.py")
+    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
+
+
+@pytest.mark.ranks
+def test_the_demo_over_shm_without_room_says_why_in_one_line() -> None:
+    pytest.importorskip("torch", reason="the demo needs the torch extra")
+    done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--transport", "shm")
+    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
+
+
+@pytest.mark.ranks
+def test_the_demo_under_torchrun_without_room_says_why_once() -> None:
+    pytest.importorskip("torch", reason="the demo needs the torch extra")
+    from metrale_model_engine.torch import free_port
+
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    done = with_tiny_dev_shm(*run, "-m", "metrale_model_engine.demo", "--transport", "shm")
+    assert done.returncode != 0  # torchrun reports its ranks' exit code 2 as a failure of its own
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == [NO_ROOM]
+    assert "metrale_model_engine/" not in done.stderr  # no traceback from the ranks
+
+
+@pytest.mark.ranks
+def test_the_demo_by_default_without_room_serves_over_gloo() -> None:
+    """``--transport auto`` (the default) without room for a ring serves over gloo instead."""
+    pytest.importorskip("torch", reason="the demo needs the torch extra")
+    done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "2")
+    assert done.returncode == 0, done.stderr
+    assert "2 ranks over TorchTransport" in done.stdout
+
+
+@pytest.mark.ranks
+def test_run_ring_raises_a_setup_failure_of_the_ranks_once(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(EpSetupError, match=r"^rank 0: the ranks disagree on the slot count \(rank 0: 8, rank 1: 9, "):
+        run_ring(programs.disagree_on_slots, 3, timeout=60.0)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.ranks
+def test_run_group_raises_a_setup_failure_of_the_ranks_once(capfd: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    from metrale_model_engine.torch import run_group
+
+    import torch_sessions
+
+    with pytest.raises(EpSetupError, match=r"^rank 0: the ranks disagree on the slot count \(rank 0: 4, rank 1: 5\)"):
+        run_group(torch_sessions.disagree_on_slots, 2, backend="gloo", timeout=60.0)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_head_that_cannot_create_the_ring_tells_every_worker_and_raises() -> None:
+    pipes = [multiprocessing.Pipe() for _ in range(64)]  # 65 ranks: one more than a ring serves
+    with pytest.raises(EpSetupError, match=r"^the shared-memory ring could not be set up \(rank 0: world_size must"):
+        _set_up_head([head for head, _ in pipes], SPINS)
+    assert all(worker.recv() is None for _, worker in pipes)
+
+
+def test_a_worker_that_cannot_attach_is_named_by_the_head() -> None:
+    head_end, worker_end = multiprocessing.Pipe()
+    worker_end.send("no room for it")  # what the worker will answer, sent ahead
+    with pytest.raises(EpSetupError, match=r"^the shared-memory ring could not be set up \(rank 1: no room for it\)$"):
+        _set_up_head([head_end], SPINS)
+    name = worker_end.recv()
+    assert isinstance(name, str) and not Path("/dev/shm", name).exists()  # the head removed its ring
+
+
+def test_a_worker_that_exits_before_it_attaches_is_named_by_the_head() -> None:
+    head_end, worker_end = multiprocessing.Pipe()
+    worker_end.close()
+    with pytest.raises(EpSetupError, match=r"\(rank 1: it exited before it attached\)$"):
+        _set_up_head([head_end], SPINS)
+
+
+def test_a_worker_tells_the_head_why_it_could_not_attach() -> None:
+    head_end, worker_end = multiprocessing.Pipe()
+    head_end.send("metrale-ep-no-such-ring")
+    with pytest.raises(SystemExit) as exit_:
+        _set_up_worker(1, worker_end, SPINS)
+    assert exit_.value.code == 2
+    assert str(head_end.recv()).startswith("no shared-memory segment 'metrale-ep-no-such-ring' in /dev/shm: ")
+
+
+@pytest.mark.parametrize("head_fails", ["no ring", "head died"])
+def test_a_worker_without_a_ring_exits_quietly_for_the_head_to_say_why(head_fails: str) -> None:
+    head_end, worker_end = multiprocessing.Pipe()
+    if head_fails == "no ring":
+        head_end.send(None)
+    else:
+        head_end.close()
+    with pytest.raises(SystemExit) as exit_:
+        _set_up_worker(1, worker_end, SPINS)
+    assert exit_.value.code == 2
+
+
+def test_a_worker_that_attached_tells_the_head() -> None:
+    ring = ShmTransport.create(2)
+    head_end, worker_end = multiprocessing.Pipe()
+    head_end.send(ring.name)
+    with ring, _set_up_worker(1, worker_end, SPINS) as worker:
+        assert worker.rank == 1 and head_end.recv() is None
