@@ -1,20 +1,43 @@
 #!/usr/bin/env bash
-# Run the whole test suite in a fresh virtual environment: ruff lint and format,
-# pytest, mypy --strict and basedpyright --verifytypes (100% required; without torch,
-# 100% outside the torch-only reference package: scripts/verify_types.py).
+# The test command: ruff lint and format, pytest, mypy --strict and basedpyright
+# --verifytypes (100% required; without torch, 100% outside the torch-only reference
+# package: scripts/verify_types.py), in the environment .venv-X.Y.
 #
-#   ./scripts/test.sh                    # with the default python3
+#   ./scripts/test.sh                    # everything, with the default python3
+#   ./scripts/test.sh --quick            # everything but the tests that start processes (marker `ranks`)
+#   ./scripts/test.sh --fresh            # rebuild the environment first (what CI does)
+#   ./scripts/test.sh -- -k shm -x       # arguments after -- go to pytest
 #   PYTHON=python3.12 ./scripts/test.sh  # with another interpreter
 #
-# Torch: METRALE_TEST_TORCH=1 installs the CPU build torch==2.13.0 first and runs the
+# The environment is built with uv (from PyPI; installed into .venv-tools when it is
+# not on PATH) and reused as long as its inputs are unchanged: the interpreter, the
+# torch choice, pyproject.toml, uv's version and this script.  The package is
+# installed editable, so changes to the sources need no rebuild.
+#
+# Torch: METRALE_TEST_TORCH=1 installs the CPU build torch==2.13.0 and runs the
 # multi-rank tests and mypy --strict on src and tests; =0 skips them (the torch tests
-# then report as skipped).  The default, auto, means 1 on Python 3.11 (the CPU wheel
-# this project's machines keep on disk) and 0 elsewhere, so that no multi-GB CUDA
-# build is ever downloaded by accident.  Exits non-zero on the first failure.
+# then report as skipped).  The default, auto, means 1 on Python 3.11 and 0 elsewhere.
+# The CPU build comes from the directory pip's configuration names in find-links when
+# it holds the wheel for this interpreter (this project's machines keep it there),
+# else from PyPI's torch CPU index (https://download.pytorch.org/whl/cpu): never the
+# multi-GB CUDA build.  Exits non-zero on the first failure.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-python=${PYTHON:-python3}
+fresh=0
+markers=()
+pytest_args=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --quick) markers=(-m "not ranks") ;;
+        --fresh) fresh=1 ;;
+        --) shift; pytest_args=("$@"); break ;;
+        *) echo "scripts/test.sh: unknown argument '$1' (accepted: --quick, --fresh, -- PYTEST_ARGS...)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+python=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')
 version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 venv=${VENV:-"$root/.venv-$version"}
 with_torch=${METRALE_TEST_TORCH:-auto}
@@ -22,23 +45,76 @@ if [ "$with_torch" = auto ]; then
     [ "$version" = 3.11 ] && with_torch=1 || with_torch=0
 fi
 
-echo "== Python $version ($("$python" -c 'import sys; print(sys.executable)')), torch tests: $with_torch, venv: $venv"
-rm -rf "$venv"
-"$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+uv_tool() {  # uv from PATH, else from .venv-tools (made with the standard library's venv and pip)
+    if command -v uv >/dev/null 2>&1; then
+        command -v uv
+        return
+    fi
+    local tools="$root/.venv-tools"
+    if [ ! -x "$tools/bin/uv" ]; then
+        "$python" -m venv "$tools" >&2
+        "$tools/bin/python" -m pip install --quiet --disable-pip-version-check 'uv>=0.5' >&2
+    fi
+    echo "$tools/bin/uv"
+}
+
+torch_source() {  # the uv arguments that install the CPU build of torch==2.13.0 for this interpreter
+    local tag links dir wheel
+    tag=$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+    links=${PIP_FIND_LINKS:-$("$python" -m pip config get global.find-links 2>/dev/null || true)}
+    for dir in $links; do
+        for wheel in "${dir#file://}"/torch-2.13.0+cpu-"$tag"-"$tag"-*.whl; do
+            if [ -f "$wheel" ]; then
+                echo "$wheel"
+                return
+            fi
+        done
+    done
+    echo "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+}
+
+uv=$(uv_tool)
 extras=test
+source=none
 if [ "$with_torch" = 1 ]; then
-    "${pip[@]}" torch==2.13.0
     extras=test,torch,bench
+    source=$(torch_source)
 fi
-"${pip[@]}" -e "$root[$extras]"
+inputs=$(
+    {
+        "$python" -c 'import sys; print(sys.executable, sys.version)'
+        echo "torch: $source"
+        "$uv" --version
+        cat "$root/pyproject.toml" "$root/scripts/test.sh"
+    } | sha256sum | cut -d' ' -f1
+)
+stamp="$venv/.test-inputs"
+
+echo "== Python $version ($python), torch tests: $with_torch, venv: $venv"
+if [ "$fresh" = 0 ] && [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ]; then
+    echo "== reusing $venv (its inputs are unchanged; --fresh rebuilds it)"
+else
+    started=$SECONDS
+    rm -rf "$venv"
+    "$uv" venv --quiet --python "$python" "$venv"
+    # Compiled now, since a machine may forbid writing .pyc at import (PYTHONDONTWRITEBYTECODE, as
+    # ours do): every spawned rank imports torch, which takes twice as long from source.
+    install=("$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python")
+    if [ "$with_torch" = 1 ]; then
+        # shellcheck disable=SC2086  # the source is a wheel path or a requirement and its index
+        "${install[@]}" $source
+    fi
+    "${install[@]}" -e "$root[$extras]"
+    echo "$inputs" >"$stamp"
+    echo "== built $venv in $((SECONDS - started)) s"
+fi
 
 cd "$root"
 echo "== ruff (lint, format)"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-echo "== pytest"
-"$venv/bin/python" -m pytest
+echo "== pytest ${markers[*]} ${pytest_args[*]}"
+"$venv/bin/python" -m pytest "${markers[@]}" "${pytest_args[@]}"
 echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
     "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)
