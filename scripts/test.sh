@@ -8,6 +8,8 @@
 #   ./scripts/test.sh --fresh            # rebuild the environment first (what CI does)
 #   ./scripts/test.sh -- -k shm -x       # arguments after -- go to pytest
 #   PYTHON=python3.12 ./scripts/test.sh  # with another interpreter
+#   VENV=/tmp/env ./scripts/test.sh      # the environment elsewhere (a directory that is not
+#                                        # a virtual environment is refused, never removed)
 #
 # The environment is built with uv (from PyPI; installed into .venv-tools when it is
 # not on PATH) and reused as long as its inputs are unchanged: the interpreter, the
@@ -45,48 +47,41 @@ if [ "$with_torch" = auto ]; then
     [ "$version" = 3.11 ] && with_torch=1 || with_torch=0
 fi
 
-uv_tool() {  # uv from PATH, else from .venv-tools (made with the standard library's venv and pip)
-    if command -v uv >/dev/null 2>&1; then
-        command -v uv
-        return
+# uv: from PATH, else from .venv-tools (made once with the standard library's venv and pip).
+if command -v uv >/dev/null 2>&1; then
+    uv=$(command -v uv)
+else
+    uv="$root/.venv-tools/bin/uv"
+    if [ ! -x "$uv" ]; then
+        echo "== installing uv from PyPI into $root/.venv-tools"
+        "$python" -m venv "$root/.venv-tools"
+        "$root/.venv-tools/bin/python" -m pip install --quiet --disable-pip-version-check 'uv>=0.5'
     fi
-    local tools="$root/.venv-tools"
-    if [ ! -x "$tools/bin/uv" ]; then
-        "$python" -m venv "$tools" >&2
-        "$tools/bin/python" -m pip install --quiet --disable-pip-version-check 'uv>=0.5' >&2
-    fi
-    echo "$tools/bin/uv"
-}
+fi
 
-torch_source() {  # the uv arguments that install the CPU build of torch==2.13.0 for this interpreter
-    local tag links dir wheel
+# The CPU build of torch==2.13.0 for this interpreter: the wheel in a find-links directory of pip's
+# configuration (uv reads none of it), else PyTorch's CPU index.
+torch_source=()
+if [ "$with_torch" = 1 ]; then
     tag=$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-    links=${PIP_FIND_LINKS:-$("$python" -m pip config get global.find-links 2>/dev/null || true)}
+    links=${PIP_FIND_LINKS:-$("$python" -m pip config get global.find-links 2>/dev/null ||
+        "$python" -m pip config get install.find-links 2>/dev/null || true)}
     for dir in $links; do
         for wheel in "${dir#file://}"/torch-2.13.0+cpu-"$tag"-"$tag"-*.whl; do
-            if [ -f "$wheel" ]; then
-                echo "$wheel"
-                return
-            fi
+            [ -f "$wheel" ] && [ ${#torch_source[@]} = 0 ] && torch_source=("$wheel")
         done
     done
-    echo "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-}
-
-uv=$(uv_tool)
-extras=test
-source=none
-if [ "$with_torch" = 1 ]; then
-    extras=test,torch,bench
-    source=$(torch_source)
+    [ ${#torch_source[@]} = 0 ] && torch_source=(torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)
 fi
+extras=test
+[ "$with_torch" = 1 ] && extras=test,torch,bench
 inputs=$(
     {
         "$python" -c 'import sys; print(sys.executable, sys.version)'
-        echo "torch: $source"
+        echo "torch: ${torch_source[*]-none}"
         "$uv" --version
         cat "$root/pyproject.toml" "$root/scripts/test.sh"
-    } | sha256sum | cut -d' ' -f1
+    } | "$python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'
 )
 stamp="$venv/.test-inputs"
 
@@ -94,6 +89,10 @@ echo "== Python $version ($python), torch tests: $with_torch, venv: $venv"
 if [ "$fresh" = 0 ] && [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$inputs" ]; then
     echo "== reusing $venv (its inputs are unchanged; --fresh rebuilds it)"
 else
+    if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ]; then
+        echo "scripts/test.sh: $venv exists and is not a virtual environment; not replacing it" >&2
+        exit 2
+    fi
     started=$SECONDS
     rm -rf "$venv"
     "$uv" venv --quiet --python "$python" "$venv"
@@ -101,8 +100,7 @@ else
     # ours do): every spawned rank imports torch, which takes twice as long from source.
     install=("$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python")
     if [ "$with_torch" = 1 ]; then
-        # shellcheck disable=SC2086  # the source is a wheel path or a requirement and its index
-        "${install[@]}" $source
+        "${install[@]}" "${torch_source[@]}"
     fi
     "${install[@]}" -e "$root[$extras]"
     echo "$inputs" >"$stamp"
@@ -113,8 +111,8 @@ cd "$root"
 echo "== ruff (lint, format)"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-echo "== pytest ${markers[*]} ${pytest_args[*]}"
-"$venv/bin/python" -m pytest "${markers[@]}" "${pytest_args[@]}"
+echo "== pytest ${markers[*]-} ${pytest_args[*]-}"
+"$venv/bin/python" -m pytest ${markers[@]+"${markers[@]}"} ${pytest_args[@]+"${pytest_args[@]}"}
 echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
     "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 
-from metrale_model_engine import EpLink, ProtocolVersion, _waiting, run_worker
+from metrale_model_engine import EpLink, EpSetupError, ProtocolVersion, _waiting, run_worker
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
@@ -257,3 +257,9 @@ def cadence(transport: ShmTransport, steps: int, gap: float, out: str) -> None:
 def disagree_on_slots(transport: ShmTransport) -> None:
     """Each rank asks for a different slot count: the link's setup raises ``EpSetupError`` on every rank."""
     EpLink(transport, num_slots=SLOTS + transport.rank)
+
+
+def refuse_at_length(transport: ShmTransport, length: int) -> None:
+    """Rank 0 raises an ``EpSetupError`` of ``length`` characters, more than a pipe's buffer holds."""
+    if transport.rank == 0:
+        raise EpSetupError("x" * length)

@@ -93,6 +93,7 @@ def _session_digests(backend: str, device: str | None, out: Path) -> list[object
 
 
 @pytest.mark.gpu
+@pytest.mark.ranks
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
 def test_cuda_tensors_over_gloo(tmp_path: Path) -> None:
     digests = _session_digests("gloo", "cuda:0", tmp_path)
@@ -100,6 +101,7 @@ def test_cuda_tensors_over_gloo(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.ranks
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="NCCL needs 2 CUDA devices for 2 ranks; this machine has fewer"
 )

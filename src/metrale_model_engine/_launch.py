@@ -60,12 +60,24 @@ def launch(
         context.Process(target=_run_rank, args=(rank_main, args, send))
         for args, (_, send) in zip(rank_args, reports, strict=True)
     ]
-    for process in processes:
-        process.start()
-    for connection in [*parent_ends, *(send for _, send in reports)]:
-        connection.close()
-    codes = join_all(processes, timeout)
-    failures = [text for receive, _ in reports if (text := _report(receive)) is not None]
+    try:
+        try:
+            for process in processes:
+                process.start()
+        except BaseException:  # out of processes or descriptors: end the ranks that started
+            for process in processes:
+                if process.pid is not None:
+                    process.kill()
+                    process.join()
+            raise
+        finally:
+            for connection in [*parent_ends, *(send for _, send in reports)]:
+                connection.close()
+        codes = join_all(processes, timeout)
+        failures = [text for receive, _ in reports if (text := _report(receive)) is not None]
+    finally:
+        for receive, _ in reports:
+            receive.close()
     if failures:
         raise EpSetupError(failures[0])
     return codes
@@ -97,11 +109,15 @@ def join_all(processes: Sequence[BaseProcess], timeout: float | None) -> list[in
     return codes
 
 
+_REPORT_CHARS: Final = 16_384
+"""The most of a setup failure's text a rank sends: it must fit the pipe's buffer, read only after the join."""
+
+
 def _run_rank(rank_main: Callable[..., None], args: tuple[object, ...], report: Connection) -> None:
     try:
         rank_main(*args)
     except EpSetupError as error:
-        report.send(str(error))
+        report.send(str(error)[:_REPORT_CHARS])
         raise SystemExit(SETUP_FAILED) from None
     finally:
         report.close()
@@ -113,5 +129,4 @@ def _report(receive: Connection) -> str | None:
         text = receive.recv() if receive.poll() else None
     except (EOFError, OSError):  # the rank ended without a word, or died mid-send
         text = None
-    receive.close()
     return text if isinstance(text, str) else None

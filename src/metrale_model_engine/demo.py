@@ -146,7 +146,7 @@ def serve(rank: int, world_size: int, work: Work) -> None:
 
     Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank,
     and lets :class:`~metrale_model_engine.EpSetupError` (the link's setup failed, the
-    same on every rank) through to the launcher, which reports it once.
+    same on every rank) through, for :func:`main` to report once.
     """
     import torch
 
@@ -309,36 +309,35 @@ def _print_summary(summary: dict[str, object], requests: int) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns its exit status (see the module)."""
     args = parse_args(argv)
-    speaks = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone reports errors
     try:
         from . import torch as ep_torch
-    except ImportError as error:
-        if speaks:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
+
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
         if args.backend == "nccl" and not ep_torch.cuda_available():
             raise ValueError("--backend nccl needs a CUDA device, and this machine has none; use --backend gloo")
-    except ValueError as error:
-        if speaks:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+    except (ImportError, ValueError) as error:
+        return _cannot_start(error)
     work = Work(
         protocol, args.transport, args.slots, args.max_new_tokens, args.prefill_chunk, args.sync_every, args.json
     )
-    if all(name in os.environ for name in _TORCHRUN_VARS):
-        return _under_torchrun(args.backend, work)
-    if args.world_size == 1:
-        return _exit_code(lambda: serve(0, 1, work))
     try:
+        if all(name in os.environ for name in _TORCHRUN_VARS):
+            return _under_torchrun(args.backend, work)
+        if args.world_size == 1:
+            return _exit_code(lambda: serve(0, 1, work))
         codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
-    except EpSetupError as error:  # every rank exited 2 without a word
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
+        return _cannot_start(error)
     if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
         print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
     return 1 if any(codes) else 0
+
+
+def _cannot_start(error: Exception) -> int:
+    """Say why the demo could not start, in one line (under torchrun, from rank 0 alone), and return 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 def _exit_code(run: Callable[[], None]) -> int:
@@ -357,10 +356,6 @@ def _under_torchrun(backend: str | None, work: Work) -> int:
     init_group_from_env(backend=backend)
     try:
         return _exit_code(lambda: serve(dist.get_rank(), dist.get_world_size(), work))
-    except EpSetupError as error:  # the same on every rank: rank 0 says it
-        if dist.get_rank() == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
     finally:
         dist.destroy_process_group()
 

@@ -47,6 +47,7 @@ import multiprocessing
 from collections.abc import Callable
 from contextlib import suppress
 from multiprocessing.connection import Connection
+from typing import Final
 
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
@@ -149,8 +150,17 @@ def _local_rank(
         target(transport, *args)
 
 
+_GONE: Final = "it exited before it attached"
+
+
 def _set_up_head(workers: list[Connection], spins: tuple[float, float]) -> ShmTransport:
-    """Create the ring, send its name to each worker (``None`` if it failed), and hear that each attached."""
+    """Set up the ring with the workers, over one pipe each; raise why if any rank could not.
+
+    Three rounds: the head sends the ring's name (``None`` if it could not create
+    one), each worker answers ``None`` once attached (else why not), and the head
+    sends every worker its verdict (``True``: go), so that no rank starts its
+    target on a ring that another rank lacks.
+    """
     ring: ShmTransport | None = None
     reasons: dict[int, str] = {}
     try:
@@ -161,15 +171,16 @@ def _set_up_head(workers: list[Connection], spins: tuple[float, float]) -> ShmTr
         try:
             worker.send(None if ring is None else ring.name)
         except OSError:
-            reasons[rank] = "it exited before it attached"
-    for rank, worker in enumerate(workers, start=1):
-        if ring is not None and rank not in reasons:
-            try:
-                reason = worker.recv()
-            except (EOFError, OSError):
-                reason = "it exited before it attached"
-            if reason is not None:
-                reasons[rank] = str(reason)
+            reasons[rank] = _GONE
+    if ring is not None:
+        for rank, worker in enumerate(workers, start=1):
+            if rank not in reasons:
+                reason = _answer(worker)
+                if reason is not None:
+                    reasons[rank] = reason
+    for worker in workers:
+        with suppress(OSError):  # a worker that failed has left
+            worker.send(not reasons)
         worker.close()
     if reasons:
         if ring is not None:
@@ -179,20 +190,42 @@ def _set_up_head(workers: list[Connection], spins: tuple[float, float]) -> ShmTr
     return ring
 
 
+def _answer(worker: Connection) -> str | None:
+    """A worker's answer: ``None`` once attached, else why not."""
+    try:
+        if not worker.poll(DEFAULT_SETUP_TIMEOUT):
+            return f"it did not attach within {DEFAULT_SETUP_TIMEOUT:g} s"
+        reason = worker.recv()
+    except (EOFError, OSError):
+        return _GONE
+    return None if reason is None else str(reason)
+
+
 def _set_up_worker(rank: int, head: Connection, spins: tuple[float, float]) -> ShmTransport:
-    """Attach to the ring the head names, and tell it whether that worked; exit quietly if there is no ring."""
+    """Attach to the ring the head names, tell it how that went, and wait for its go.
+
+    Without a ring, or without the head's go, it exits with code 2 and says nothing:
+    the head raises why, and its launcher reports it.
+    """
     try:
         name = head.recv()
     except EOFError:  # the head died: its own error, or its exit code, tells why
         name = None
-    if name is None:  # no ring: the head raises why, and its launcher reports it
+    if name is None:
         raise SystemExit(SETUP_FAILED)
     try:
         transport = ShmTransport.attach(name, rank, spin_time=spins[0], max_spin_time=spins[1])
     except RING_SETUP_ERRORS as error:
-        head.send(setup_reason(error))  # the head raises it, with every other worker's reason
+        with suppress(OSError):
+            head.send(setup_reason(error))
         raise SystemExit(SETUP_FAILED) from None
-    with suppress(OSError):  # a head that died since is found by the transport's first wait
+    try:
         head.send(None)
+        go = head.recv()
+    except (EOFError, OSError):
+        go = False
     head.close()
+    if go is not True:
+        transport.close()
+        raise SystemExit(SETUP_FAILED)
     return transport
