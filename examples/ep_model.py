@@ -6,7 +6,8 @@ Run it on 2 local gloo ranks (it starts them itself), or under torchrun:
     torchrun --nproc-per-node 3 examples/ep_model.py
 
 Each rank prints its slot states; they agree under protocol v1 and v2
-(``METRALE_EP_PROTOCOL``).  Exit code 0.
+(``METRALE_EP_PROTOCOL``).  Exit code 0; 2 with one ``error: ...`` line when the
+ranks could not set up their link.
 """
 
 from __future__ import annotations

@@ -112,12 +112,14 @@ def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
         (("--world-size", "3"), "argument --world-size: must divide the model's 4 attention heads and 4 experts"),
         (("--world-size", "65"), "argument --world-size: must be at most 64 (the most ranks one ring serves)"),
         (("--transport", "tcp"), "argument --transport: invalid choice: 'tcp'"),
+        (("--json", "/nonexistent/x.json"), "argument --json: '/nonexistent/x.json' is in a directory that does not"),
     ],
 )
 def test_demo_refuses_bad_arguments(args: tuple[str, ...], message: str) -> None:
     result = demo(*args)
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
+    assert (result.returncode, result.stdout) == (2, "")
+    (line,) = result.stderr.splitlines()  # one line, no usage block, no traceback
+    assert line.startswith(f"error: {message}") and line.endswith(" (--help lists the options)")
 
 
 def test_demo_refuses_a_bad_protocol_variable_in_one_line() -> None:

@@ -39,8 +39,8 @@ SPINS = (0.0, 0.0)
 TINY_SHM = "mount -t tmpfs -o size=64k tmpfs /dev/shm"
 NO_ROOM = (
     "error: the shared-memory ring could not be set up (rank 0: /dev/shm has 0.1 MiB free, too little for the "
-    "ring's 1.0 MiB: pass a smaller ring_bytes, or give the machine (a container: docker run --shm-size) a larger "
-    "/dev/shm)"
+    "ring's 1.0 MiB: give the machine a larger /dev/shm (a container: docker run --shm-size), use the transport "
+    "'torch' ('auto' falls back to it by itself), or create the ring with a smaller ring_bytes (ShmTransport.create))"
 )
 
 

@@ -311,6 +311,7 @@ def _no_space(size: int, free: int | None = None) -> OSError:
     have = "" if free is None else f"{free / 2**20:.1f} MiB free, "
     return OSError(
         errno.ENOSPC,
-        f"{SHM_DIR} has {have}too little for the ring's {size / 2**20:.1f} MiB: pass a smaller ring_bytes, "
-        "or give the machine (a container: docker run --shm-size) a larger /dev/shm",
+        f"{SHM_DIR} has {have}too little for the ring's {size / 2**20:.1f} MiB: give the machine a larger "
+        f"{SHM_DIR} (a container: docker run --shm-size), use the transport 'torch' ('auto' falls back to it "
+        "by itself), or create the ring with a smaller ring_bytes (ShmTransport.create)",
     )

@@ -78,9 +78,19 @@ def _world_size(text: str) -> int:
     return value
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one ``error: ...`` line, as every other refusal of the demo."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (--help lists the options)\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The demo's command line (``sys.argv[1:]`` by default); a bad argument exits 2 with argparse's line."""
-    parser = argparse.ArgumentParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
+    """The demo's command line (``sys.argv[1:]`` by default); a bad argument exits 2 with one ``error:`` line.
+
+    ``--json PATH`` is refused here when ``PATH``'s directory does not exist, not after the run.
+    """
+    parser = _OneLineParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--world-size", type=_world_size, default=2, help="local ranks: 1, 2 or 4 (default 2; torchrun sets it)")
     versions = [p.value for p in ProtocolVersion]
@@ -100,7 +110,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "a host (auto, the default)",
     )
     add("--json", type=Path, default=None, metavar="PATH", help="also write the head's summary to PATH as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.json is not None and not args.json.resolve().parent.is_dir():
+        parser.error(f"argument --json: {str(args.json)!r} is in a directory that does not exist")
+    return args
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ try:
     import torch
 except ImportError as _missing:  # pragma: no cover - exercised in a torch-less venv
     raise ImportError(
-        f"metrale_model_engine.torch needs PyTorch (import of {_missing.name or 'torch'!r} failed): install "
-        "the 'torch' extra, pip install 'metrale-model-engine[torch]' (the README's Install section shows "
-        "how to get the CPU build)"
+        f"metrale_model_engine.torch needs PyTorch (import of {_missing.name or 'torch'!r} failed): for the CPU "
+        "build, pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, then the 'torch' "
+        "extra (pip install -e '.[torch]' in a checkout); the README's Install section says why"
     ) from _missing
 try:
     import numpy  # noqa: F401  (torch's tensor/buffer conversions used here need it)
