@@ -1,103 +1,163 @@
-"""A multi-rank model on torch.distributed: the head serves, every worker runs commands.
+"""A tensor-parallel model on torch.distributed, written the safe way: a failure on any rank stops every rank.
 
+Each rank holds its share of the hidden units of a small MLP; a forward sums the
+shares with one all-reduce.  The head serves; every worker runs the same commands.
 Run it on 2 local gloo ranks (it starts them itself), or under torchrun:
 
-    python examples/ep_model.py
-    torchrun --nproc-per-node 3 examples/ep_model.py
+    python examples/ep_model.py [--transport auto|shm|torch] [--bug]
+    torchrun --nproc-per-node 4 examples/ep_model.py
 
-Each rank prints its slot states; they agree under protocol v1 and v2
-(``METRALE_EP_PROTOCOL``).  Exit code 0; 2 with one ``error: ...`` line when the
-ranks could not set up their link.
+Each rank prints its slots and a checksum of its last output: they agree, under
+protocol v1 and v2 (``METRALE_EP_PROTOCOL``).  ``--bug`` plants the bug every model
+has once: worker rank 1 loses a slot and its hook raises a plain ``KeyError``
+before the all-reduce.  The run then stops on every rank within seconds, each rank
+prints one ``error:`` line (the head's names the worker, the command and the error)
+and exits 1.  Exit 2 with one ``error:`` line when the ranks could not set up their link;
+130 with the line ``interrupted`` on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections.abc import MutableSequence
+from collections.abc import MutableSequence, Sequence
+from typing import TextIO
 
+import torch
 import torch.distributed as dist
 
-from metrale_model_engine import EpLink, EpSetupError, LinkedEp, SequenceState, TokenArray, as_u32_buffer, run_worker
-from metrale_model_engine.torch import init_group_from_env, open_link, run_group
+from metrale_model_engine import EpLink, EpSetupError, LinkedEp, RunStopped, SequenceState, check_slot, run_worker
+from metrale_model_engine.torch import Collectives, init_group_from_env, open_link, run_group
 
-PREFILL, DECODE = 1, 2
+OPEN, FORWARD = 1, 2
+WIDTH, HIDDEN = 8, 32
+Slots = MutableSequence[SequenceState | None]
 
 
-class MyModel(LinkedEp[SequenceState]):
-    __slots__ = ("ep_link",)
+class TensorParallelMlp(torch.nn.Module, LinkedEp[SequenceState]):
+    ep_collective_commands = frozenset({FORWARD})  # its forward has an all-reduce: a failure stops the run
+    embed: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
 
     def __init__(self, link: EpLink) -> None:
-        self.ep_link = link  # the engine: setup agreement, sends, receives
+        super().__init__()
+        self.ep_link = link  # the engine: setup agreement, sends, receives, the run's state
+        self.collectives = Collectives(link)  # all-reduces that are bounded and stop the run when they fail
+        weights = torch.Generator().manual_seed(0)  # every rank makes the same full weights, keeps its share
+        self.embed = torch.randn(256, WIDTH, generator=weights)
+        up, down = torch.randn(HIDDEN, WIDTH, generator=weights), torch.randn(WIDTH, HIDDEN, generator=weights)
+        mine = slice(link.rank * HIDDEN // link.world_size, (link.rank + 1) * HIDDEN // link.world_size)
+        self.up, self.down = up[mine], down[:, mine]
+        self.checksum = 0.0  # of the last output: the same on every rank
 
-    # head side of each command: check everything, then send it (one message), then apply it locally
-    def prefill(self, slots: list[SequenceState | None], seq_id: int, prompt: TokenArray) -> None:
-        tokens = as_u32_buffer("prompt", prompt)  # bad tokens raise here; nothing is sent
-        self.ep_link.send_command(seq_id, PREFILL, tokens)
-        slots[seq_id] = SequenceState(seq_id, memoryview(tokens).tolist())
+    def mlp(self, tokens: Sequence[int]) -> torch.Tensor:
+        x = self.embed[torch.tensor(tokens)]
+        out = torch.relu(x @ self.up.T) @ self.down.T  # this rank's share of the hidden units
+        self.collectives.all_reduce(out)  # the sum over the ranks: every rank has the whole output
+        self.checksum = float(out.sum())
+        return out
 
-    def decode(self, slots: list[SequenceState | None], seq_id: int, token: int) -> None:
-        state = slots[seq_id]
-        if state is None:
-            raise KeyError(f"decode: slot {seq_id} is free")
-        self.ep_link.send_command(seq_id, DECODE, token)
-        state.append(token)
+    # head side of each command: check everything, send it as one message, then run the same forward
+    def open(self, slots: Slots, seq_id: int) -> None:
+        check_slot(seq_id, slots)
+        self.ep_link.send_command(seq_id, OPEN)
+        slots[seq_id] = SequenceState(seq_id)
 
-    # worker side: read the whole command, then apply it
-    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
-        if cmd == PREFILL:
-            slots[seq_id] = SequenceState(seq_id, self.ep_link.recv_tokens())
-        elif cmd == DECODE:
-            token = self.ep_link.recv_word()
-            state = slots[seq_id]
-            if state is None:
-                raise KeyError(f"decode: slot {seq_id} is free")
-            state.append(token)
+    def forward_tokens(self, slots: Slots, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
+        state = held(slots, seq_id)
+        self.ep_link.send_command(seq_id, FORWARD, tokens)
+        with self.ep_link.collective():  # if the head's own forward fails, the run stops on every rank
+            out = self.mlp(tokens)
+        state.extend(tokens)
+        return out
+
+    # worker side: read the whole command, then run it; any failure of FORWARD stops the run
+    def ep_run_command(self, seq_id: int, cmd: int, slots: Slots) -> None:
+        if cmd == OPEN:
+            slots[seq_id] = SequenceState(seq_id)
+        elif cmd == FORWARD:
+            tokens = self.ep_link.recv_tokens()
+            state = held(slots, seq_id)
+            self.mlp(tokens)
+            state.extend(tokens)
         else:
-            super().ep_run_command(seq_id, cmd, slots)  # "unknown command word"
+            super().ep_run_command(seq_id, cmd, slots)  # "unknown command word": an ordinary failure
 
 
-def serve(rank: int, world_size: int) -> None:
+def held(slots: Slots, seq_id: int) -> SequenceState:
+    state = slots[seq_id]
+    if state is None:
+        raise KeyError(f"slot {seq_id} is free")
+    return state
+
+
+class WithABug(TensorParallelMlp):
+    """``--bug``: worker rank 1 loses slot 0 before its first forward there, as a model bug would."""
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: Slots) -> None:
+        if cmd == FORWARD and seq_id == 0 and self.ep_link.rank == 1:
+            slots[seq_id] = None
+        super().ep_run_command(seq_id, cmd, slots)
+
+
+def serve(rank: int, world_size: int, transport: str, bug: bool) -> None:
     """One rank's part; opening the link is collective over the group."""
-    with MyModel(open_link(num_slots=8)) as model:  # leaving the block closes the link
-        slots: list[SequenceState | None] = [None] * 8
-        if rank == 0:
-            model.prefill(slots, 5, [11, 12, 13])
-            model.prefill(slots, 2, list(range(100, 140)))
-            for step in range(3):
-                model.decode(slots, 5, 20 + step)
-                model.decode(slots, 2, 30 + step)
-            model.ep_link.shutdown_workers()  # a sync point: raises if a worker failed a command or diverged
-        else:
-            summary = run_worker(model, slots)  # until the shutdown header
-            say(f"rank {rank}: {summary.commands_run} commands run, {summary.commands_failed} failed")
-            if summary.commands_failed:  # the head heard of each at its shutdown's sync point, and raised
-                raise SystemExit(1)
-    live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
-    say(f"rank {rank} of {world_size}: slots {live}")
+    with (WithABug if bug else TensorParallelMlp)(open_link(transport, num_slots=4)) as model:
+        slots: Slots = [None] * 4
+        try:
+            if rank == 0:
+                for seq_id in (0, 2):
+                    model.open(slots, seq_id)
+                for step in range(3):
+                    for seq_id in (0, 2):
+                        model.forward_tokens(slots, seq_id, [65 + step, 97 + seq_id])
+                model.ep_link.shutdown_workers()  # a sync point: raises if a worker failed a command or diverged
+            else:
+                run_worker(model, slots)  # until the shutdown header
+            say(f"rank {rank} of {world_size}: slots {live(slots)}, last output {model.checksum:.4f}")
+        except RunStopped as stopped:  # the run is over on every rank; the head's line says the most
+            say(f"error: {stopped}", sys.stderr)
+            raise SystemExit(1) from None
 
 
-def say(line: str) -> None:
+def live(slots: Slots) -> dict[int, list[int]]:
+    return {state.seq_id: list(state.tokens) for state in slots if state is not None}
+
+
+def say(line: str, stream: TextIO = sys.stdout) -> None:
     """Print ``line`` in one write, so that the ranks' lines never interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    stream.write(line + "\n")
+    stream.flush()
 
 
-def main() -> None:
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transport", choices=["auto", "shm", "torch"], default="auto")
+    parser.add_argument("--bug", action="store_true", help="worker rank 1 raises in its hook before the all-reduce")
+    args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun, or any launcher that sets the env:// variables
         init_group_from_env()
-        serve(dist.get_rank(), dist.get_world_size())
-        dist.destroy_process_group()  # leave the group before the interpreter exits
-    else:
-        codes = run_group(serve, 2)  # a failed setup (EpSetupError) of the ranks is raised here, once
-        if any(codes):
-            raise SystemExit(f"rank exit codes {codes}")
+        try:
+            serve(dist.get_rank(), dist.get_world_size(), args.transport, args.bug)
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        finally:
+            dist.destroy_process_group()  # leave the group before the interpreter exits
+        return 0
+    codes = run_group(serve, 2, args.transport, args.bug)  # a failed setup (EpSetupError) is raised here, once
+    return 1 if any(codes) else 0
 
 
 if __name__ == "__main__":
     try:
-        main()
+        raise SystemExit(main())
     except EpSetupError as error:  # the ranks could not set up their link: one line, from rank 0
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the ranks left quietly (run_group ended any that lingered)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

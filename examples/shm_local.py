@@ -3,7 +3,8 @@
 python examples/shm_local.py
 
 Each rank prints its slots' digest, the same on all three.  Exit code 0; 2 with one
-``error: ...`` line when the ring cannot be set up (too little ``/dev/shm``, say).
+``error: ...`` line when the ring cannot be set up (too little ``/dev/shm``, say);
+130 with the line ``interrupted`` on Ctrl-C.
 """
 
 import sys
@@ -39,3 +40,6 @@ if __name__ == "__main__":
     except EpSetupError as error:  # no ring (too little /dev/shm, say): the ranks said nothing, run_ring says why
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the ranks left quietly (run_ring ended any that lingered)
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -4,7 +4,14 @@ from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
-from metrale_model_engine.wire import U32_TYPECODE, encode_header, encode_sync, encode_tokens_prefix, encode_word
+from metrale_model_engine.wire import (
+    U32_TYPECODE,
+    encode_command,
+    encode_header,
+    encode_sync,
+    encode_tokens_prefix,
+    encode_word,
+)
 
 Message = tuple[int, ...]
 
@@ -15,7 +22,13 @@ def words(*parts: Buffer) -> Message:
 
 
 def header(cmd: int, seq_id: int = 0) -> Message:
+    """The header of a command whose follow-ups come item by item (the trait's per-word calls)."""
     return words(encode_header(seq_id, cmd))
+
+
+def whole(cmd: int, seq_id: int = 0) -> Message:
+    """The header of a command sent as one message (``send_command``): its follow-ups come in the same message."""
+    return words(*encode_command(seq_id, cmd, []))
 
 
 def word(value: int) -> Message:

@@ -11,9 +11,20 @@ import time
 from pathlib import Path
 
 
-def save(out: str, rank: int, **result: object) -> None:
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as file:
+def save(out: str, rank: int, /, **result: object) -> None:
+    note(out, f"rank{rank}", **result)
+
+
+def note(out: str, label: str, /, **result: object) -> None:
+    """Write ``result`` as ``<out>/<label>.pkl`` (a note besides the ranks' results)."""
+    with open(Path(out) / f"{label}.pkl", "wb") as file:
         pickle.dump(result, file)
+
+
+def read_note(out: Path, name: str) -> dict[str, object]:
+    """What :func:`note` wrote as ``name``."""
+    result: dict[str, object] = pickle.loads((out / f"{name}.pkl").read_bytes())
+    return result
 
 
 def load(out: Path, world_size: int) -> dict[int, dict[str, object]]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from metrale_model_engine import EpLink, ProtocolVersion, run_worker
+from metrale_model_engine import EpDivergenceError, EpLink, ProtocolVersion, run_worker
 from metrale_model_engine.reference import (
     CMD_ALLOC,
     LmSlots,
@@ -26,6 +26,7 @@ from metrale_model_engine.reference import (
     encode,
     kv_digest,
 )
+from metrale_model_engine.reference.layers import ShardedBlock
 from metrale_model_engine.torch import open_link
 
 from rank_results import save
@@ -148,3 +149,43 @@ def fault(rank: int, world_size: int, kind: str, victim: int, how: str, out: str
         save(out, rank, error=error, kind=type(error).__name__, message=str(error), at=time.time())
     finally:
         model.ep_link.close()
+
+
+class AltersItsCache(ReferenceLm):
+    """A worker that, after its third decode, adds 1 to a value its cache holds (memory corruption, say)."""
+
+    decodes = 0
+
+    def forward_decode(self, states: Sequence[LmState], tokens: Sequence[int]) -> torch.Tensor:
+        logits = super().forward_decode(states, tokens)
+        self.decodes += 1
+        if self.decodes == 3:
+            block = self.lm.layers[0]
+            assert isinstance(block, ShardedBlock)
+            block.attn.k_cache[states[0].seq_id, 0, 0, 0] += 1.0
+        return logits
+
+
+def tampered_cache(rank: int, world_size: int, kind: str, out: str) -> None:
+    """Serve with deep sync points (``check_kv_values``) while worker 1 alters its cache; the head saves the error."""
+    link = _link(kind, "v2")
+    model = (AltersItsCache if rank == 1 else ReferenceLm)(link, check_kv_values=True)
+    try:
+        if rank:
+            slots: LmSlots = [None] * SLOTS
+            run_worker(model, slots, logger=QUIET)
+            return
+        server = Server(model, prefill_chunk=PREFILL_CHUNK)
+        server.submit(WORKLOAD[0])
+        clean = 0
+        try:
+            while server.busy:
+                server.step()
+                if server.decode_steps:
+                    link.sync(server.slots)
+                    clean += 1
+        except EpDivergenceError as error:
+            save(out, rank, kind=type(error).__name__, message=str(error), ranks=error.ranks, clean_syncs=clean)
+        link.shutdown_workers()
+    finally:
+        link.close()

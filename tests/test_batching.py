@@ -12,6 +12,7 @@ from metrale_model_engine import (
     EpLinkError,
     EpMismatchError,
     ProtocolVersion,
+    RunStopped,
     SequenceState,
     WorkerSummary,
     run_worker,
@@ -21,7 +22,7 @@ from metrale_model_engine.testing import RecordingEp, RecordingTransport, Replay
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.wire import Report, decode_answer
 
-from messages import header, tokens, word
+from messages import header, tokens, whole, word
 
 Slots = MutableSequence[SequenceState | None]
 
@@ -29,7 +30,7 @@ Slots = MutableSequence[SequenceState | None]
 def test_a_batch_is_one_message_a_count_and_two_arrays() -> None:
     recorder: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
     send_batch(recorder.ep_link, 0xFFFFFFE0, [2, 0], [70, 71])
-    assert recorder.wire == [header(0xFFFFFFE0, 0) + word(2) + tokens([2, 0]) + tokens([70, 71])]
+    assert recorder.wire == [whole(0xFFFFFFE0, 0) + word(2) + tokens([2, 0]) + tokens([70, 71])]
     with pytest.raises(ValueError, match="a batch needs one value per slot: 2 slot ids, 1 values"):
         send_batch(recorder.ep_link, 9, [2, 0], [70])
     with pytest.raises(TypeError, match=r"slot_ids\[0\] must be an int"):
@@ -43,6 +44,8 @@ def test_a_batch_is_one_message_a_count_and_two_arrays() -> None:
         ([0, 4], IndexError, r"slot_ids\[1\]=4 is out of range for 4 slots"),
         ([1, 0, 1], ValueError, r"slot_ids\[2\]=1 repeats: a batch names each slot once"),
         ([0, 2], KeyError, r"slot_ids\[1\]=2: the slot is free"),
+        ([0, True], TypeError, r"slot_ids\[1\] must be an int, got bool True"),
+        ([0, 1.0], TypeError, r"slot_ids\[1\] must be an int, got float 1.0"),
     ],
 )
 def test_a_batch_is_checked_before_any_slot_is_touched(ids: list[int], error: type[Exception], fragment: str) -> None:
@@ -51,6 +54,13 @@ def test_a_batch_is_checked_before_any_slot_is_touched(ids: list[int], error: ty
         check_batch(ids, slots)
     check_batch([3, 0, 1], slots)
     check_batch([], slots)
+
+
+def test_a_batch_takes_any_integer_ids() -> None:
+    numpy = pytest.importorskip("numpy")
+    slots: Slots = [SequenceState(0), SequenceState(1)]
+    check_batch(numpy.array([1, 0]).tolist(), slots)
+    check_batch(list(numpy.array([1, 0], dtype=numpy.uint32)), slots)  # numpy's own integer type
 
 
 def test_a_worker_reads_the_whole_batch_before_checking_it() -> None:
@@ -162,4 +172,8 @@ def test_a_refused_command_is_reported_then_ends_the_worker() -> None:
         worker.step(refuse, slots)
     assert isinstance(info.value, EpLinkError)  # run_worker re-raises it: the worker leaves
     (report,) = [decode_answer(answer) for answer in replay.answers]
-    assert report == Report(1, 2, 7, "EpCommandRefused: refused before its forward")  # the refusal, by name
+    assert report == Report(1, 2, 7, "EpCommandRefused: refused before its forward", stopped=True)  # by name
+    assert worker.stopped is not None and str(worker.stopped) == str(info.value)
+    assert type(worker.stopped) is EpCommandRefused and worker.stopped.__traceback__ is None  # a copy, kept bare
+    with pytest.raises(RunStopped, match="the run stopped earlier"):  # the link runs no more commands
+        worker.step(refuse, slots)

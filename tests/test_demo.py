@@ -113,6 +113,8 @@ def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
         (("--world-size", "65"), "argument --world-size: must be at most 64 (the most ranks one ring serves)"),
         (("--transport", "tcp"), "argument --transport: invalid choice: 'tcp'"),
         (("--json", "/nonexistent/x.json"), "argument --json: '/nonexistent/x.json' is in a directory that does not"),
+        (("--json", "/tmp"), "argument --json: '/tmp' is a directory; name a file to write"),
+        (("--slots", "4294967296"), "argument --slots: must be at most 4294967295, got 4294967296"),
     ],
 )
 def test_demo_refuses_bad_arguments(args: tuple[str, ...], message: str) -> None:
@@ -184,3 +186,50 @@ def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> 
         "error: METRALE_EP_PROTOCOL='garbage' is not a protocol version; accepted: 'v1', 'v2' (or unset/empty for 'v1')"
     ]
     assert "metrale_model_engine/" not in result.stderr  # no traceback from the ranks themselves
+
+
+def test_demo_refuses_slots_whose_caches_would_not_fit_before_any_rank_starts() -> None:
+    started = time.monotonic()
+    result = demo("--slots", "4294967295")
+    assert (result.returncode, result.stdout) == (2, "")
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: --slots 4294967295: the KV caches of 2 rank(s) would take "), line
+    assert "GiB of memory" in line and time.monotonic() - started < 60.0
+
+
+def test_a_request_cut_short_by_its_slot_says_so(tmp_path: Path) -> None:
+    result = demo("--max-new-tokens", "240", "--world-size", "1", "--json", str(tmp_path / "cut.json"))
+    assert result.returncode == 0, result.stderr
+    cut = [line for line in result.stdout.splitlines() if line.endswith("(cut short: its slot's cache is full)")]
+    summary = json.loads((tmp_path / "cut.json").read_text())
+    reasons = {request["id"]: request["finish_reason"] for request in summary["requests"]}
+    assert set(reasons.values()) == {"context"} and len(cut) == len(reasons) == 6  # every prompt + 240 > 256
+    assert all(len(r["tokens"]) < 240 for r in summary["requests"])
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transport: str) -> None:
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "5000", "--transport", transport],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        pids = [int(pid) for pid in first.rsplit("pids ", 1)[1].split()]
+        time.sleep(0.5)  # well inside the run
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        interrupted = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130
+    assert stderr.strip().splitlines() == ["interrupted"], stderr
+    assert time.monotonic() - interrupted < 15.0
+    for pid in pids:  # every rank is gone
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {name for name in after - before if "metrale" in name}

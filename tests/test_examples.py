@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,31 @@ def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
     done = run_example("ep_model.py", protocol)
     lines = slot_lines(done.stdout)
     assert len(lines) == 2 and lines[0] == lines[1], done.stdout
-    assert "2: [100, 101" in lines[0] and "5: [11, 12, 13, 20, 21, 22]" in lines[0]
+    assert lines[0].startswith("slots {0: [65, 97, 66, 97, 67, 97], 2: [65, 99, 66, 99, 67, 99]}, last output ")
+
+
+@pytest.mark.ranks
+@pytest.mark.torch
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_ep_example_with_a_worker_bug_stops_every_rank_at_once_and_the_head_names_it(transport: str) -> None:
+    pytest.importorskip("torch")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "ep_model.py"), "--bug", "--transport", transport],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 30.0  # the processes' start and torch's import included: not hung
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    head = [line for line in errors if line.startswith("error: head: ")]
+    assert len(errors) == 2 and len(head) == 1, done.stderr
+    assert head[0].startswith("error: head: the run stopped in command 3 (seq_id=0, cmd=2): worker rank 1"), head
+    assert "failed command 3 (seq_id=0, cmd=2): KeyError: 'slot 0 is free'" in head[0], head
+    assert "which runs collectives, failed here, so the run stops on every rank: KeyError" in done.stderr
+    assert not slot_lines(done.stdout)
 
 
 def launch(script: Path, world_size: int, protocol: str) -> list[tuple[int, str]]:
@@ -122,3 +148,25 @@ def test_ranks_exit_cleanly_ten_times(script: Path) -> None:
         if script.name == "ep_model.py":
             lines = [slot_lines(output) for _, output in results]
             assert lines[0] == lines[1] and len(lines[0]) == 1
+
+
+@pytest.mark.ranks
+@pytest.mark.torch
+def test_ctrl_c_ends_the_ep_example_with_one_line() -> None:
+    pytest.importorskip("torch")
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "ep_model.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while len(children.read_text().split()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the launcher has started both ranks (they then import torch, for seconds)
+        time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        stdout, stderr = process.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert (process.returncode, stderr.strip().splitlines(), stdout) == (130, ["interrupted"], "")

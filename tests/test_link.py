@@ -24,13 +24,15 @@ from metrale_model_engine import (
     EpWorkerFailed,
     LinkedEp,
     ProtocolVersion,
+    RunStopped,
     SequenceState,
+    WorkerFailure,
 )
 from metrale_model_engine._liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
 from metrale_model_engine.wire import WIRE_VERSION, Ack, ItemKind, Report, encode_ack, encode_close, encode_report
 
-from messages import header, sync, tokens, word, words
+from messages import header, sync, tokens, whole, word, words
 
 
 class FakeTransport:
@@ -204,9 +206,9 @@ def test_a_command_is_one_message_whatever_it_carries() -> None:
     head.send_command(2, 7)
     head.send_command(0, 9, [], 5)
     assert transport.sent == [
-        header(0xFFFFFFE0, 1) + word(2) + tokens([1, 3]) + tokens([50, 60]),
-        header(7, 2),
-        header(9, 0) + tokens([]) + word(5),
+        whole(0xFFFFFFE0, 1) + word(2) + tokens([1, 3]) + tokens([50, 60]),
+        whole(7, 2),
+        whole(9, 0) + tokens([]) + word(5),
     ]
 
 
@@ -244,9 +246,24 @@ def test_head_refuses_bad_input_before_sending() -> None:
     assert transport.sent == []
 
 
+@pytest.mark.parametrize(("follow_up", "shown"), [(1.5, "float 1.5"), (None, "NoneType None"), (object, "type")])
+def test_a_follow_up_that_is_neither_a_word_nor_a_token_array_is_named(follow_up: object, shown: str) -> None:
+    transport = FakeTransport(0, 2)
+    expected = r"follow_ups\[1\] must be a u32 word \(an int in 0 \.\.= 4294967295\) or a token array, got "
+    with pytest.raises(TypeError, match=expected + shown):
+        link(transport).send_command(0, 2, 7, follow_up)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"follow_ups\[0\]\[1\] must be an int in 0 \.\.= 4294967295 \(0xFFFFFFFF\), got str 'x'"
+    ):
+        link(transport).send_command(0, 2, [1, "x"])  # type: ignore[list-item]
+    assert transport.sent == []
+
+
 def test_the_shutdown_word_is_reserved_for_shutdown_workers() -> None:
     transport = FakeTransport(0, 2)
-    with pytest.raises(ValueError, match=r"cmd=0xffffffff is the reserved shutdown word; call shutdown_workers\(\)"):
+    with pytest.raises(
+        ValueError, match=r"cmd=0xffffffff is the reserved shutdown word; call ep_link.shutdown_workers\(\) to stop"
+    ):
         link(transport).send_command(0, CMD_SHUTDOWN)
     assert transport.sent == []
 
@@ -401,9 +418,13 @@ def test_check_workers_names_the_workers_of_this_host_that_exited() -> None:
     here = host_fingerprint()
     peers = [setup_words(a_dead_pid(), here), setup_words(os.getppid(), here)]
     head = EpLink(FakeTransport(0, 3, peers=peers), num_slots=4, protocol=ProtocolVersion.V1)
-    with pytest.raises(EpLinkError, match=r"head: worker rank\(s\) \[1\] exited \(died or left the run\)"):
+    with pytest.raises(
+        RunStopped, match=r"head: the run stopped: worker rank\(s\) \[1\] exited \(died or left the run\)"
+    ):
         head.check_workers()
-    head.close()
+    assert head.closed and isinstance(head.stopped, RunStopped) and head.stopped.ranks == (1,)
+    with pytest.raises(RunStopped, match="the run stopped earlier"):
+        head.send_command(0, 1)
 
 
 def test_check_workers_cannot_see_a_worker_of_another_host_and_waits_its_timeout() -> None:
@@ -418,8 +439,22 @@ def test_check_workers_raises_what_workers_reported_first() -> None:
     transport = FakeTransport(0, 2, peers=[setup_words(a_dead_pid(), host_fingerprint())])
     head = EpLink(transport, num_slots=4, protocol=ProtocolVersion.V1)
     transport.waiting = [(1, encode_report(Report(3, 0, 7, "KeyError: 'slot 0 is free'")))]
-    with pytest.raises(EpWorkerFailed, match=r"KeyError: 'slot 0 is free'; worker rank\(s\) \[1\] then exited"):
+    with pytest.raises(RunStopped, match=r"KeyError: 'slot 0 is free'; worker rank\(s\) \[1\] exited") as info:
         head.check_workers()
+    assert info.value.failures == (WorkerFailure(1, 3, 0, 7, "KeyError: 'slot 0 is free'"),)
+
+
+def test_check_workers_raises_ordinary_reports_as_failures_and_a_stopping_one_as_the_run_stopped() -> None:
+    transport = FakeTransport(0, 2)
+    head = EpLink(transport, num_slots=4, protocol=ProtocolVersion.V1)
+    transport.waiting = [(1, encode_report(Report(3, 0, 7, "KeyError: 'slot 0 is free'")))]
+    with pytest.raises(EpWorkerFailed, match=r"worker rank 1 failed command 3 \(seq_id=0, cmd=7\)"):
+        head.check_workers()
+    assert head.stopped is None and not head.closed
+    transport.waiting = [(1, encode_report(Report(4, 1, 9, "ValueError: bad", stopped=True)))]
+    with pytest.raises(RunStopped, match=r"the run stopped: worker rank 1 failed command 4 .*: ValueError: bad"):
+        head.check_workers()
+    assert head.closed
 
 
 def test_check_workers_is_for_the_head_and_takes_seconds() -> None:

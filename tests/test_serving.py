@@ -8,6 +8,8 @@ one rank does, so the head's logits match one rank's to :data:`LOGIT_TOLERANCE`
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,13 +21,17 @@ import torch
 import serving_sessions as sessions
 from metrale_model_engine import (
     EpCommandRefused,
+    EpDivergenceError,
     EpLink,
     EpRoleError,
+    EpWorkerFailed,
     ProtocolVersion,
+    WorkerFailure,
     run_worker,
 )
 from metrale_model_engine.reference import (
     LmConfig,
+    LmSlots,
     LmState,
     ReferenceLm,
     Request,
@@ -37,6 +43,7 @@ from metrale_model_engine.reference import (
     kv_digest,
     serving,
 )
+from metrale_model_engine.reference.layers import ShardedBlock
 from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, RunStopped
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.torch import run_group
@@ -277,9 +284,9 @@ def message(seq_id: int, cmd: int, *follow_ups: int | list[int]) -> list[int]:
     return list(transport.messages[-1])
 
 
-def reports(transport: ReplayTransport) -> list[str]:
-    """The error text of every failure the worker reported to the head."""
-    return [answer.error for answer in map(decode_answer, transport.answers) if isinstance(answer, Report)]
+def reports(transport: ReplayTransport) -> list[tuple[str, bool]]:
+    """The error text of every failure the worker reported to the head, and whether it stopped the run."""
+    return [(a.error, a.stopped) for a in map(decode_answer, transport.answers) if isinstance(a, Report)]
 
 
 def test_a_worker_replays_what_the_head_served_to_the_same_kv_state() -> None:
@@ -296,24 +303,38 @@ def test_a_worker_replays_what_the_head_served_to_the_same_kv_state() -> None:
 
 
 @pytest.mark.parametrize(
-    ("command", "fragment"),
+    ("command", "where", "error"),
     [
-        (
-            message(0, CMD_DECODE, 1, [1], [65]),
-            "rank 1 refuses a decode step: KeyError: 'slot_ids[0]=1: the slot is free'",
-        ),
-        (message(2, CMD_PREFILL, 1, 0, 2, [65, 66]), "rank 1 refuses a prefill of slot 2: KeyError: 'slot 2 is free'"),
-        (message(0, CMD_PREFILL, 2, 0, 2, [65, 300]), "prompt[1]=300 is outside the vocabulary"),
-        (message(0, CMD_PREFILL, 1, 0, 3, [65]), "EpMismatchError"),  # full_len says 3, the array holds 1
-        (message(0, 0x1234), "rank 1 refuses a command: ValueError: unknown command word 0x00001234"),
+        (message(0, CMD_DECODE, 1, [1], [65]), "seq_id=0, cmd=0xffffffe0", "KeyError: 'slot_ids[0]=1: the slot is"),
+        (message(2, CMD_PREFILL, 1, 0, 2, [65, 66]), "seq_id=2, cmd=0xfffffff0", "KeyError: 'slot 2 is free'"),
+        (message(0, CMD_PREFILL, 2, 0, 2, [65, 300]), "seq_id=0, cmd=0xfffffff0", "prompt[1]=300 is outside the"),
+        # full_len says 3, the array holds 1; then one word too many, read past the command's end:
+        (message(0, CMD_PREFILL, 1, 0, 3, [65]), "seq_id=0, cmd=0xfffffff0", "EpMismatchError: worker rank 1 expected"),
+        (message(0, CMD_PREFILL, 1, 0), "seq_id=0, cmd=0xfffffff0", "expected a follow-up word, but command 2"),
+        (message(0, CMD_DECODE, 1, [0], [65], 9), "seq_id=0, cmd=0xffffffe0", "left a follow-up word (9) unread"),
     ],
 )
-def test_a_worker_refuses_what_it_cannot_run_and_leaves_having_told_the_head(command: list[int], fragment: str) -> None:
-    worker, transport = replaying_worker([message(0, CMD_ALLOC, 1), command])
-    with pytest.raises(EpCommandRefused, match="rank 1 refuses"):
+def test_a_worker_refuses_a_collective_command_it_cannot_run_and_leaves_having_told_the_head(
+    command: list[int], where: str, error: str
+) -> None:
+    alloc_and_prefill = [message(0, CMD_ALLOC, 1), message(0, CMD_PREFILL, 1, 0, 1, [65])]
+    worker, transport = replaying_worker([*alloc_and_prefill[: 1 if "0xfffffff0" in where else 2], command])
+    number = 2 if "0xfffffff0" in where else 3
+    with pytest.raises(EpCommandRefused) as info:
         run_worker(worker, no_slots(4), logger=sessions.QUIET)
-    (report,) = reports(transport)
-    assert report.startswith("EpCommandRefused: rank 1 refuses") and fragment in report, report
+    assert str(info.value).startswith(f"worker rank 1: command {number} ({where}), which runs collectives, failed")
+    assert error in str(info.value)
+    ((text, stops_run),) = reports(transport)
+    assert stops_run and error in text, text
+    stopped = worker.ep_link.stopped
+    assert stopped is not None and str(stopped) == str(info.value) and stopped.failures == info.value.failures
+
+
+def test_an_unknown_word_is_an_ordinary_failure() -> None:
+    worker, transport = replaying_worker([message(0, 0x1234), header_shutdown()])
+    summary = run_worker(worker, no_slots(4), logger=sessions.QUIET)
+    assert (summary.commands_run, summary.commands_failed) == (0, 1)
+    assert reports(transport) == [("ValueError: unknown command word 4660 (seq_id=0) for ReferenceLm", False)]
 
 
 class FailsInItsForward(ReferenceLm):
@@ -326,7 +347,7 @@ def test_an_error_inside_a_workers_forward_is_a_refusal_too() -> None:
         [message(0, CMD_ALLOC, 1), message(0, CMD_PREFILL, 1, 0, 1, [65]), message(0, CMD_DECODE, 1, [0], [66])]
     )
     worker = FailsInItsForward(EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2), all_reduce=no_reduce)
-    with pytest.raises(EpCommandRefused, match="rank 1 refuses a decode step: RuntimeError: out of memory"):
+    with pytest.raises(EpCommandRefused, match=r"command 3 \(seq_id=0, cmd=0xffffffe0\), which runs collectives"):
         run_worker(worker, no_slots(4), logger=sessions.QUIET)
 
 
@@ -337,8 +358,11 @@ def test_a_bad_alloc_or_free_is_an_ordinary_failure_and_the_worker_stays() -> No
     summary = run_worker(worker, slots, logger=sessions.QUIET)
     assert (summary.commands_run, summary.commands_failed) == (1, 2)
     assert slots == [None, LmState(1), None, None]
-    assert [r.split(":")[0] for r in reports(transport)] == ["ValueError", "KeyError"]
-    assert "an alloc's word must be 1 (alloc) or 0 (free), got 2" in reports(transport)[0]
+    assert [(text.split(":")[0], stopped) for text, stopped in reports(transport)] == [
+        ("ValueError", False),
+        ("KeyError", False),
+    ]
+    assert "an alloc's word must be 1 (alloc) or 0 (free), got 2" in reports(transport)[0][0]
 
 
 def header_shutdown() -> list[int]:
@@ -362,11 +386,14 @@ def test_the_heads_own_forward_failing_ends_the_run_for_good() -> None:
     head = HeadFails(link, all_reduce=no_reduce)
     slots: list[LmState | None] = [None, None]
     head.alloc(slots, 0)
-    with pytest.raises(RunStopped, match="the head's own forward failed: RuntimeError: a bug on the head"):
+    own = r"head: the run stopped: its own forward of command 2 \(seq_id=0, cmd=0xfffffff0\) failed: RuntimeError"
+    with pytest.raises(RunStopped, match=own):
         head.prefill(slots, 0, [65], 0, 1)
     assert link.closed and slots == [LmState(0), None]  # the chunk is not recorded: it was never written
     with pytest.raises(RunStopped, match="the run stopped earlier"):
         head.alloc(slots, 1)
+    with pytest.raises(RunStopped, match="the run stopped earlier"):  # before any check of the arguments
+        head.free(slots, 3)
 
 
 def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -377,7 +404,7 @@ def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: 
     head = ReferenceLm(EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2), all_reduce=broken)
     slots: list[LmState | None] = [None, None]
     head.alloc(slots, 0)
-    with pytest.raises(RunStopped, match="rank 0: an all-reduce of the forward failed, so a rank died or left"):
+    with pytest.raises(RunStopped, match=r"head: the run stopped in command 2 .*: an all-reduce failed \(RuntimeError"):
         head.prefill(slots, 0, [65], 0, 1)
     with pytest.raises(RunStopped):
         head.decode(slots, [0], [66])
@@ -430,7 +457,8 @@ def test_the_head_killed_inside_a_decode_stops_every_worker(tmp_path: Path) -> N
     results = load(tmp_path, 4)
     for rank in (1, 2, 3):
         assert results[rank]["kind"] == "RunStopped", results[rank]
-        assert "an all-reduce of the forward failed" in results[rank]["message"]  # type: ignore[operator]
+        assert "the run stopped in command" in results[rank]["message"]  # type: ignore[operator]
+        assert "an all-reduce failed, so a rank died" in results[rank]["message"]  # type: ignore[operator]
         assert 0 <= results[rank]["at"] - results[0]["killed_at"] < FAULT_BOUND  # type: ignore[operator]
 
 
@@ -440,9 +468,11 @@ def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Pa
     results = load(tmp_path, 4)
     head = results[0]
     assert head["kind"] == "RunStopped", head
-    assert "worker rank 2" in head["message"] and "slot 0 is free" in head["message"]  # type: ignore[operator]
+    assert "worker rank 2 failed command" in head["message"]  # type: ignore[operator]
+    assert "KeyError: 'slot 0 is free'" in head["message"]  # type: ignore[operator]
     assert results[2]["kind"] == "EpCommandRefused"
-    assert "rank 2 refuses a prefill of slot 0: KeyError: 'slot 0 is free'" in results[2]["message"]  # type: ignore[operator]
+    refused = "which runs collectives, failed here, so the run stops on every rank: KeyError: 'slot 0 is free'"
+    assert refused in results[2]["message"]  # type: ignore[operator]
     for rank in (1, 3):  # in the forward's all-reduce with the head when rank 2 left
         assert results[rank]["kind"] == "RunStopped", results[rank]
     refused_at = float(results[2]["at"])  # type: ignore[arg-type]
@@ -450,10 +480,207 @@ def test_a_refused_prefill_stops_every_rank_and_the_head_learns_why(tmp_path: Pa
 
 
 @pytest.mark.ranks
-def test_a_refusal_over_the_backend_names_the_rank_that_left(tmp_path: Path) -> None:
+def test_a_refusal_over_the_backend_reaches_the_head_with_its_rank_and_error(tmp_path: Path) -> None:
     run_group(sessions.fault, 2, "torch", 1, "forget", str(tmp_path), timeout=RUN_LIMIT)
     results = load(tmp_path, 2)
     assert results[0]["kind"] == "RunStopped", results[0]
-    assert "worker rank(s) [1] exited" in results[0]["message"]  # type: ignore[operator]
+    # The refusing worker left its report in the group's store: its error reaches the head over gloo too.
+    assert "worker rank 1 failed command 4" in results[0]["message"]  # type: ignore[operator]
+    assert "KeyError: 'slot 0 is free'" in results[0]["message"]  # type: ignore[operator]
     assert results[1]["kind"] == "EpCommandRefused"
     assert 0 <= results[0]["at"] - results[1]["at"] < FAULT_BOUND  # type: ignore[operator]
+
+
+# -- the server keeps every request whole, whatever a step meets -------------------
+
+
+def test_a_completion_says_why_it_ended() -> None:
+    prompt = tuple(encode("Licensed under the Apache License")) * 7  # 231 of the 256 positions
+    done = Server(solo_model(), prefill_chunk=64).run([Request(0, prompt, 1000), Request(1, (76, 105), 3)])
+    assert (done[0].finish_reason, done[1].finish_reason) == ("context", "length")
+    assert len(done[1].tokens) == 3 and done[0].error is None
+
+
+def test_the_server_takes_nothing_after_its_shutdown_on_one_rank_as_on_two() -> None:
+    for model in (solo_model(), recorded_head()[0]):
+        server = Server(model)
+        server.run([Request(0, (76,), 2)])
+        with contextlib.suppress(EpDivergenceError):  # the recording's pretend workers compute no slot digest
+            server.shutdown()
+        with pytest.raises(RuntimeError, match=r"the server was shut down \(shutdown\(\)\): it takes no more"):
+            server.submit(Request(1, (76,), 2))
+        with pytest.raises(RuntimeError, match="the server was shut down"):
+            server.step()
+        assert list(server.completions) == [0]
+
+
+def test_bad_arguments_are_type_errors_on_one_rank_as_on_many() -> None:
+    for model in (solo_model(), recorded_head()[0]):
+        server = Server(model)
+        with pytest.raises(TypeError, match="request must be a Request, got str 'text'"):
+            server.submit("text")  # type: ignore[arg-type]
+        slots = no_slots(4)
+        model.alloc(slots, 1)
+        model.prefill(slots, 1, [65, 66], 0, 2)
+        with pytest.raises(TypeError, match=r"slot_ids\[0\] must be an int, got bool True"):
+            model.decode(slots, [True], [65])
+        with pytest.raises(TypeError, match="seq_id must be an int, got bool True"):
+            model.free(slots, True)
+        assert slots[1] is not None  # nothing changed
+
+
+def clean_run(requests: list[Request]) -> dict[int, list[int]]:
+    return {i: c.tokens for i, c in Server(solo_model(2), prefill_chunk=4).run(requests).items()}
+
+
+REQUESTS = [Request(i, tuple(encode(text)), 6) for i, text in enumerate(("Licensed under", "THE SOFTWARE", "you may"))]
+
+
+class FailsOnce(ReferenceLm):
+    """A head whose ``which`` call raises once, before anything is sent (as a report found at a send does)."""
+
+    which = "prefill"
+    error: Exception = RuntimeError("a send that failed before it began")
+
+    def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
+        self._maybe_fail("prefill")
+        return super().prefill(slots, seq_id, prompt, start, length)
+
+    def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        self._maybe_fail("decode")
+        return super().decode(slots, seq_ids, tokens)
+
+    def _maybe_fail(self, call: str) -> None:
+        if call == self.which and not getattr(self, "failed", False):
+            self.failed = True
+            raise self.error
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_a_step_that_raises_leaves_every_request_untouched_and_the_server_goes_on(which: str) -> None:
+    model = FailsOnce(EpLink(SoloTransport(), num_slots=2))
+    model.which = which
+    server = Server(model, prefill_chunk=4)
+    for request in REQUESTS:
+        server.submit(request)
+    with pytest.raises(RuntimeError, match="a send that failed before it began"):
+        while server.busy:
+            server.step()
+    done = server.run()
+    assert {i: c.tokens for i, c in done.items()} == clean_run(REQUESTS)  # nothing lost, nothing fed twice
+    assert all(c.finish_reason == "length" for c in done.values())
+
+
+def test_a_worker_failure_fails_the_request_of_its_slot_and_the_others_go_on() -> None:
+    model = FailsOnce(EpLink(SoloTransport(), num_slots=2))
+    model.which = "decode"
+    model.error = EpWorkerFailed([WorkerFailure(1, 3, 1, CMD_PREFILL, "KeyError: 'slot 1 is free'")])
+    server = Server(model, prefill_chunk=4)
+    with pytest.raises(EpWorkerFailed):
+        server.run(REQUESTS)
+    done = server.run()
+    failed = done[1]  # request 1 ran in slot 1
+    assert failed.finish_reason == "error" and failed.error is not None and "slot 1 is free" in failed.error
+    expected = clean_run([REQUESTS[0], REQUESTS[2]])
+    assert done[0].tokens == expected[0] and done[2].tokens == expected[2]
+    assert server.slots == [None, None] and not server.busy
+
+
+def test_a_callback_that_raises_fails_its_request_only() -> None:
+    def on_token(request: Request, token: int) -> None:
+        if request.id == 1:
+            raise ValueError("the client went away")
+
+    done = Server(solo_model(2), prefill_chunk=4, on_token=on_token).run(REQUESTS)
+    assert done[1].finish_reason == "error" and done[1].error == "ValueError: the client went away"
+    assert len(done[1].tokens) == 1  # the token whose callback failed, and no other
+    expected = clean_run([REQUESTS[0], REQUESTS[2]])
+    assert done[0].tokens == expected[0] and done[2].tokens == expected[2]
+
+
+# -- the deeper sync point: KV cache values -----------------------------------------
+
+
+def test_a_kv_cache_altered_after_the_write_changes_the_state_digest(caplog: pytest.LogCaptureFixture) -> None:
+    model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), check_kv_values=True)
+    server = Server(model, prefill_chunk=8)
+    server.run([Request(0, tuple(encode("Licensed under")), 4)])
+    slots = server.slots
+    model.alloc(slots, 1)
+    model.prefill(slots, 1, list(encode("THE SOFTWARE")), 0, 12)
+    model.decode(slots, [1], [65])
+    digest = model.ep_link.state_digest
+    assert digest is not None and digest(slots) == kv_digest(slots)  # intact: the bookkeeping's digest alone
+    block = model.lm.layers[1]
+    assert isinstance(block, ShardedBlock)
+    cache = block.attn.v_cache
+    cache[1, 200, 0, 0] += 1.0  # past the slot's 13 positions: not held, not checked
+    assert digest(slots) == kv_digest(slots)
+    cache[1, 12, 0, 0] += 1.0  # the decode's row
+    with caplog.at_level("ERROR", logger="metrale_model_engine.reference"):
+        assert digest(slots) != kv_digest(slots)
+    assert "the KV cache of slot(s) [1] differs from what was written" in caplog.text
+    model.alloc(slots, 1)  # a new sequence in the slot: what it held no longer counts
+    assert digest(slots) == kv_digest(slots)
+
+
+@pytest.mark.ranks
+def test_a_worker_whose_kv_cache_was_altered_is_named_at_the_next_deep_sync_point(tmp_path: Path) -> None:
+    run_group(sessions.tampered_cache, 2, "shm", str(tmp_path), timeout=RUN_LIMIT)
+    head = load(tmp_path, 2)[0]
+    assert head["kind"] == "EpDivergenceError" and head["ranks"] == (1,), head
+    assert "worker rank 1: its state digest is" in str(head["message"])
+    assert head["clean_syncs"] == 2  # the sync points of the two decodes before the alteration agreed
+
+
+class FailsAt(ReferenceLm):
+    """A head whose calls raise what :attr:`plan` says, once each: ``{(call, nth): error}``."""
+
+    plan: dict[tuple[str, int], Exception]
+    calls: dict[str, int]
+
+    def alloc(self, slots: LmSlots, seq_id: int) -> None:
+        self._count("alloc")
+        super().alloc(slots, seq_id)
+
+    def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        self._count("decode")
+        return super().decode(slots, seq_ids, tokens)
+
+    def _count(self, call: str) -> None:
+        self.calls[call] = self.calls.get(call, 0) + 1
+        error = self.plan.pop((call, self.calls[call]), None)
+        if error is not None:
+            raise error
+
+
+def failing_head(plan: dict[tuple[str, int], Exception]) -> FailsAt:
+    model = FailsAt(EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2), all_reduce=no_reduce)
+    model.plan, model.calls = plan, {}
+    return model
+
+
+def test_a_reset_that_fails_is_tried_again_and_the_first_error_is_the_one_raised() -> None:
+    report = EpWorkerFailed([WorkerFailure(1, 5, 1, CMD_PREFILL, "KeyError: 'slot 1 is free'")])
+    model = failing_head({("decode", 1): report, ("alloc", 3): RuntimeError("the reset's send failed")})
+    server = Server(model, prefill_chunk=4)
+    with pytest.raises(EpWorkerFailed) as info:
+        server.run(REQUESTS)
+    assert info.value is report
+    with pytest.raises(RuntimeError, match="the reset's send failed"):  # the reset, at the next step
+        server.step()
+    done = server.run()
+    assert done[1].finish_reason == "error" and {done[0].finish_reason, done[2].finish_reason} == {"length"}
+    assert server.slots == [None, None]
+
+
+def test_a_report_older_than_its_slots_allocation_leaves_the_new_request_alone() -> None:
+    model = failing_head({})
+    server = Server(model, prefill_chunk=4)
+    server.run(REQUESTS[:1])  # in slot 0, from command 1 (its alloc) on
+    stale = EpWorkerFailed([WorkerFailure(1, 1, 0, CMD_ALLOC, "ValueError: an old alloc")])
+    model.plan = {("decode", model.calls["decode"] + 1): stale}
+    with pytest.raises(EpWorkerFailed):
+        server.run(REQUESTS[1:2])  # slot 0 again, allocated after command 1
+    done = server.run()
+    assert done[1].finish_reason == "length" and len(done[1].tokens) == 6  # untouched by the old report

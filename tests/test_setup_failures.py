@@ -309,6 +309,7 @@ def test_an_example_prints_a_setup_failure_in_one_line_and_exits_2(
 
     monkeypatch.setattr(module, function, refuse)
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", [example])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(ROOT / "examples" / example), run_name="__main__")
     assert exit_.value.code == 2

@@ -648,7 +648,11 @@ def test_a_worker_meets_a_closed_head_and_a_cut_message_as_receive_errors_caused
 def test_a_follow_up_that_never_comes_is_a_receive_error_caused_by_the_timeout() -> None:
     head, worker = _linked_pair()
     head.send_header(0, 1)
-    with pytest.raises(EpReceiveError, match=r"timed out: no message from the head within 0\.2 s") as info:
+    expected = (
+        r"expected a follow-up word of command 1 \(seq_id=0, cmd=1\), and none came within 0\.2 s "
+        r"\(the command timeout\): the head sent fewer follow-ups than this worker reads, or stalls"
+    )
+    with pytest.raises(EpReceiveError, match=expected) as info:
         worker.step(lambda seq_id, cmd, slots: ignore(seq_id, worker.recv_word(), slots), no_slots())
     assert type(info.value.__cause__) is TransportTimeout
     worker.close()

@@ -2,7 +2,7 @@
 
 import zlib
 from array import array
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 
 import pytest
 
@@ -15,6 +15,7 @@ from metrale_model_engine import (
     EpRoleError,
     EpWorkerFailed,
     ProtocolVersion,
+    RunStopped,
     SequenceState,
     WorkerFailure,
 )
@@ -22,7 +23,7 @@ from metrale_model_engine.testing import RecordingEp, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Ack, Report, decode_answer, encode_ack, encode_report
 
-from messages import header, sync, word
+from messages import header, sync, whole, word
 from test_link import FakeTransport, ignore, link, no_slots
 
 Slots = MutableSequence[SequenceState | None]
@@ -48,7 +49,34 @@ def test_a_report_that_arrived_is_raised_before_the_next_command_and_only_once()
     assert message.endswith("; nothing of the command being sent was sent")
     assert len(transport.sent) == 1 and head.commands == 1  # the new command was not sent
     head.send_command(1, 8, 5)  # raised once: the next send goes through
-    assert transport.sent[-1] == header(8, 1) + word(5)
+    assert transport.sent[-1] == whole(8, 1) + word(5)
+
+
+def test_a_report_that_stopped_the_run_is_raised_as_such_and_the_link_stays_stopped() -> None:
+    transport = FakeTransport(0, 3)
+    head = link(transport)
+    head.send_command(0, 7)
+    transport.waiting = [(1, encode_report(Report(1, 0, 7, "KeyError: 'slot 0 is free'", stopped=True)))]
+    with pytest.raises(RunStopped) as info:
+        head.send_command(1, 8, 5)
+    assert info.value.failures == (WorkerFailure(1, 1, 0, 7, "KeyError: 'slot 0 is free'", stopped=True),)
+    assert info.value.ranks == (1,)
+    assert str(info.value) == (
+        "head: the run stopped: worker rank 1 failed command 1 (seq_id=0, cmd=7): KeyError: 'slot 0 is free'; "
+        "nothing of the command being sent was sent"
+    )
+    assert head.stopped is not None and str(head.stopped) == str(info.value) and head.closed
+    calls: list[Callable[[], None]] = [lambda: head.send_command(1, 8), head.sync, head.shutdown_workers]
+    for call in calls:
+        with pytest.raises(RunStopped, match=r"head: the run stopped earlier \(head: the run stopped: worker rank 1"):
+            call()
+
+
+def test_a_report_that_stopped_the_run_ends_a_sync_point_without_waiting_for_that_worker() -> None:
+    head, transport = sync_head([])
+    transport.answers_of = {1: [agreeing(transport)], 2: [encode_report(Report(2, 1, 7, "ValueError: x", True))]}
+    with pytest.raises(RunStopped, match=r"worker rank 2 failed command 2 \(seq_id=1, cmd=7\): ValueError: x"):
+        head.sync()
 
 
 def sync_head(acks: Sequence[Sequence[bytes]], world_size: int = 3) -> tuple[EpLink, FakeTransport]:
@@ -130,7 +158,7 @@ def test_reports_that_never_arrived_are_a_link_error() -> None:
 def test_a_sync_point_whose_worker_does_not_answer_is_a_link_error() -> None:
     head, transport = sync_head([])
     transport.answers_fail_with = TimeoutError("worker rank 1 sent no answer within 60.0 s")
-    with pytest.raises(EpLinkError, match="head: sync point 1 failed: worker rank 1 sent no answer"):
+    with pytest.raises(EpLinkError, match="head: sync point 1 failed waiting for worker rank 1: worker rank 1 sent no"):
         head.sync()
 
 
@@ -166,7 +194,7 @@ def worker_on(messages: Sequence[Sequence[int]]) -> tuple[EpLink, ReplayTranspor
 def test_a_worker_reports_each_failed_command_and_answers_a_sync_point() -> None:
     recorder: RecordingEp[SequenceState] = RecordingEp(protocol_v2=True, num_slots=4)
     recorder.ep_link.send_command(0, 7)
-    recorder.ep_link.send_command(1, 8, 9)  # the worker reads no word: reported at the next step
+    recorder.ep_link.send_command(1, 8, 9)  # the worker reads no word: the command fails
     recorder.ep_link.send_command(2, 7)
     recorder.ep_link.shutdown_workers()
     worker, transport = worker_on(recorder.wire)
@@ -177,8 +205,7 @@ def test_a_worker_reports_each_failed_command_and_answers_a_sync_point() -> None
 
     with pytest.raises(EpCommandFailed):
         worker.step(run, no_slots() + no_slots())
-    assert worker.step(run, no_slots() + no_slots()) is True
-    with pytest.raises(EpCommandFailed, match="left a follow-up word"):
+    with pytest.raises(EpCommandFailed, match=r"command 2 .* left a follow-up word"):  # at once: it came whole
         worker.step(run, no_slots() + no_slots())
     assert worker.step(run, no_slots() + no_slots()) is True
     assert worker.step(run, no_slots() + no_slots()) is False  # the sync point was answered on the way

@@ -17,7 +17,7 @@ from metrale_model_engine import (
 )
 from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
 
-from messages import header, sync, tokens, word
+from messages import header, sync, tokens, whole, word
 
 
 def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:
@@ -47,7 +47,7 @@ def test_a_one_message_command_records_the_same_events() -> None:
     model: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
     model.ep_link.send_command(3, 2, 2, [10, 11])
     assert model.events == [EpEvent("cmd_for_seq", (3, 2)), EpEvent("cmd", (2,)), EpEvent("tokens", (10, 11))]
-    assert model.wire == [header(2, 3) + word(2) + tokens([10, 11])]
+    assert model.wire == [whole(2, 3) + word(2) + tokens([10, 11])]
 
 
 def test_single_gpu_recorder_records_calls_but_nothing_on_the_wire() -> None:

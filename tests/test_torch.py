@@ -229,3 +229,7 @@ def test_a_head_that_leaves_its_with_block_ends_every_worker_at_once(
         assert "the head closed its link before shutting the workers down" in str(results[rank]["error"])
         assert float(results[rank]["at"]) - left_at < 2.0  # type: ignore[arg-type]  # not a timeout: at once
         assert str(results[rank]["slots"]).startswith("[ToyState(seq_id=0, tokens=[])")  # the alloc ran
+
+
+def test_run_group_leaves_alone_a_group_its_target_destroyed() -> None:
+    assert run_group(sessions.leaves_its_group_itself, 2, timeout=120) == [0, 0]

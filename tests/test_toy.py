@@ -8,7 +8,7 @@ from metrale_model_engine import EpCommandFailed, EpLink, ProtocolVersion, Worke
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
-from messages import header, tokens, word
+from messages import header, tokens, whole, word
 
 
 def head_on(recording: RecordingTransport, num_slots: int, protocol: ProtocolVersion) -> ToyModel:
@@ -44,11 +44,11 @@ def test_worker_replays_to_the_same_state(protocol: ProtocolVersion) -> None:
     assert slots_digest(worker_slots) == slots_digest(head_slots)
     live = head_slots[2]
     assert live is not None and len(live.tokens) == 4 and head_slots[0] is None
-    assert recording.messages[:2] == [header(ToyCommand.ALLOC, 0), header(ToyCommand.ALLOC, 2)]
-    assert recording.messages[2] == header(ToyCommand.PREFILL, 0) + tokens([101, 102, 103])
+    assert recording.messages[:2] == [whole(ToyCommand.ALLOC, 0), whole(ToyCommand.ALLOC, 2)]
+    assert recording.messages[2] == whole(ToyCommand.PREFILL, 0) + tokens([101, 102, 103])
     after_prefill = ToyState(0)
     after_prefill.consume([101, 102, 103])
-    assert recording.messages[4] == header(ToyCommand.DECODE, 0) + word(after_prefill.next_token())
+    assert recording.messages[4] == whole(ToyCommand.DECODE, 0) + word(after_prefill.next_token())
     # Under both versions, one message per command: 2 allocs, 2 prefills, 6 decodes, 1 free, a sync, shutdown.
     assert len(recording.messages) == 2 + 2 + 6 + 1 + 1 + 1
 
@@ -66,7 +66,7 @@ def test_head_refuses_before_sending() -> None:
         head.prefill(slots, 1, [1, 2**32])
     with pytest.raises(IndexError, match="seq_id=5 is out of range for 2 slots"):
         head.free(slots, 5)
-    assert recording.messages == [header(ToyCommand.ALLOC, 1)]
+    assert recording.messages == [whole(ToyCommand.ALLOC, 1)]
 
 
 def test_worker_reads_the_whole_command_before_failing() -> None:

@@ -7,17 +7,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metrale_model_engine.wire import (
+    ANSWER_BYTES,
     FRAME_PAYLOAD,
     FRAME_WORDS,
     WIRE_VERSION,
     Item,
     ItemKind,
+    Report,
     WireError,
+    decode_answer,
+    decode_header,
     decode_item,
     describe_item,
     encode_close,
     encode_command,
     encode_header,
+    encode_report,
     encode_tokens_prefix,
     encode_word,
     frame_length,
@@ -34,8 +39,9 @@ def view(*values: int) -> memoryview:
 
 
 def test_the_layout_is_fixed() -> None:
-    assert WIRE_VERSION == 4 and (FRAME_WORDS, FRAME_PAYLOAD) == (16, 15)
+    assert WIRE_VERSION == 5 and (FRAME_WORDS, FRAME_PAYLOAD, ANSWER_BYTES) == (16, 15, 248)
     assert words(encode_header(7, 3)) == (0x4D45_0001, 3, 7)
+    assert words(*encode_command(3, 7, [])) == (0x4D45_0006, 7, 3)
     assert words(encode_word(9)) == (0x4D45_0002, 9)
     assert words(encode_tokens_prefix(2)) == (0x4D45_0003, 2)
     assert words(encode_close()) == (0x4D45_0004,)
@@ -43,13 +49,27 @@ def test_the_layout_is_fixed() -> None:
 
 def test_a_command_is_its_header_then_each_follow_up_in_order() -> None:
     parts = encode_command(1, 9, [5, array("I", [7, 8]), array("I"), 6])
-    expected = (ItemKind.HEADER, 9, 1, ItemKind.WORD, 5, ItemKind.TOKENS, 2, 7, 8, ItemKind.TOKENS, 0, ItemKind.WORD, 6)
+    expected = (
+        ItemKind.COMMAND,
+        9,
+        1,
+        ItemKind.WORD,
+        5,
+        ItemKind.TOKENS,
+        2,
+        7,
+        8,
+        ItemKind.TOKENS,
+        0,
+        ItemKind.WORD,
+        6,
+    )
     assert words(*parts) == expected
     assert len(parts) == 1 and isinstance(parts[0], bytes)  # small: one joined message
     tokens = array("I", range(20_000))
     parts = encode_command(0, 1, [tokens, 5])
     assert len(parts) == 4 and parts[2] is tokens  # 80 KB of tokens travel as they are, not copied
-    assert words(*parts) == (ItemKind.HEADER, 1, 0, ItemKind.TOKENS, 20_000, *tokens, ItemKind.WORD, 5)
+    assert words(*parts) == (ItemKind.COMMAND, 1, 0, ItemKind.TOKENS, 20_000, *tokens, ItemKind.WORD, 5)
 
 
 @given(st.lists(st.one_of(u32, st.lists(u32, max_size=20)), max_size=6), u32, u32)
@@ -57,7 +77,8 @@ def test_every_command_decodes_to_what_was_encoded(follow_ups: list[int | list[i
     encoded = encode_command(seq_id, cmd, [f if isinstance(f, int) else array("I", f) for f in follow_ups])
     message = memoryview(array("I", words(*encoded)))
     item = decode_item(message, 0)
-    assert (item.kind, item.first, item.second) == (ItemKind.HEADER, cmd, seq_id)
+    assert (item.kind, item.first, item.second) == (ItemKind.COMMAND, cmd, seq_id) and item.starts_command
+    assert decode_header(message, 0) == (cmd, seq_id, 3, True)
     for follow_up in follow_ups:
         item = decode_item(message, item.end)
         if isinstance(follow_up, int):
@@ -75,6 +96,7 @@ def test_every_command_decodes_to_what_was_encoded(follow_ups: list[int | list[i
         (view(ItemKind.WORD), r"the word item at word 0 runs past"),
         (view(ItemKind.TOKENS, 3, 1, 2), r"the tokens item at word 0 runs past the end of its 4-word message"),
         (view(ItemKind.TOKENS), r"the tokens item at word 0 runs past"),
+        (view(ItemKind.STOP, 1), r"word 0 of a 2-word message is a stop kind: answers go to the head"),
     ],
 )
 def test_what_does_not_decode_is_a_wire_error(message: memoryview, fragment: str) -> None:
@@ -85,6 +107,7 @@ def test_what_does_not_decode_is_a_wire_error(message: memoryview, fragment: str
 
 def test_items_are_described_for_error_messages() -> None:
     assert describe_item(Item(ItemKind.HEADER, 3, 2, 3)) == "the next command's header (cmd=3, seq_id=2)"
+    assert describe_item(Item(ItemKind.COMMAND, 3, 2, 3)) == "the next command's header (cmd=3, seq_id=2)"
     assert describe_item(Item(ItemKind.WORD, 5, 0, 2)) == "a follow-up word (5)"
     assert describe_item(Item(ItemKind.TOKENS, 1, 2, 3)) == "a token array of 1 token"
     assert describe_item(Item(ItemKind.TOKENS, 0, 2, 2)) == "a token array of 0 tokens"
@@ -103,3 +126,26 @@ def test_a_message_travels_as_a_frame_and_at_most_one_bulk(length: int) -> None:
         assert rest is None
     else:
         assert rest is not None and rest.cast("I").tolist() == message.tolist()[15:]
+
+
+@given(st.integers(min_value=1, max_value=2**64 - 1), u32, u32, st.text(max_size=300), st.booleans())
+def test_a_report_decodes_to_what_was_encoded_its_text_cut_to_one_answer(
+    command: int, seq_id: int, cmd: int, text: str, stopped: bool
+) -> None:
+    answer = encode_report(Report(command, seq_id, cmd, text, stopped))
+    assert len(answer) <= ANSWER_BYTES and len(answer) % 4 == 0
+    decoded = decode_answer(answer)
+    assert isinstance(decoded, Report) and decoded[:3] == (command, seq_id, cmd) and decoded.stopped is stopped
+    if len(text.encode()) <= ANSWER_BYTES - 24:
+        assert decoded.error == text
+    else:
+        assert decoded.error.endswith("...") and text.startswith(decoded.error[:-3])
+
+
+def test_a_per_word_header_is_not_a_whole_command() -> None:
+    message = memoryview(array("I", words(encode_header(2, 9))))
+    assert decode_header(message, 0) == (9, 2, 3, False)
+    assert (
+        decode_header(message[:2], 0) is None
+        and decode_header(memoryview(array("I", words(encode_word(1)))), 0) is None
+    )

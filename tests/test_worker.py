@@ -5,8 +5,10 @@ import pytest
 
 from metrale_model_engine import (
     EpCommandFailed,
+    EpCommandRefused,
     EpReceiveError,
     ModelEp,
+    RunStopped,
     SequenceState,
     WorkerSummary,
     run_worker,
@@ -55,15 +57,26 @@ def test_command_failure_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptur
     assert record.exc_info is not None and record.exc_info[1] is failure
 
 
-@pytest.mark.parametrize("error", [EpReceiveError("head gone"), RuntimeError("link reset"), ValueError("x")])
-def test_other_errors_are_logged_and_re_raised(error: Exception, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("error", "label"),
+    [
+        (EpReceiveError("head gone"), "worker receive failed, leaving the loop after 1 commands"),
+        (RunStopped("the run stopped"), "the run stopped, leaving the loop after 1 commands"),
+        (EpCommandRefused("rank 1 refuses it"), "the run stopped, leaving the loop after 1 commands"),
+        (RuntimeError("link reset"), "worker step failed, leaving the loop after 1 commands"),
+        (ValueError("x"), "worker step failed, leaving the loop after 1 commands"),
+    ],
+)
+def test_other_errors_are_logged_by_what_they_mean_and_re_raised(
+    error: Exception, label: str, caplog: pytest.LogCaptureFixture
+) -> None:
     model = ScriptedWorker(True, error, True)
     with caplog.at_level(logging.ERROR, logger="metrale_model_engine.worker"), pytest.raises(type(error)) as info:
         run_worker(model, no_slots())
     assert info.value is error
     assert model.calls == 2
     (record,) = caplog.records
-    assert "receive failed" in record.getMessage() and record.exc_info is not None
+    assert record.getMessage() == label and record.exc_info is not None
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(3)])

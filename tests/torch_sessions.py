@@ -13,6 +13,9 @@ from array import array
 from collections.abc import MutableSequence
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from metrale_model_engine import EpCommandFailed, EpLink, EpWorkerFailed, LinkedEp, ProtocolVersion, run_worker
 from metrale_model_engine.torch import TorchTransport, open_link, tensor_tokens
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
@@ -406,3 +409,9 @@ def head_leaves_its_with_block(rank: int, world_size: int, kind: str, out: str) 
 def disagree_on_slots(rank: int, world_size: int) -> None:
     """Each rank asks for a different slot count: the link's setup raises ``EpSetupError`` on every rank."""
     EpLink(TorchTransport(), num_slots=SLOTS + rank)
+
+
+def leaves_its_group_itself(rank: int, world_size: int) -> None:
+    """A target that follows the README's advice: it destroys the group when it is done."""
+    dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()

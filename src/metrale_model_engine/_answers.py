@@ -20,9 +20,10 @@ from typing import Final
 from typing_extensions import Buffer
 
 from . import _futex
-from ._segment import ANSWER_BYTES, ANSWER_SLOT_BYTES, ANSWER_SLOTS, ANSWERED_AT, HEAD_WAITS_AT, LINE, Segment
+from ._segment import ANSWER_SLOT_BYTES, ANSWER_SLOTS, ANSWERED_AT, HEAD_WAITS_AT, LINE, Segment
 from ._waiting import deadline_after, wait_until
 from .transport import TransportTimeout
+from .wire import ANSWER_BYTES
 
 ANSWERED_WORD: Final[int] = ANSWERED_AT // 8
 """The answered bytes of workers 1-8 as one u64: one load tells whether any answered."""

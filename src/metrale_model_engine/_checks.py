@@ -71,10 +71,17 @@ def check_instance(name: str, value: object, kind: type[T], wanted: str) -> T:
 
 
 def check_slot(seq_id: int, slots: Sized) -> None:
-    """Raise ``IndexError`` unless ``seq_id`` indexes ``slots`` (``0 <= seq_id < len(slots)``).
+    """Raise unless ``seq_id`` is an ``int`` that indexes ``slots`` (``0 <= seq_id < len(slots)``).
 
-    The worker-side bound of every command, checked before the model's hook runs.
+    The worker-side bound of every command, checked before the model's hook runs,
+    and a head method's check of its slot argument.
+
+    Raises:
+        TypeError: ``seq_id`` is not an ``int`` (``bool`` included).
+        IndexError: it is out of range.
     """
+    if type(seq_id) is not int and (isinstance(seq_id, bool) or not isinstance(seq_id, int)):
+        raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__} {seq_id!r}")
     if not 0 <= seq_id < len(slots):
         raise IndexError(f"seq_id={seq_id} is out of range for {len(slots)} slots")
 

@@ -24,8 +24,23 @@ __all__ = [
     "EpSendError",
     "EpSetupError",
     "EpWorkerFailed",
+    "RunStopped",
     "WorkerFailure",
 ]
+
+
+def describe_command(number: int, seq_id: int, cmd: int) -> str:
+    """How messages name a command: ``"command 3 (seq_id=0, cmd=1)"``, ``number`` the head's count from 1.
+
+    A command word from ``0x10000`` up is shown in hex (``cmd=0xfffffff0``), as such words are written.
+    """
+    return f"command {number} (seq_id={seq_id}, cmd={cmd if cmd < 0x10000 else hex(cmd)})"
+
+
+def error_text(error: BaseException) -> str:
+    """How the protocol shows an error: ``"Type: message"``, or the type alone."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 class EpError(Exception):
@@ -56,9 +71,7 @@ class EpCommandFailed(EpError):
         self.__cause__ = cause
 
     def __str__(self) -> str:
-        message = str(self.cause)
-        name = type(self.cause).__name__
-        return f"{name}: {message}" if message else name
+        return error_text(self.cause)
 
     def __reduce__(self) -> tuple[type[EpCommandFailed], tuple[BaseException]]:
         return (type(self), (self.cause,))
@@ -74,27 +87,60 @@ class EpLinkError(EpError, ConnectionError):
     """
 
 
-class EpCommandRefused(EpLinkError):
-    """A worker refuses a command whose forward needs every rank: the run stops, on every rank.
-
-    For models whose commands run collectives (all-reduces) on every rank: a worker
-    that finds a command it cannot run (a slot it does not hold, a chunk out of
-    order) must not run half a forward, and cannot skip its collectives either, or
-    the other ranks would wait in them.  It raises this (the cause is ``__cause__``)
-    before any collective: the link reports the refusal to the head, then the worker
-    leaves its loop (it is an :class:`EpLinkError`) and its process exits (or
-    destroys its process group), and every other rank's collective fails at once.
-    As under Metrale's poisoned communicator, the run ends with an error on every
-    rank; it never goes on with ranks out of step.
-    """
-
-
 class EpReceiveError(EpLinkError):
     """A receive failed (peer gone, timeout, transport error); the worker exits."""
 
 
 class EpSendError(EpLinkError):
     """A head-side broadcast failed (a worker gone, timeout, transport error)."""
+
+
+class RunStopped(EpLinkError):
+    """The run is over on every rank: a command that runs collectives failed somewhere, or a rank left during one.
+
+    A model's forward makes collectives (all-reduces) that every rank must join, so
+    a command that runs them cannot fail on one rank the way an ordinary command
+    does: the other ranks would wait in the collective.  The library stops the run
+    instead, on every rank, as Metrale's poisoned communicator does; the link then
+    refuses every later send and step with this error.  Raised
+
+    * on a worker whose collective command failed (as :class:`EpCommandRefused`);
+    * on the head and the other workers, when their collective fails or times out
+      (``metrale_model_engine.torch.Collectives``), or when the head reads the
+      failing worker's report (at its next command or sync point);
+    * on the head whose own forward failed inside ``with link.collective():``.
+
+    :attr:`failures` holds the workers' reports that reached this rank (the failing
+    worker's error text, its command); :attr:`ranks` the ranks known to have stopped
+    (reported or exited).  Either may be empty: a rank on another host that died
+    sends no report.  The message says the rest.  It is an :class:`EpLinkError`: a
+    worker leaves its loop, and its process should exit (over gloo, a rank's exit is
+    what ends its peers' collectives at once).
+    """
+
+    failures: tuple[WorkerFailure, ...]
+    ranks: tuple[int, ...]
+
+    def __init__(self, message: str, failures: Sequence[WorkerFailure] = (), ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
+        self.ranks = tuple(sorted(set(ranks) | {failure.rank for failure in self.failures}))
+
+    def __reduce__(self) -> tuple[type[RunStopped], tuple[str, tuple[WorkerFailure, ...], tuple[int, ...]]]:
+        return (type(self), (str(self), self.failures, self.ranks))
+
+
+class EpCommandRefused(RunStopped):
+    """This worker cannot run a command whose forward needs every rank: the run stops, here first.
+
+    Raised by a worker's step when a command the model declared collective
+    (``LinkedEp.ep_collective_commands``) fails before, inside or after its forward
+    (a plain exception, a failed check, a follow-up read too few or too many), and
+    by a model's hook that refuses a command itself (the cause is ``__cause__``).
+    The link reports it to the head (a report that stops the run) before raising,
+    then the worker leaves its loop and its process exits, which makes every other
+    rank's collective fail at once; each raises :class:`RunStopped`.
+    """
 
 
 class EpSetupError(EpError, RuntimeError):
@@ -131,10 +177,13 @@ class WorkerFailure:
     cmd: int
     error: str
     """The worker's error, ``"Type: message"`` (cut to fit one answer)."""
+    stopped: bool = False
+    """Whether the failure stopped the run (a command that runs collectives): see :class:`RunStopped`."""
+    witness: bool = False
+    """Whether it was the worker's collective that failed: it may only have seen another rank's failure."""
 
     def __str__(self) -> str:
-        where = f"command {self.command} (seq_id={self.seq_id}, cmd={self.cmd})"
-        return f"worker rank {self.rank} failed {where}: {self.error}"
+        return f"worker rank {self.rank} failed {describe_command(self.command, self.seq_id, self.cmd)}: {self.error}"
 
 
 class EpWorkerFailed(EpError):

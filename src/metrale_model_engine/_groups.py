@@ -117,7 +117,9 @@ def run_group(
     """Run ``target(rank, world_size, *args)`` in ``world_size`` fresh processes that form one group.
 
     Each process joins a local group (:func:`init_local_group`) first and leaves it
-    after.  ``target`` and ``args`` must be picklable (the ``spawn`` start method).
+    after, unless ``target`` left it itself (``torch.distributed.destroy_process_group()``
+    is fine there too).  ``target`` and ``args`` must be picklable (the ``spawn``
+    start method).
     (``metrale_model_engine.shm.run_ring`` is its counterpart without torch: its
     target gets ``(transport, *args)``.)
 
@@ -155,7 +157,8 @@ def _local_rank_main(
     try:
         target(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the target may have left the group itself, as the README advises
+            dist.destroy_process_group()
 
 
 @atexit.register

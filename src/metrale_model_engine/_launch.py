@@ -5,15 +5,29 @@ function) prints no traceback: it sends the error's text to the launcher and exi
 with :data:`SETUP_FAILED`, and the launcher raises the lowest such rank's error
 once every rank has ended.  Every rank of a failed setup raises, most with the same
 text, so a program that catches it in the launching process reports it once.
+
+Ctrl-C: a rank interrupted (``KeyboardInterrupt``) exits with :data:`INTERRUPTED`,
+without a traceback.  A rank starts with SIGINT ignored, until its function runs,
+so that an interrupt while it imports (torch takes seconds) prints nothing either.
+(The launcher ignores it for the few milliseconds of each start, so that the rank
+inherits that: an interrupt in those moments is lost.)
+A launcher interrupted while it waits passes the interrupt to the ranks still
+running, kills at once those still starting, waits up to :data:`INTERRUPT_GRACE`
+seconds for the others to leave (closing what they hold), kills the rest, then
+raises ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Final
 
 from ._checks import check_int, check_seconds
@@ -21,6 +35,10 @@ from ._errors import EpSetupError
 
 SETUP_FAILED: Final = 2
 """A rank's exit code when its setup failed; its launcher raises the error."""
+INTERRUPTED: Final = 130
+"""A rank's exit code when it was interrupted (Ctrl-C, SIGINT): 128 + 2, as shells report it."""
+INTERRUPT_GRACE: Final = 5.0
+"""Seconds an interrupted launcher waits for its ranks to leave before it kills them."""
 
 
 def check_launch(world_size: object, timeout: object, *, max_world_size: int | None = None) -> float | None:
@@ -63,7 +81,11 @@ def launch(
     try:
         try:
             for process in processes:
-                process.start()
+                interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)  # for the rank to inherit
+                try:
+                    process.start()
+                finally:
+                    signal.signal(signal.SIGINT, interrupts)
         except BaseException:  # out of processes or descriptors: end the ranks that started
             for process in processes:
                 if process.pid is not None:
@@ -73,7 +95,11 @@ def launch(
         finally:
             for connection in [*parent_ends, *(send for _, send in reports)]:
                 connection.close()
-        codes = join_all(processes, timeout)
+        try:
+            codes = join_all(processes, timeout)
+        except KeyboardInterrupt:
+            _interrupt_all(processes)
+            raise
         failures = [text for receive, _ in reports if (text := _report(receive)) is not None]
     finally:
         for receive, _ in reports:
@@ -113,12 +139,50 @@ _REPORT_CHARS: Final = 16_384
 """The most of a setup failure's text a rank sends: it must fit the pipe's buffer, read only after the join."""
 
 
+def _interrupt_all(processes: Sequence[BaseProcess]) -> None:
+    """Interrupt the ranks still running, give them :data:`INTERRUPT_GRACE` seconds to leave, kill the rest."""
+    for process in processes:
+        if process.pid is not None and process.is_alive():
+            if _still_starting(process.pid):  # SIGINT still ignored: it holds nothing yet
+                process.kill()
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGINT)  # a no-op for those the terminal interrupted already
+    deadline = time.monotonic() + INTERRUPT_GRACE
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _still_starting(pid: int) -> bool:
+    """Whether rank process ``pid`` still ignores SIGINT (it has not reached its function); Linux only."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
+    return bool(int(ignored, 16) & (1 << (signal.SIGINT - 1)))
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """A rank's SIGINT handler: ``KeyboardInterrupt`` the first time; later ones (the terminal's and the
+    launcher's both arrive) are ignored, so that the rank's cleanup on the way out runs to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _run_rank(rank_main: Callable[..., None], args: tuple[object, ...], report: Connection) -> None:
     try:
+        signal.signal(signal.SIGINT, _interrupt_once)  # ignored while the rank started
         rank_main(*args)
     except EpSetupError as error:
         report.send(str(error)[:_REPORT_CHARS])
         raise SystemExit(SETUP_FAILED) from None
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says so, once; no traceback from every rank
+        raise SystemExit(INTERRUPTED) from None
     finally:
         report.close()
 

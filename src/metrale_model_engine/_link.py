@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import zlib
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
+from contextlib import contextmanager
 from typing import Any, Final
 
 from typing_extensions import Buffer, Self
@@ -16,11 +18,14 @@ from ._errors import (
     EpRoleError,
     EpSendError,
     EpSetupError,
+    RunStopped,
+    describe_command,
+    error_text,
 )
 from ._liveness import host_fingerprint
 from ._protocol import ProtocolVersion
 from ._reader import StateDigest
-from ._sync import SyncPoints
+from ._sync import EXIT_GRACE, SyncPoints
 from ._tokens import TokenArray, as_u32_buffer, token_count
 from ._words import CMD_SHUTDOWN, U32_MAX, check_u32
 from .transport import EpTransport
@@ -201,8 +206,16 @@ class EpLink(SyncPoints):
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
+        """Whether :meth:`close` ran (or the run stopped, which closes the link)."""
         return self._closed
+
+    @property
+    def stopped(self) -> RunStopped | None:
+        """Why the run stopped (see :class:`RunStopped`; a copy of the first one raised), ``None`` while it goes on.
+
+        Once set, every send, step and sync point raises :class:`RunStopped`.
+        """
+        return self._stopped
 
     @property
     def commands(self) -> int:
@@ -249,13 +262,14 @@ class EpLink(SyncPoints):
                 fast = type(follow_up) is int and not follow_up >> 32
                 items.append(follow_up if fast else check_u32(f"follow_ups[{index}]", follow_up))
             else:
-                items.append(as_u32_buffer(f"follow_ups[{index}]", follow_up))
+                items.append(_follow_up_array(index, follow_up))
         if self._rank:
             self._not_the_head()
         if self._answers_ready():
             self._raise_reports()
         self._send(encode_command(seq_id, cmd, items))
         self._commands += 1
+        self._command = (seq_id, cmd)
 
     def send_header(self, seq_id: int, cmd: int) -> None:
         """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
@@ -278,6 +292,7 @@ class EpLink(SyncPoints):
             self._raise_reports()
         self._send((encode_header(seq_id, cmd),))
         self._commands += 1
+        self._command = (seq_id, cmd)
 
     def send_word(self, word: int) -> None:
         """Head: send one follow-up word of the command in flight.
@@ -316,17 +331,31 @@ class EpLink(SyncPoints):
 
         Raises:
             EpWorkerFailed, EpDivergenceError: as :meth:`sync`.
+            RunStopped: the run stopped (nothing is sent: the link is closed).
             EpRoleError: called on a worker.
             EpSendError: the send failed.
         """
         self._require_head()
         if self._shut_down:
             return
+        if self._stopped is not None:
+            raise self._still_stopped()
         try:
             self.sync(slots)
         finally:
             self._send((encode_header(0, CMD_SHUTDOWN),))
             self._shut_down = True
+
+    def _send_failed(self, error: Exception) -> EpSendError | RunStopped:
+        """Why a send failed, as far as the head can tell: a worker that stopped the run, or the ranks gone.
+
+        Reports found on the way (ordinary ones too) are in the error's message.
+        """
+        failures, exited = self._stopped_workers(0.0)
+        why = self._why_stopped(failures, exited)
+        if any(failure.stopped for failure in failures):
+            return self._stop(RunStopped(f"head: the run stopped: {why}; the send failed", failures, exited))
+        return EpSendError(f"head: broadcast to the workers failed: {error}" + (f"; {why}" if why else ""))
 
     def _checked_header(self, seq_id: int, cmd: int) -> tuple[int, int]:
         if type(seq_id) is not int or seq_id >> 32:
@@ -339,8 +368,8 @@ class EpLink(SyncPoints):
             )
         if cmd == CMD_SHUTDOWN:
             raise ValueError(
-                f"cmd={CMD_SHUTDOWN:#x} is the reserved shutdown word; call shutdown_workers() "
-                "(ep_shutdown_workers() on a model) to stop the workers"
+                f"cmd={CMD_SHUTDOWN:#x} is the reserved shutdown word; call ep_link.shutdown_workers() "
+                "to stop the workers"
             )
         return (seq_id if self._seq_id_on_wire else 0), cmd
 
@@ -355,11 +384,13 @@ class EpLink(SyncPoints):
         if self._shut_down:
             raise EpSendError("the workers were shut down (shutdown_workers); nothing more can be sent")
         if self._closed:
+            if self._stopped is not None:
+                raise self._still_stopped()
             raise EpSendError("this link was closed; nothing more can be sent")
         try:
             self._transport_send(parts, self._command_timeout)
         except Exception as error:
-            raise EpSendError(f"head: broadcast to the workers failed: {error}") from error
+            raise self._send_failed(error) from error
         if len(parts) == 1:
             self._crc = zlib.crc32(parts[0], self._crc)
         else:
@@ -367,6 +398,117 @@ class EpLink(SyncPoints):
             for part in parts:
                 crc = zlib.crc32(part, crc)
             self._crc = crc
+
+    # -- the run stops --------------------------------------------------------
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Run a block that makes collectives with the other ranks: if it raises, the run stops on every rank.
+
+        For the head's forward of a command it sent (and for a worker's hook, around
+        the part that runs collectives, when its command word is not declared in
+        ``LinkedEp.ep_collective_commands``: a declared command's whole step is
+        covered already).  The other ranks are in, or on their way to, the block's
+        collectives, so its failure cannot be an ordinary one: on the head it raises
+        :class:`RunStopped` naming the command in flight and the error, and closes
+        the link (over shared memory, workers waiting for a command then leave at
+        once; over a group, when the head's process exits); on a worker it refuses
+        the command (:class:`EpCommandRefused`, reported to the head).
+        A :class:`RunStopped` raised inside passes through as it is.  ``with
+        link.collective():`` on a link whose run stopped raises at once.
+
+        Raises:
+            RunStopped: the block raised, or the run stopped earlier.
+        """
+        if self._stopped is not None:
+            raise self._still_stopped()
+        try:
+            yield
+        except RunStopped:
+            raise
+        except Exception as error:
+            if self._rank:
+                self._collective = True
+                raise self._failed(error) from error
+            where = describe_command(self._commands, *self._command)
+            raise self._stop(
+                RunStopped(f"head: the run stopped: its own forward of {where} failed: {error_text(error)}")
+            ) from error
+        except BaseException as interrupt:  # KeyboardInterrupt, SystemExit: they pass, the run is over
+            where = describe_command(self._commands, *self._command)
+            who = f"worker rank {self._rank}" if self._rank else "head"
+            self._stop(RunStopped(f"{who}: the run stopped in {where}: {type(interrupt).__name__}"))
+            raise
+
+    def collective_failed(
+        self, error: BaseException, *, what: str = "a collective", grace: float = EXIT_GRACE
+    ) -> RunStopped:
+        """A collective of the command in flight failed on this rank (``error``): stop the run; return what to raise.
+
+        For the code that runs a model's collectives (``metrale_model_engine.torch.Collectives``
+        does it for its all-reduces): the backend says only that some peer is gone or
+        late.  The head looks, for up to ``grace`` seconds, for the workers that
+        reported a failure or exited (their rank, command and error go into the
+        message, :attr:`RunStopped.failures` and :attr:`RunStopped.ranks`); a worker
+        names the command, and reports the failure to the head.  Workers of the
+        head's host that are stopped (a signal, a debugger) are named too.  The link
+        is closed (on the head, over shared memory, that tells waiting workers to
+        leave) and later calls raise :class:`RunStopped`.  If the run had stopped already, the
+        :class:`RunStopped` says so.
+
+        Args:
+            error: the backend's error.
+            what: how messages name the collective (``"an all-reduce"``).
+            grace: seconds the head looks for the rank behind the failure (a worker
+                that just failed takes a moment to exit).
+        """
+        if self._stopped is not None:
+            return self._still_stopped()
+        where = describe_command(self._commands, *self._command)
+        if self._rank:
+            stopped = RunStopped(
+                f"worker rank {self._rank}: the run stopped in {where}: {what} failed, so a rank died, "
+                f"left the run or stalls: {error_text(error)}"
+            )
+            self._leave(stopped, f"{what} failed here: {error_text(error)}", witness=True)
+            return stopped
+        limit = check_seconds("grace", grace, allow_zero=True)
+        assert limit is not None
+        halted = self._halted_workers()  # a worker that cannot run will not report or exit: no grace to wait
+        failures, exited = self._stopped_workers(0.0 if halted else limit)
+        if failures or exited:
+            why = self._why_stopped(failures, exited)
+        elif halted:
+            exited = halted
+            why = f"{what} failed ({error_text(error)}): worker rank(s) {halted} are stopped (a signal, a debugger)"
+        else:
+            why = (
+                f"{what} failed ({error_text(error)}), and no worker reported a failure or exited within {limit:g} s "
+                "(a worker that stalls or skipped its forward, or one on another host)"
+            )
+        return self._stop(RunStopped(f"head: the run stopped in {where}: {why}", failures, exited))
+
+    def raise_if_stopped(self) -> None:
+        """Raise :class:`RunStopped` if the run stopped (:attr:`stopped`); for a model's head methods, first thing.
+
+        Sends and steps check it themselves; a head method calls it before its own
+        checks, so that a stopped run is what the caller hears of, on one rank as on many.
+        """
+        if self._stopped is not None:
+            raise self._still_stopped()
+
+    def _stop(self, stopped: RunStopped) -> RunStopped:
+        """Record why the run stopped (the first reason stays) and close the link; return ``stopped``.
+
+        What is recorded is a copy that no traceback will reach: the raised error's
+        traceback keeps every frame's locals (tensors, process groups) alive.
+        """
+        if self._stopped is None:
+            kept = copy.copy(stopped)
+            kept.__traceback__ = kept.__cause__ = kept.__context__ = None
+            self._stopped = kept
+        self.close()
+        return stopped
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -383,6 +525,8 @@ class EpLink(SyncPoints):
         try:
             if self._rank == 0 and not self._shut_down and self._world_size > 1:
                 timeout = min(_CLOSE_TIMEOUT, self._command_timeout or _CLOSE_TIMEOUT)
+                if self._stopped is not None:  # workers may be inside a collective: look once, do not wait
+                    timeout = 0.0
                 self._transport.send((encode_close(),), timeout)
         except Exception as error:  # noqa: BLE001  (the workers may be gone: the transport's close is what is left)
             _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
@@ -402,3 +546,22 @@ class EpLink(SyncPoints):
             f"<EpLink rank {self._rank} of {self._world_size}, protocol {self._protocol.value}, "
             f"{self._num_slots} slots, {type(self._transport).__name__}, {state}>"
         )
+
+
+def _follow_up_array(index: int, value: object) -> Buffer:
+    """Follow-up ``index`` of a command that is not an int: a token array, converted and checked."""
+    name = f"follow_ups[{index}]"
+    try:
+        return as_u32_buffer(name, value)  # type: ignore[arg-type]  # any object: TypeError below
+    except TypeError:
+        if isinstance(value, Sequence):
+            raise
+        try:
+            memoryview(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            raise
+    raise TypeError(
+        f"{name} must be a u32 word (an int in 0 ..= {U32_MAX}) or a token array, got {type(value).__name__} {value!r}"
+    )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence
-from typing import NoReturn, cast
+from collections.abc import Collection, MutableSequence
+from typing import ClassVar, NoReturn, cast
 
 from typing_extensions import Self
 
@@ -36,10 +36,18 @@ class LinkedEp(ModelEp[S]):
     trait's per-word broadcasts); the worker side reads the follow-ups with
     ``self.ep_link.recv_word()``, ``recv_tokens()`` and ``recv_tokens_into()``.
 
+    A model whose commands run collectives (an all-reduce in the forward) declares
+    those command words in :attr:`ep_collective_commands`, runs its collectives
+    through ``metrale_model_engine.torch.Collectives`` and its head's forward inside
+    ``with self.ep_link.collective():``: then any failure of such a command, on any
+    rank, stops the run on every rank within seconds (see
+    :class:`~metrale_model_engine.RunStopped`), where it would otherwise leave the
+    other ranks waiting in the collective.
+
     It adds nothing else to the model's class: the trait's six methods, the hook,
-    the ``ep_link`` attribute, and ``with model:`` (which closes the link on the
-    way out).  It has no ``__init__`` and ``__slots__ = ()``: a slotted model
-    declares an ``"ep_link"`` slot.
+    :attr:`ep_collective_commands`, the ``ep_link`` attribute, and ``with model:``
+    (which closes the link on the way out).  It has no ``__init__`` and
+    ``__slots__ = ()``: a slotted model declares an ``"ep_link"`` slot.
     """
 
     __slots__ = ()
@@ -47,14 +55,26 @@ class LinkedEp(ModelEp[S]):
     ep_link: EpLink = cast(EpLink, _NoLink())
     """The engine this model speaks through; the model assigns it in ``__init__``."""
 
+    ep_collective_commands: ClassVar[Collection[int]] = frozenset()
+    """The command words whose forward runs collectives on every rank; default none.
+
+    A worker that fails one of them (a plain exception in the hook or its forward, a
+    failed check, a follow-up read too few or too many times) refuses it
+    (:class:`~metrale_model_engine.EpCommandRefused`) instead of failing it as an
+    ordinary command: the run stops on every rank.  A ``frozenset`` (or a ``set``) of
+    u32 words, as a class attribute.
+    """
+
     def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
         """Worker: receive one header and run its command through :meth:`ep_run_command`.
 
         See :meth:`EpLink.step` for what it raises: :class:`EpCommandFailed` when the
-        command failed (the worker stays in step), :class:`EpReceiveError` when the
-        receive did (the worker exits).  Returns ``False`` on the shutdown word.
+        command failed (the worker stays in step), :class:`EpCommandRefused` when it
+        was one of :attr:`ep_collective_commands`, and :class:`EpReceiveError` when
+        the receive failed (the worker exits in both).  Returns ``False`` on the
+        shutdown word.
         """
-        return self.ep_link.step(self.ep_run_command, slots)
+        return self.ep_link.step(self.ep_run_command, slots, self.ep_collective_commands)
 
     def is_ep(self) -> bool:
         """``True`` exactly when the link's group has more than one rank."""
@@ -94,8 +114,9 @@ class LinkedEp(ModelEp[S]):
         known to be in range.  Read the command's follow-ups before anything that
         may fail: the link skips what a failed command left unread, but state the
         command changed before failing stays changed.  Any exception it raises
-        becomes :class:`EpCommandFailed`, except a receive failure, which stays
-        untagged.
+        becomes :class:`EpCommandFailed` (:class:`EpCommandRefused` for one of
+        :attr:`ep_collective_commands`: the run stops), except a receive failure and
+        a :class:`RunStopped`, which pass as they are.
 
         Default: every command is unknown (``ValueError``).
         """

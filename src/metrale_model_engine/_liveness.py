@@ -54,6 +54,13 @@ class ProcessWatch:
         gone += [pid for pid in self._signalled if not process_exists(pid)]
         return gone
 
+    def halted(self) -> list[int]:
+        """The watched pids whose process is stopped (by a signal, or a debugger): it lives, but cannot run.
+
+        Read from ``/proc/<pid>/stat`` (Linux); elsewhere none is found.
+        """
+        return [pid for pid in sorted(self._pids) if process_state(pid) in ("T", "t")]
+
     def close(self) -> None:
         """Release the descriptors; the watch is then empty.  Idempotent."""
         for fd in self._fds:
@@ -73,6 +80,15 @@ def process_exists(pid: int) -> bool:
     except PermissionError:
         return True  # another user's
     return True
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), ``""`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def host_fingerprint() -> tuple[int, int]:

@@ -3,11 +3,18 @@
 Pull-style: a worker asks for the next header (:meth:`ItemReader.step`) and then
 for each follow-up it expects (``recv_word``, ``recv_tokens``...); the reader
 decodes the item the request meets and receives the next message only when the
-current one is used up, so it is the same whether the head sent a command as one
-message or item by item.  A follow-up of another kind or length is an
+current one is used up, so it reads a command the same way whether the head sent it
+as one message or item by item.  A follow-up of another kind or length is an
 :class:`EpMismatchError` after the item was consumed (a next command's header is
-left for the next step); what a failed command left unread is skipped on the way
-to the next header, and what a successful one left unread is reported once.
+left for the next step); so is a follow-up asked for past the end of a command sent
+as one message, at once.  What a failed command left unread is skipped on the way
+to the next header, and what a successful one left unread fails it: at once when it
+came as one message, else when the worker meets the next header.
+
+A command the model declared collective (``LinkedEp.ep_collective_commands``) cannot
+fail here alone: the other ranks are in, or on their way to, its collectives.  Any
+failure of one is a refusal (:class:`EpCommandRefused`): it is reported to the head
+as a report that stops the run, and the link refuses every later step.
 
 The way back: every command that fails on a worker is also reported to the head
 (``EpTransport.answer``), and a sync item on the stream is answered with what the
@@ -17,14 +24,26 @@ head asks, the digest of its state.
 
 from __future__ import annotations
 
+import logging
 import zlib
-from collections.abc import Callable, MutableSequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Container, MutableSequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from typing_extensions import Buffer
 
 from ._checks import check_slot
-from ._errors import EpCommandFailed, EpCommandRefused, EpLinkError, EpMismatchError, EpReceiveError, EpRoleError
+from ._errors import (
+    EpCommandFailed,
+    EpCommandRefused,
+    EpLinkError,
+    EpMismatchError,
+    EpReceiveError,
+    EpRoleError,
+    RunStopped,
+    WorkerFailure,
+    describe_command,
+    error_text,
+)
 from ._model import S
 from ._tokens import ArrayInterface, writable_u32_buffer
 from ._words import CMD_SHUTDOWN, U32_TYPECODE
@@ -51,6 +70,10 @@ StateDigest = Callable[[Any], int]
 """A digest of a rank's slots, ``digest(slots) -> int`` (u64), compared at sync points (``EpLink.state_digest``)."""
 
 _NO_WORDS = memoryview(b"").cast(U32_TYPECODE)
+_LOGGER = logging.getLogger("metrale_model_engine.link")
+_LEAVE_TIMEOUT = 1.0
+"""Seconds a worker that stops the run waits to hand its last report over (best effort)."""
+_NO_COMMANDS: frozenset[int] = frozenset()
 
 
 class ItemReader:
@@ -58,6 +81,7 @@ class ItemReader:
 
     __slots__ = (
         "_at",
+        "_collective",
         "_command",
         "_command_timeout",
         "_commands",
@@ -66,7 +90,9 @@ class ItemReader:
         "_rank",
         "_reports",
         "_state_digest",
+        "_stopped",
         "_transport",
+        "_whole",
         "_words",
     )
 
@@ -74,11 +100,18 @@ class ItemReader:
     _rank: int
     _command_timeout: float | None
 
+    if TYPE_CHECKING:  # the link above provides it
+
+        def _stop(self, stopped: RunStopped) -> RunStopped: ...
+
     def _start_reading(self) -> None:
         self._words = _NO_WORDS  # the current message, as u32 words
         self._at = 0  # the index of its next unread word
         self._last_failed = False  # the last command failed: skip what it left unread
-        self._command = (0, 0)  # (seq_id, cmd) of the command in flight, for messages
+        self._whole = False  # the command in flight came as one message, every follow-up in it
+        self._collective = False  # the command in flight runs collectives: a failure stops the run
+        self._stopped: RunStopped | None = None  # why the run stopped, once it has
+        self._command = (0, 0)  # (seq_id, cmd) of the command in flight (sent or received), for messages
         self._commands = 0  # headers sent (head) or received (worker), shutdown excluded
         self._crc = 0  # CRC-32 of every message's bytes sent (head) or received (worker)
         self._reports = 0  # failures this worker reported
@@ -86,92 +119,164 @@ class ItemReader:
 
     # -- the step ------------------------------------------------------------
 
-    def step(self, run: RunCommand[S], slots: MutableSequence[S | None]) -> bool:
+    def step(
+        self, run: RunCommand[S], slots: MutableSequence[S | None], collective: Container[int] = _NO_COMMANDS
+    ) -> bool:
         """Worker: receive the next header and run its command with ``run(seq_id, cmd, slots)``.
 
         What the trait's ``ep_worker_step`` does.  Waits for the header without the
         command timeout (an idle server is not a failure).  Returns ``False`` on the
-        shutdown word.
+        shutdown word.  ``collective`` holds the command words whose forward runs
+        collectives (``LinkedEp.ep_collective_commands``).
 
         Raises:
             EpReceiveError: a receive failed (head gone, timeout, a corrupt message,
                 the head closed its link); the worker must exit.
             EpCommandFailed: the header arrived and the command failed
                 (``seq_id >= len(slots)``, an unknown command, a follow-up other
-                than the head sent, an error in the command); the worker stays in
-                step.  Also raised, once, when a command that succeeded left
+                than the head sent, or past the end of a command sent whole, follow-ups
+                left unread, an error in the command); the worker stays in step.  Also
+                raised, once, when a command sent item by item that succeeded left
                 follow-ups unread (a model bug): they are skipped, and the header
                 behind them runs at the next step.
+            EpCommandRefused: the same for a command in ``collective`` (or the hook
+                refused the command itself): it was reported to the head as stopping
+                the run, and the worker must leave its loop and exit.
+            RunStopped: the run stopped (a collective failed inside the command, or
+                earlier); the worker must leave its loop and exit.
             EpRoleError: called on the head.
         """
         if self._rank == 0:
             raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
+        if self._stopped is not None:
+            raise self._still_stopped()
         if self._at >= len(self._words):
             self._words, self._at = self._receive(None), 0
         header = decode_header(self._words, self._at)
         if header is None:
             header = self._skip_to_header(slots)
-        cmd, seq_id, self._at = header
+        cmd, seq_id, self._at, self._whole = header
         if cmd == CMD_SHUTDOWN:
             return False
         self._commands += 1
         self._command = (seq_id, cmd)
         self._last_failed = True  # until the command returns
+        self._collective = cmd in collective
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
-        except EpCommandRefused as refused:  # told to the head before this worker leaves
-            self._report(seq_id, cmd, refused)
+            if self._whole and self._at < len(self._words):
+                raise self._left_unread(self._skip_rest())
+        except RunStopped as stopped:
+            if self._stopped is None:  # the hook refused the command itself: tell the head first
+                self._leave(stopped, error_text(stopped))
             raise
         except EpLinkError:
             raise
-        except EpCommandFailed as failed:
-            self._report(seq_id, cmd, failed.cause)
+        except EpCommandFailed as failed:  # the hook tagged it itself
+            if self._collective:
+                raise self._failed(failed.cause) from failed.cause
+            self._report(seq_id, cmd, error_text(failed.cause))
             raise
         except Exception as error:
-            self._report(seq_id, cmd, error)
-            raise EpCommandFailed(error) from error
+            raise self._failed(error) from error
         self._last_failed = False
         return True
 
-    def _skip_to_header(self, slots: MutableSequence[S | None]) -> tuple[int, int, int]:
-        """Answer sync points and skip follow-ups up to the next header; report what a success left unread.
+    def _failed(self, error: BaseException) -> EpCommandFailed | EpCommandRefused:
+        """Report the command in flight as failed by ``error``; return what to raise.
+
+        A command that runs collectives is refused: the report stops the run, and so
+        does the :class:`EpCommandRefused` returned.
+        """
+        seq_id, cmd = self._command
+        text = error_text(error)
+        if not self._collective:
+            self._report(seq_id, cmd, text)
+            return EpCommandFailed(error)
+        failure = WorkerFailure(self._rank, self._commands, seq_id, cmd, text, stopped=True)
+        refused = EpCommandRefused(
+            f"worker rank {self._rank}: {describe_command(self._commands, seq_id, cmd)}, which runs collectives, "
+            f"failed here, so the run stops on every rank: {text}",
+            (failure,),
+        )
+        self._leave(refused, text)
+        return refused
+
+    def _leave(self, stopped: RunStopped, text: str, *, witness: bool = False) -> None:
+        """Worker: tell the head that the command in flight stopped the run, and why; stop; close the link.
+
+        The report is best effort, within a second (the head may be gone, or its
+        answer ring full); closing the link hands it over even where reports
+        otherwise wait for a sync point.  ``witness``: this worker's collective failed.
+        """
+        try:
+            report = Report(self._commands, *self._command, text, True, witness)
+            self._answer(encode_report(report), timeout=_LEAVE_TIMEOUT)
+            self._reports += 1
+        except EpLinkError as error:
+            _LOGGER.debug("worker rank %d could not report why the run stopped: %s", self._rank, error)
+        self._stop(stopped)
+
+    def _still_stopped(self) -> RunStopped:
+        stopped = self._stopped
+        assert stopped is not None
+        who = f"worker rank {self._rank}" if self._rank else "head"
+        return RunStopped(
+            f"{who}: the run stopped earlier ({stopped}); this link runs no more commands",
+            stopped.failures,
+            stopped.ranks,
+        )
+
+    def _skip_rest(self) -> list[str]:
+        """Consume the items left in the current message; describe each."""
+        skipped = []
+        while self._at < len(self._words):
+            item = self._peek(None)
+            skipped.append(describe_item(item))
+            self._at = item.end
+        return skipped
+
+    def _skip_to_header(self, slots: MutableSequence[S | None]) -> tuple[int, int, int, bool]:
+        """Answer sync points and skip follow-ups up to the next header; fail a success that left them unread.
 
         What a successful command left unread is reported to the head before any sync
-        point is answered, so that the sync point hears of it.
+        point is answered, so that the sync point hears of it; a command that runs
+        collectives is refused at the first such item.
         """
         skipped: list[str] = []
         reported = self._last_failed  # a failed command was reported already
         while True:
             item = self._peek(None)
-            if item.kind is ItemKind.HEADER:
+            if item.starts_command:
                 break
             self._at = item.end
             if item.kind is not ItemKind.SYNC:
                 skipped.append(describe_item(item))
+                if self._collective and not self._last_failed:
+                    self._last_failed = True
+                    raise self._failed(self._left_unread(skipped))
                 continue
             if skipped and not reported:
-                self._report(*self._command, self._left_unread(skipped))
+                self._report(*self._command, error_text(self._left_unread(skipped)))
                 reported = True
             self._answer_sync(item.first, bool(item.second & 1), slots)
         if skipped and not self._last_failed:  # raised once; the header behind them runs at the next step
             error = self._left_unread(skipped)
             if not reported:
-                self._report(*self._command, error)
+                self._report(*self._command, error_text(error))
             raise EpCommandFailed(error)
-        return item.first, item.second, item.end
+        return item.first, item.second, item.end, item.kind is ItemKind.COMMAND
 
     def _left_unread(self, skipped: list[str]) -> EpMismatchError:
-        before_seq, before_cmd = self._command
         them = "it was" if len(skipped) == 1 else "they were"
         return EpMismatchError(
-            f"worker rank {self._rank}: command {before_cmd} (seq_id={before_seq}) "
+            f"worker rank {self._rank}: {describe_command(self._commands, *self._command)} "
             f"left {', '.join(skipped)} unread; {them} skipped"
         )
 
-    def _report(self, seq_id: int, cmd: int, error: BaseException) -> None:
-        """Tell the head that its ``self._commands``-th command failed here, and why."""
-        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    def _report(self, seq_id: int, cmd: int, text: str) -> None:
+        """Tell the head that its ``self._commands``-th command failed here, and why (``text``)."""
         self._answer(encode_report(Report(self._commands, seq_id, cmd, text)))
         self._reports += 1
 
@@ -183,9 +288,9 @@ class ItemReader:
         except Exception as error:
             raise EpReceiveError(f"worker rank {self._rank}: answering sync point {number} failed: {error}") from error
 
-    def _answer(self, answer: bytes) -> None:
+    def _answer(self, answer: bytes, *, timeout: float | None = None) -> None:
         try:
-            self._transport.answer(answer, self._command_timeout)
+            self._transport.answer(answer, self._command_timeout if timeout is None else timeout)
         except Exception as error:
             raise EpReceiveError(f"worker rank {self._rank}: answering the head failed: {error}") from error
 
@@ -206,7 +311,7 @@ class ItemReader:
         if found is not None:
             value, self._at = found
             return value
-        item = self._follow_up()
+        item = self._follow_up("a follow-up word")
         if item.kind is not ItemKind.WORD:
             self._mismatch("a follow-up word", item)
         self._at = item.end
@@ -257,19 +362,37 @@ class ItemReader:
         view[:] = self._words[item.second : item.end]
 
     def _tokens(self, count: int | None) -> Item:
-        item = self._follow_up()
+        expected = "a token array" if count is None else f"a token array of {count} tokens"
+        item = self._follow_up(expected)
         if item.kind is not ItemKind.TOKENS or (count is not None and item.first != count):
-            self._mismatch("a token array" if count is None else f"a token array of {count} tokens", item)
+            self._mismatch(expected, item)
         self._at = item.end
         return item
 
-    def _follow_up(self) -> Item:
+    def _follow_up(self, expected: str) -> Item:
         if self._rank == 0:
             raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
+        if self._at >= len(self._words):
+            what = describe_command(self._commands, *self._command)
+            if self._whole:  # nothing can follow: the message was the whole command
+                raise EpMismatchError(
+                    f"worker rank {self._rank} expected {expected}, but {what} came whole, "
+                    "as one message, and this worker has read all of it"
+                )
+            try:
+                self._words, self._at = self._receive(self._command_timeout), 0
+            except EpReceiveError as error:
+                if not isinstance(error.__cause__, TimeoutError):
+                    raise
+                raise EpReceiveError(
+                    f"worker rank {self._rank} expected {expected} of {what}, and none came within "
+                    f"{self._command_timeout} s (the command timeout): the head sent fewer follow-ups than this "
+                    f"worker reads, or stalls ({error.__cause__})"
+                ) from error.__cause__
         return self._peek(self._command_timeout)
 
     def _mismatch(self, expected: str, item: Item) -> NoReturn:
-        if item.kind not in (ItemKind.HEADER, ItemKind.SYNC):
+        if not item.starts_command and item.kind is not ItemKind.SYNC:
             self._at = item.end  # consumed; a header or a sync point stays for the next step
         raise EpMismatchError(f"worker rank {self._rank} expected {expected}, but the head sent {describe_item(item)}")
 

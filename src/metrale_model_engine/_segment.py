@@ -46,6 +46,7 @@ from typing import Final
 
 from ._liveness import process_exists
 from .transport import TransportCorrupt
+from .wire import ANSWER_BYTES
 
 SHM_DIR: Final[str] = "/dev/shm"
 NAME_PREFIX: Final[str] = "metrale-ep-"
@@ -81,9 +82,8 @@ HEAD_WAITS_AT: Final[int] = 5 * LINE
 _READERS_AT: Final[int] = 6 * LINE
 ANSWER_SLOTS: Final[int] = 16
 """Answers a worker can have waiting for the head before it waits for room."""
-ANSWER_SLOT_BYTES: Final[int] = 256
-ANSWER_BYTES: Final[int] = ANSWER_SLOT_BYTES - 8
-"""Bytes of one answer at most (62 u32 words)."""
+ANSWER_SLOT_BYTES: Final[int] = ANSWER_BYTES + 8
+"""A slot of a worker's answer ring: a length word, padding, then one answer of at most ``wire.ANSWER_BYTES``."""
 _PAGE: Final[int] = mmap.PAGESIZE
 _LOGGER = logging.getLogger("metrale_model_engine.shm")
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 from typing_extensions import Buffer
 
 from ._checks import check_seconds
-from ._errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
+from ._errors import EpDivergenceError, EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure
 from ._liveness import ProcessWatch
 from ._reader import ItemReader
 from ._words import check_u32
@@ -29,6 +29,8 @@ from .wire import Ack, Report, WireError, decode_answer, encode_sync
 
 _CHECK_PAUSE: Final = 0.001
 """Seconds between two looks of :meth:`SyncPoints.check_workers`."""
+EXIT_GRACE: Final = 5.0
+"""Seconds the head looks for the worker behind a failed collective (a failing worker takes a moment to exit)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,11 @@ def read_answers(rank: int, answers: Iterable[bytes]) -> tuple[list[WorkerFailur
         except WireError as error:
             raise WireError(f"worker rank {rank}: {error}") from None
         if isinstance(decoded, Report):
-            failures.append(WorkerFailure(rank, decoded.command, decoded.seq_id, decoded.cmd, decoded.error))
+            failures.append(
+                WorkerFailure(
+                    rank, decoded.command, decoded.seq_id, decoded.cmd, decoded.error, decoded.stopped, decoded.witness
+                )
+            )
         else:
             acks.append(decoded)
     return failures, acks
@@ -146,12 +152,15 @@ class SyncPoints(ItemReader):
         Raises:
             EpWorkerFailed: workers reported failed commands not raised yet (every
                 one of them, once).
+            RunStopped: a worker reported a failure that stopped the run (a command
+                that runs collectives), or the run stopped earlier.
             EpDivergenceError: a worker's stream or state differs from the head's
                 (the message names the ranks and the commands within which they
                 diverged).
             EpRoleError: called on a worker.
             EpSendError: the sync item could not be sent.
-            EpLinkError: a worker died, or did not answer within ``command_timeout``.
+            EpLinkError: a worker died, or did not answer within ``command_timeout``
+                (the message names it).
         """
         self._require_head()
         if self._world_size == 1:
@@ -168,8 +177,13 @@ class SyncPoints(ItemReader):
                 except WireError as error:
                     raise EpLinkError(f"head: a corrupt answer at sync point {self._sync_number}: {error}") from None
                 except Exception as error:
-                    raise EpLinkError(f"head: sync point {self._sync_number} failed: {error}") from error
+                    exited = " (it exited: died or left the run)" if rank in self._exited_workers() else ""
+                    raise EpLinkError(
+                        f"head: sync point {self._sync_number} failed waiting for worker rank {rank}{exited}: {error}"
+                    ) from error
                 failures += self._seen(found)
+                if any(failure.stopped for failure in found):  # that worker left: no acknowledgement will come
+                    raise self._stop(RunStopped(f"head: the run stopped: {self._why_stopped(failures, [])}", failures))
                 acks.update((rank, ack) for ack in answered if ack.number == self._sync_number)
         figures = HeadFigures(self._sync_number, self._commands, self._crc, mine, self._agreed_commands)
         differ = differences(figures, acks)
@@ -232,37 +246,64 @@ class SyncPoints(ItemReader):
     def check_workers(self, timeout: float = 0.0) -> None:
         """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
 
-        For a model whose own collective (an all-reduce in its forward) failed, which
-        tells only that some peer is gone: this names the ranks and, where their
-        reports arrived, the reason (a refused command, say).  It looks until it
-        finds something or ``timeout`` seconds have passed (a worker that just failed
-        takes a moment to exit), and returns when it found nothing: no worker
+        For a model whose own collective failed, which tells only that some peer is
+        gone (``metrale_model_engine.torch.Collectives`` and
+        :meth:`~metrale_model_engine.EpLink.collective_failed` do it for you): this
+        names the ranks and, where their reports arrived, the reason.  It looks until
+        it finds something or ``timeout`` seconds have passed (a worker that just
+        failed takes a moment to exit), and returns when it found nothing: no worker
         stopped, or the one that did runs on another host and sent no report.  A
         no-op on one rank.
 
         Raises:
-            EpWorkerFailed: workers reported failed or refused commands (each
-                report once); the message adds which ranks have exited.
-            EpLinkError: worker ranks on this host have exited (it names them).
+            EpWorkerFailed: workers reported failed commands (each report once), none
+                of which stopped the run.
+            RunStopped: a worker reported a failure that stopped the run, or worker
+                ranks on this host have exited (the message names them); the link
+                is closed.
             EpRoleError: called on a worker.
             TypeError, ValueError: ``timeout`` is not a number of seconds ``>= 0``.
         """
         self._require_head()
         limit = check_seconds("timeout", timeout, allow_zero=True)
         assert limit is not None
+        failures, exited = self._stopped_workers(limit)
+        if exited or any(failure.stopped for failure in failures):
+            raise self._stop(
+                RunStopped(f"head: the run stopped: {self._why_stopped(failures, exited)}", failures, exited)
+            )
+        if failures:
+            raise EpWorkerFailed(failures)
+
+    def _stopped_workers(self, limit: float) -> tuple[list[WorkerFailure], list[int]]:
+        """The reports not seen yet and the worker ranks that exited; looks up to ``limit`` seconds for either."""
         deadline = time.monotonic() + limit
         while self._world_size > 1:
             exited = self._exited_workers()  # first: a report written before the exit is in the ring by now
             failures = self._poll_reports()
-            if failures:
-                raise EpWorkerFailed(failures, f"; worker rank(s) {exited} then exited" if exited else "")
-            if exited:
-                raise EpLinkError(
-                    f"head: worker rank(s) {exited} exited (died or left the run) after command {self._commands}"
-                )
-            if time.monotonic() >= deadline:
-                return
+            if failures or exited or time.monotonic() >= deadline:
+                return failures, exited
             time.sleep(_CHECK_PAUSE)
+        return [], []
+
+    def _why_stopped(self, failures: Sequence[WorkerFailure], exited: Sequence[int]) -> str:
+        """The reason a run stopped, as the head knows it: first-hand reports, the ranks that exited, witnesses.
+
+        A witness (a worker whose collective failed) may only have seen another rank's
+        failure: its report comes last, and when nothing else is known, the ranks
+        that said nothing are named.
+        """
+        reasons = [str(failure) for failure in failures if not failure.witness]
+        if exited:
+            reasons.append(
+                f"worker rank(s) {list(exited)} exited (died or left the run) after command {self._commands}"
+            )
+        witnesses = [failure for failure in failures if failure.witness]
+        reasons += [str(failure) for failure in witnesses]
+        silent = [rank for rank in range(1, self._world_size) if rank not in {f.rank for f in witnesses}]
+        if witnesses and len(reasons) == len(witnesses) and silent:
+            reasons.append(f"rank(s) {silent} said nothing (they stall, skipped their forward, or left)")
+        return "; ".join(reasons)
 
     def _watch_workers(self, pids: Mapping[int, int]) -> None:
         """Head: watch the worker processes ``{rank: pid}`` of this host, for :meth:`check_workers`."""
@@ -281,6 +322,12 @@ class SyncPoints(ItemReader):
             return []
         return sorted(self._worker_ranks[pid] for pid in self._workers.dead())
 
+    def _halted_workers(self) -> list[int]:
+        """The worker ranks of this host whose process is stopped (a signal, a debugger)."""
+        if self._workers is None:
+            return []
+        return sorted(self._worker_ranks[pid] for pid in self._workers.halted())
+
     def _poll_reports(self) -> list[WorkerFailure]:
         """The failures the workers reported since the last look (each counted as seen)."""
         failures: list[WorkerFailure] = []
@@ -297,5 +344,10 @@ class SyncPoints(ItemReader):
     def _raise_reports(self) -> None:
         """Raise what the workers reported since the last look, before the command being sent goes out."""
         failures = self._poll_reports()
+        if any(failure.stopped for failure in failures):
+            why = self._why_stopped(failures, [])
+            raise self._stop(
+                RunStopped(f"head: the run stopped: {why}; nothing of the command being sent was sent", failures)
+            )
         if failures:
             raise EpWorkerFailed(failures, "; nothing of the command being sent was sent")

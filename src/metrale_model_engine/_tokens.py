@@ -9,7 +9,7 @@ from typing import Any, Final, Protocol, TypeAlias, Union
 
 from typing_extensions import Buffer
 
-from ._words import U32_TYPECODE, u32_array
+from ._words import U32_MAX, U32_TYPECODE, u32_array
 
 
 class ArrayInterface(Protocol):
@@ -56,7 +56,12 @@ def as_u32_buffer(name: str, tokens: TokenArray) -> Buffer:
     try:
         view = memoryview(tokens)  # type: ignore[arg-type]  # a Sequence or a numpy array may be a buffer
     except TypeError:
-        return u32_array(name, tokens)  # type: ignore[arg-type]  # not a buffer: a sequence
+        if not isinstance(tokens, Sequence):
+            raise TypeError(
+                f"{name} must be a token array (a sequence of ints in 0 ..= {U32_MAX}, or a buffer of them), "
+                f"got {type(tokens).__name__} {tokens!r}"
+            ) from None
+        return u32_array(name, tokens)  # not a buffer: a sequence
     if view.ndim != 1:
         raise ValueError(f"{name} must be a 1-D token array, got a {view.ndim}-D buffer")
     if view.format in _U32_FORMATS and view.itemsize == 4 and view.c_contiguous:

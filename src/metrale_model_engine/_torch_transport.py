@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import sys
+import time
 import weakref
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import torch
 import torch.distributed as dist
 from typing_extensions import Buffer
 
-from ._segment import ANSWER_BYTES
-from .transport import TransportClosed, TransportCorrupt
-from .wire import FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
+from .transport import TransportClosed, TransportCorrupt, TransportTimeout
+from .wire import ANSWER_BYTES, FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
 
 _MAX_MESSAGE_WORDS: Final[int] = 1 << 30
 """A frame announcing more is corruption, not a message (4 GiB)."""
 _FRAME_BYTES: Final[int] = 4 * FRAME_WORDS
 _PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+_STORE_PAUSE: Final[float] = 0.01
+"""Seconds between two looks of the head in the group's store."""
+_LOGGER = logging.getLogger("metrale_model_engine.torch")
 
 
 @functools.lru_cache(maxsize=8)
@@ -47,7 +54,15 @@ class TorchTransport:
     non-CPU ``device``) the frame and the bulk are copied to and from device
     tensors.  A broadcast's ``timeout`` goes to the collective itself, so a wait
     that fires leaves nothing pending in the backend.  Errors are the backend's
-    own (``RuntimeError`` from gloo); ``EpLink`` maps them.
+    own (``RuntimeError`` from gloo; :class:`TransportTimeout` when it says it
+    timed out); ``EpLink`` maps them.
+
+    The way back: a worker's answers are held until the head receives them at a
+    sync point, point to point.  A worker that leaves with answers still held (it
+    stopped the run) puts them in the group's store (``ProcessGroup.get_group_store``,
+    torch's own rendezvous store, which outlives a broken collective) when it
+    closes; the head reads them there (:meth:`poll_answers`) once a collective or a
+    send has failed.
 
     Args:
         group: the process group; default the world group.  Its rank 0 is the head.
@@ -86,6 +101,10 @@ class TorchTransport:
         self._inbox = bytearray(4096)
         self._held: list[bytes] = []  # a worker's answers, until the next flush
         self._head = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        self._store: Store | None = _group_store(group)
+        self._gathered = False  # the first gather (the link's setup) has run
+        self._left: set[int] = set()  # workers whose last answers the head has taken from the store
+        self._next_look = 0.0  # the head's next look in the store, by time.monotonic()
         _OPEN_TRANSPORTS.add(self)
 
     @property
@@ -101,10 +120,19 @@ class TorchTransport:
     def close(self) -> None:
         """Drop this transport's reference to its process group; later sends and receives fail.
 
-        Idempotent.  Called for every open transport when the interpreter exits (see
-        ``metrale_model_engine.torch``); the group itself is the program's to destroy.
+        A worker with answers still held puts them in the group's store first (best
+        effort), for a head whose collective failed.  Idempotent.  Called for every
+        open transport when the interpreter exits (see ``metrale_model_engine.torch``);
+        the group itself is the program's to destroy.
         """
+        held, self._held = self._held, []
+        if held and self._store is not None and self._group is not None:
+            try:
+                self._store.set(_last_words_key(self.rank), _pack_answers(held).hex())  # the store takes text
+            except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
+                _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", self.rank, error)
         self._group = None
+        self._store = None
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: the message as its frame, then, past 15 words, one bulk broadcast."""
@@ -146,6 +174,9 @@ class TorchTransport:
         if timeout is not None:
             options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
         self._open_group().allreduce([rows], options).wait()
+        if not self._gathered:  # every rank is past its setup: last words of an earlier link are stale
+            self._gathered = True
+            self._forget_last_words()
         return [row.tolist() for row in rows.cpu()]
 
     # -- the way back: answers travel point to point, at sync points only -------
@@ -163,37 +194,57 @@ class TorchTransport:
         """Worker, at a sync point: every held answer to the head, as a count and one payload (two sends)."""
         group = self._open_group()
         held, self._held = self._held, []
-        payload = b"".join(
-            len(data).to_bytes(4, sys.byteorder) + data.ljust(-(-len(data) // 4) * 4, b"\0") for data in held
-        )
+        payload = _pack_answers(held)
         self._point_to_point(group, torch.tensor([len(held), len(payload) // 4], dtype=torch.int32), timeout, True)
         if payload:
-            self._point_to_point(group, torch.frombuffer(bytearray(payload), dtype=torch.int32), timeout, True)
+            self._point_to_point(group, torch.frombuffer(payload, dtype=torch.int32), timeout, True)
 
     def answers_ready(self) -> bool:
         """Nothing arrives between sync points over a group."""
         return False
 
     def poll_answers(self) -> list[tuple[int, bytes]]:
-        """Nothing arrives between sync points over a group."""
-        return []
+        """Head: the answers of workers that left them in the store (see the class), each taken once.
+
+        Between sync points nothing else arrives over a group.  A look costs a store
+        round trip per worker, so it happens at most every 10 ms; the link looks only
+        once something has failed.
+        """
+        store = self._store
+        now = time.monotonic()
+        if store is None or self.rank != 0 or now < self._next_look:
+            return []
+        self._next_look = now + _STORE_PAUSE
+        found: list[tuple[int, bytes]] = []
+        for rank in range(1, self.world_size):
+            key = _last_words_key(rank)
+            if rank in self._left or not store.check([key]):
+                continue
+            self._left.add(rank)
+            found += [(rank, answer) for answer in _unpack_answers(bytes.fromhex(store.get(key).decode()))]
+        return found
 
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
         """Head, at a sync point: worker ``rank``'s flushed answers (after ``timeout``, the group is broken)."""
         group = self._open_group()
         count = torch.zeros(2, dtype=torch.int32)
         self._point_to_point(group, count, timeout, False, rank)
-        answers, words = count.tolist()
+        _, words = count.tolist()
         if not words:
             return []
         payload = torch.zeros(words, dtype=torch.int32)
         self._point_to_point(group, payload, timeout, False, rank)
-        data, found, at = payload.numpy().tobytes(), [], 0
-        for _ in range(answers):
-            length = int.from_bytes(data[at : at + 4], sys.byteorder)
-            found.append(data[at + 4 : at + 4 + length])
-            at += 4 + -(-length // 4) * 4
-        return found
+        return _unpack_answers(payload.numpy().tobytes())
+
+    def _forget_last_words(self) -> None:
+        """Head, once every rank is past the setup: remove answers an earlier link over this group left."""
+        if self.rank != 0 or self._store is None:
+            return
+        for rank in range(1, self.world_size):
+            try:
+                self._store.delete_key(_last_words_key(rank))
+            except Exception as error:  # noqa: BLE001  (a store without deletion: the look stays harmless)
+                _LOGGER.debug("could not clear the store's key for worker rank %d: %s", rank, error)
 
     def _point_to_point(
         self, group: dist.ProcessGroup, host: torch.Tensor, timeout: float | None, sending: bool, rank: int = 0
@@ -202,10 +253,15 @@ class TorchTransport:
         tensor = host if self._device.type == "cpu" else host.to(self._device)
         work = dist.isend(tensor, dst=peer, group=group) if sending else dist.irecv(tensor, src=peer, group=group)
         assert work is not None  # this process is a member of the group
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+        try:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+        except RuntimeError as error:
+            if _timed_out(error):
+                raise TransportTimeout(str(error)) from error
+            raise
         if not sending and tensor is not host:
             host.copy_(tensor)
 
@@ -224,13 +280,18 @@ class TorchTransport:
         # timeout goes to the collective itself, not to the wait: a wait that timed
         # out would leave the receive pending inside the backend, where it would
         # swallow the head's next broadcast and block the process at exit.
-        if self._device.type == "cpu":
-            group.broadcast([host], _broadcast_options(timeout)).wait()
-            return
-        tensor = device_tensor if device_tensor is not None else torch.empty_like(host, device=self._device)
-        if sending:
-            tensor.copy_(host)
-        group.broadcast([tensor], _broadcast_options(timeout)).wait()
+        try:
+            if self._device.type == "cpu":
+                group.broadcast([host], _broadcast_options(timeout)).wait()
+                return
+            tensor = device_tensor if device_tensor is not None else torch.empty_like(host, device=self._device)
+            if sending:
+                tensor.copy_(host)
+            group.broadcast([tensor], _broadcast_options(timeout)).wait()
+        except RuntimeError as error:
+            if _timed_out(error):
+                raise TransportTimeout(str(error)) from error
+            raise
         if not sending:
             host.copy_(tensor)
 
@@ -239,6 +300,43 @@ class TorchTransport:
         if group is None:
             raise TransportClosed("the TorchTransport was closed; its process group is no longer used")
         return group
+
+
+def _pack_answers(answers: Sequence[bytes]) -> bytearray:
+    """Answers as one payload of u32 words: each one's length in bytes, then its bytes padded to a word."""
+    payload = bytearray()
+    for data in answers:
+        payload += len(data).to_bytes(4, sys.byteorder) + data.ljust(-(-len(data) // 4) * 4, b"\0")
+    return payload
+
+
+def _unpack_answers(payload: bytes) -> list[bytes]:
+    """The answers in a payload of :func:`_pack_answers`."""
+    found, at = [], 0
+    while at + 4 <= len(payload):
+        length = int.from_bytes(payload[at : at + 4], sys.byteorder)
+        found.append(payload[at + 4 : at + 4 + length])
+        at += 4 + -(-length // 4) * 4
+    return found
+
+
+def _last_words_key(rank: int) -> str:
+    """The store key where worker ``rank`` leaves the answers it still held when it left."""
+    return f"metrale_model_engine/last_answers/{rank}"
+
+
+def _group_store(group: dist.ProcessGroup) -> Store | None:
+    """The group's own store, where torch offers it (``ProcessGroup.get_group_store``), else ``None``."""
+    try:
+        return group.get_group_store()
+    except Exception as error:  # noqa: BLE001  (an older torch, or a backend without a store)
+        _LOGGER.debug("no store for this process group: %s", error)
+        return None
+
+
+def _timed_out(error: RuntimeError) -> bool:
+    """Whether the backend's error says it waited its whole timeout (gloo and NCCL raise a ``RuntimeError``)."""
+    return "timed out" in str(error).lower()
 
 
 _OPEN_TRANSPORTS: Final[weakref.WeakSet[TorchTransport]] = weakref.WeakSet()

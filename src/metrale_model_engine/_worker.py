@@ -6,7 +6,7 @@ import logging
 from collections.abc import MutableSequence
 from dataclasses import dataclass
 
-from ._errors import EpCommandFailed
+from ._errors import EpCommandFailed, EpReceiveError, RunStopped
 from ._model import ModelEp, S
 
 _LOGGER = logging.getLogger("metrale_model_engine.worker")
@@ -33,9 +33,11 @@ def run_worker(
 
     For ranks above 0.  An :class:`EpCommandFailed` is logged at error level with
     its cause and the loop goes on (the command was received; the head raised the
-    same error).  Any other exception is logged and re-raised: the receive failed,
-    so the process should exit.  ``KeyboardInterrupt`` and ``SystemExit`` pass
-    through untouched.
+    same error).  Any other exception is logged and re-raised, and the process
+    should exit: a :class:`RunStopped` (the run is over on every rank: a command
+    that runs collectives failed, here or elsewhere), an :class:`EpReceiveError`
+    (the link is gone) or anything else a step raised.  ``KeyboardInterrupt`` and
+    ``SystemExit`` pass through untouched.
 
     Args:
         model: the worker's model; its ``is_ep()`` must be ``True``.
@@ -70,7 +72,13 @@ def run_worker(
             failed += 1
             log.error("command failed, worker stays up: %s", error, exc_info=error)
             continue
-        except Exception:
+        except RunStopped:
+            log.exception("the run stopped, leaving the loop after %d commands", run + failed)
+            raise
+        except EpReceiveError:
             log.exception("worker receive failed, leaving the loop after %d commands", run + failed)
+            raise
+        except Exception:
+            log.exception("worker step failed, leaving the loop after %d commands", run + failed)
             raise
         run += 1

@@ -13,6 +13,7 @@ first three; the reference server cuts prompts with :func:`prefill_chunks`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from ._checks import check_int
@@ -59,12 +60,14 @@ def check_batch(slot_ids: Sequence[int], slots: Sequence[object | None]) -> None
     """Raise unless every id indexes a live slot (not ``None``) and no id repeats.
 
     Raises:
+        TypeError: an id is not an integer (``bool`` is not; numpy's integers are).
         IndexError: an id is out of range (the message names it and the slot count).
         ValueError: an id repeats.
         KeyError: an id's slot is free.
     """
     seen: set[int] = set()
-    for index, seq_id in enumerate(slot_ids):
+    for index, value in enumerate(slot_ids):
+        seq_id = value if type(value) is int else _slot_id(index, value)
         if not 0 <= seq_id < len(slots):
             raise IndexError(f"slot_ids[{index}]={seq_id} is out of range for {len(slots)} slots")
         if seq_id in seen:
@@ -72,6 +75,16 @@ def check_batch(slot_ids: Sequence[int], slots: Sequence[object | None]) -> None
         if slots[seq_id] is None:
             raise KeyError(f"slot_ids[{index}]={seq_id}: the slot is free")
         seen.add(seq_id)
+
+
+def _slot_id(index: int, value: object) -> int:
+    """``value`` as an int if it is an integer (an ``IntEnum``, numpy's), else ``TypeError`` naming it."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]  # TypeError below
+        except TypeError:
+            pass
+    raise TypeError(f"slot_ids[{index}] must be an int, got {type(value).__name__} {value!r}")
 
 
 def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:

@@ -13,8 +13,10 @@ too).  Sync points compare every rank's KV bookkeeping as it goes and at the end
 Exit status: 0 when every rank served and agreed; 1 with one ``error: ...`` line
 when the run failed (a rank died or diverged); 2 with one ``error: ...`` line when
 it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
-or the ranks could not set up their link (``--transport shm`` with too little
-``/dev/shm``, say; the line gives the root cause, once, whichever rank had it).
+the KV caches of ``--slots`` would not fit the machine's memory, or the ranks could
+not set up their link (``--transport shm`` with too little ``/dev/shm``, say; the
+line gives the root cause, once, whichever rank had it); 130 with the one line
+``interrupted`` on Ctrl-C (SIGINT), once every rank has gone.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
 from ._errors import EpSetupError
+from ._launch import INTERRUPTED
 from ._protocol import ProtocolVersion
 from ._segment import MAX_WORLD_SIZE
+from ._words import U32_MAX
 
 if TYPE_CHECKING:
     from ._link import EpLink
@@ -54,15 +58,22 @@ PROMPTS: Final[tuple[str, ...]] = (
 """What the demo asks; the last :data:`LATE_PROMPTS` arrive at step :data:`LATE_STEP`, while the others run."""
 LATE_PROMPTS: Final = 2
 LATE_STEP: Final = 6
+_CUT: Final = {
+    "context": " (cut short: its slot's cache is full)",
+    "error": " (failed)",
+}
+"""What a request's line adds when it did not end with its ``--max-new-tokens``."""
 
 
-def _whole(text: str, least: int) -> int:
+def _whole(text: str, least: int, most: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    if most is not None and value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
     return value
 
 
@@ -88,14 +99,20 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The demo's command line (``sys.argv[1:]`` by default); a bad argument exits 2 with one ``error:`` line.
 
-    ``--json PATH`` is refused here when ``PATH``'s directory does not exist, not after the run.
+    ``--json PATH`` is refused here when ``PATH``'s directory does not exist or ``PATH`` is a
+    directory, not after the run.
     """
     parser = _OneLineParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--world-size", type=_world_size, default=2, help="local ranks: 1, 2 or 4 (default 2; torchrun sets it)")
     versions = [p.value for p in ProtocolVersion]
     add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
-    add("--slots", type=lambda t: _whole(t, 1), default=4, help="sequences served at once (default 4)")
+    add(
+        "--slots",
+        type=lambda t: _whole(t, 1, U32_MAX),
+        default=4,
+        help=f"sequences served at once (default 4; at most {U32_MAX}, a u32, and what the memory holds)",
+    )
     add("--max-new-tokens", type=lambda t: _whole(t, 1), default=48, help="tokens generated per prompt (default 48)")
     add("--prefill-chunk", type=lambda t: _whole(t, 1), default=16, help="most prompt tokens per prefill (default 16)")
     add("--sync-every", type=lambda t: _whole(t, 1), default=16, help="steps between sync points (default 16)")
@@ -110,9 +127,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "a host (auto, the default)",
     )
     add("--json", type=Path, default=None, metavar="PATH", help="also write the head's summary to PATH as JSON")
+    add(
+        "--check-kv",
+        action="store_true",
+        help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote",
+    )
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.resolve().parent.is_dir():
         parser.error(f"argument --json: {str(args.json)!r} is in a directory that does not exist")
+    if args.json is not None and args.json.is_dir():
+        parser.error(f"argument --json: {str(args.json)!r} is a directory; name a file to write")
     return args
 
 
@@ -127,6 +151,7 @@ class Work:
     prefill_chunk: int
     sync_every: int
     json_path: Path | None
+    check_kv: bool = False
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -167,7 +192,7 @@ def serve(rank: int, world_size: int, work: Work) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the ranks share this host's cores
     try:
-        model = ReferenceLm(_open_link(world_size, work))
+        model = ReferenceLm(_open_link(world_size, work), check_kv_values=work.check_kv)
         pids = model.ep_link.gather_u32(os.getpid())
     except EpSetupError:
         raise
@@ -218,7 +243,8 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
     def report(completion: Completion) -> None:
         request = completion.request
         late = f", arrived after step {completion.submitted_step}" if completion.submitted_step else ""
-        _say(f"[request {request.id}{late}] {decode_text(request.prompt)!r} -> {decode_text(completion.tokens)!r}")
+        text = f"{decode_text(request.prompt)!r} -> {decode_text(completion.tokens)!r}"
+        _say(f"[request {request.id}{late}] {text}{_CUT.get(completion.finish_reason or '', '')}")
 
     server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
     requests = [Request(i, tuple(encode(text)), work.max_new_tokens) for i, text in enumerate(PROMPTS)]
@@ -244,7 +270,8 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
     if model.is_ep():
         sync_points = server.steps // work.sync_every + 1
         points = f"{sync_points} sync point{'s' if sync_points != 1 else ''}"
-        _say(f"[head] all {link.world_size} ranks agree: KV bookkeeping compared at {points}")
+        what = "KV bookkeeping and cache values" if work.check_kv else "KV bookkeeping"
+        _say(f"[head] all {link.world_size} ranks agree: {what} compared at {points}")
     else:
         _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
     if work.json_path is not None:
@@ -296,6 +323,7 @@ def _summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, obj
                 "submitted_step": c.submitted_step,
                 "admitted_step": c.admitted_step,
                 "finished_step": c.finished_step,
+                "finish_reason": c.finish_reason,
             }
             for c in server.completions.values()
         ],
@@ -328,22 +356,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
         if args.backend == "nccl" and not ep_torch.cuda_available():
             raise ValueError("--backend nccl needs a CUDA device, and this machine has none; use --backend gloo")
-    except (ImportError, ValueError) as error:
+        torchrun = all(name in os.environ for name in _TORCHRUN_VARS)
+        world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
+        _check_memory(args.slots, world_size, local_ranks)
+    except (ImportError, ValueError, OSError) as error:
         return _cannot_start(error)
     work = Work(
-        protocol, args.transport, args.slots, args.max_new_tokens, args.prefill_chunk, args.sync_every, args.json
+        protocol,
+        args.transport,
+        args.slots,
+        args.max_new_tokens,
+        args.prefill_chunk,
+        args.sync_every,
+        args.json,
+        args.check_kv,
     )
     try:
-        if all(name in os.environ for name in _TORCHRUN_VARS):
+        if torchrun:
             return _under_torchrun(args.backend, work)
         if args.world_size == 1:
             return _exit_code(lambda: serve(0, 1, work))
         codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
     except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
         return _cannot_start(error)
+    except KeyboardInterrupt:  # Ctrl-C: every rank has gone (run_group ended them), one line says so
+        return _interrupted()
+    if INTERRUPTED in codes:  # a rank was interrupted (a signal to the ranks alone)
+        return _interrupted()
     if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
         print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
     return 1 if any(codes) else 0
+
+
+def _check_memory(slots: int, world_size: int, local_ranks: int) -> None:
+    """Refuse (``ValueError``) a slot count whose KV caches would not fit this machine's memory."""
+    from .reference import SHIPPED_WEIGHTS, read_config
+
+    needed = read_config(SHIPPED_WEIGHTS).kv_cache_bytes(slots, world_size, 4) * local_ranks  # float32
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # a platform that does not say
+        return
+    if needed > memory:
+        raise ValueError(
+            f"--slots {slots}: the KV caches of {local_ranks} rank(s) would take {needed / 2**30:,.1f} GiB, "
+            f"more than this machine's {memory / 2**30:,.1f} GiB of memory"
+        )
+
+
+def _interrupted() -> int:
+    """Say that the run was interrupted, in one line (under torchrun, from rank 0 alone), and return 130."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("interrupted", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _cannot_start(error: Exception) -> int:
@@ -358,6 +424,8 @@ def _exit_code(run: Callable[[], None]) -> int:
         run()
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    except KeyboardInterrupt:
+        return _interrupted()
     return 0
 
 

@@ -84,7 +84,7 @@ class RecordingTransport:
         while at < len(words):
             item = decode_item(words, at)
             at = item.end
-            self._commands += item.kind is ItemKind.HEADER and item.first != CMD_SHUTDOWN
+            self._commands += item.starts_command and item.first != CMD_SHUTDOWN
 
     def receive(self, timeout: float | None) -> memoryview:
         """Refused: this is the head."""
@@ -221,7 +221,7 @@ class RecordingEp(LinkedEp[S]):
             while at < len(words):
                 item = decode_item(words, at)
                 at = item.end
-                if item.kind is ItemKind.HEADER:
+                if item.starts_command:
                     header = EpEvent("cmd_for_seq", (item.second, item.first))
                     events.append(EpEvent("shutdown", ()) if item.first == CMD_SHUTDOWN else header)
                 elif item.kind is ItemKind.WORD:

@@ -8,6 +8,9 @@
 * :func:`init_local_group` and :func:`run_group` start a group of N ranks on
   loopback for scripts and tests; :func:`init_group_from_env` joins the group
   ``torchrun`` describes.
+* :class:`Collectives` runs a model's all-reduces inside the protocol's contract:
+  bounded, and a failure stops the run on every rank with a
+  :class:`~metrale_model_engine.RunStopped` that names what the link knows.
 * :func:`tensor_tokens` turns a 1-D integer tensor into a token array.
 
 Why shared memory by default: each gloo broadcast between two ranks of one host
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, cast
 from typing_extensions import Buffer, TypeVarTuple, Unpack, deprecated
 
 from ._choice import TRANSPORT_KINDS, TransportKind, open_link, open_transport
+from ._collectives import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
 from ._groups import (
     DEFAULT_IDLE_TIMEOUT,
     cuda_available,
@@ -60,8 +64,11 @@ from ._torch_transport import TorchTransport
 from ._words import U32_MAX, check_u32
 
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_IDLE_TIMEOUT",
+    "EXIT_GRACE",
     "TRANSPORT_KINDS",
+    "Collectives",
     "TorchTransport",
     "TransportKind",
     "cuda_available",
@@ -76,6 +83,7 @@ __all__ = [
 ]
 
 TorchTransport.__module__ = __name__
+Collectives.__module__ = __name__
 
 
 def tensor_tokens(tokens: torch.Tensor) -> Buffer:

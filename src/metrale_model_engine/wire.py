@@ -4,7 +4,10 @@ A head sends a stream of *items*, each a run of native-order u32 words whose fir
 word says what it is (:class:`ItemKind`):
 
 * header: ``[HEADER, cmd, seq_id]``: starts a command (``seq_id`` is 0 when the
-  link leaves it off, bare protocol v1);
+  link leaves it off, bare protocol v1) whose follow-ups come item by item;
+* whole command: ``[COMMAND, cmd, seq_id]``: starts a command sent as one message,
+  which holds every follow-up of it: a worker that asks for more has read past its
+  end, and is told so at once;
 * word: ``[WORD, value]``: a follow-up word;
 * tokens: ``[TOKENS, count, token_0, ..., token_(count-1)]``: a follow-up token array;
 * close: ``[CLOSE]``: the head closed its link before shutting the workers down;
@@ -15,6 +18,9 @@ Workers send *answers* back (``EpTransport.answer``), each one message:
 
 * report: ``[REPORT, command (u64, 2 words), seq_id, cmd, text bytes, text...]``: the
   command the head sent as its ``command``-th (from 1) failed on the worker;
+  ``[STOP, ...]`` the same for a command whose failure stopped the run (it runs
+  collectives, see ``RunStopped``); ``[WITNESS, ...]`` for a worker whose collective
+  of that command failed, which may only have seen another rank's failure;
 * acknowledgement: ``[ACK, number, stream crc32, commands (u64), reports, has state,
   state digest (u64)]``: the worker reached sync point ``number`` having received
   ``commands`` commands and a stream whose CRC-32 is ``stream crc32`` (over every
@@ -22,9 +28,9 @@ Workers send *answers* back (``EpTransport.answer``), each one message:
 
 Items travel in *messages*, one per send of a transport: a message holds one or
 more whole items, never a part of one.  A command sent in one call
-(``EpLink.send_command``) is one message, its header and every follow-up; the
-trait's per-word calls send one item per message.  The item stream is the same
-either way, so a worker reads a command the same way whichever the head chose.
+(``EpLink.send_command``) is one message, its whole-command header and every
+follow-up; the trait's per-word calls send one item per message.  A worker reads a
+command the same way whichever the head chose.
 
 A transport over fixed-size collective broadcasts (gloo, NCCL) carries a message
 as one frame of :data:`FRAME_WORDS` words, ``[length, word_0, ..., word_14]``,
@@ -52,6 +58,7 @@ from typing_extensions import Buffer
 from ._words import U32_MAX, U32_MIN, U32_TYPECODE
 
 __all__ = [
+    "ANSWER_BYTES",
     "FRAME_PAYLOAD",
     "FRAME_WORDS",
     "U32_MAX",
@@ -81,9 +88,9 @@ __all__ = [
     "frame_message",
 ]
 
-WIRE_VERSION: Final[int] = 4
+WIRE_VERSION: Final[int] = 5
 """Version of this wire format; every rank must run the same one.  3: items in messages; 4: the setup
-exchange carries each rank's pid and host."""
+exchange carries each rank's pid and host; 5: whole-command headers and reports that stop the run."""
 
 FRAME_WORDS: Final[int] = 16
 """u32 words per frame over a fixed-size broadcast (64 bytes: one cache line)."""
@@ -100,14 +107,17 @@ class ItemKind(enum.IntEnum):
     TOKENS = 0x4D45_0003
     CLOSE = 0x4D45_0004
     SYNC = 0x4D45_0005
+    COMMAND = 0x4D45_0006
     REPORT = 0x4D45_0011
     ACK = 0x4D45_0012
+    STOP = 0x4D45_0013
+    WITNESS = 0x4D45_0014
 
 
 class Item(NamedTuple):
     """One decoded item: its kind, two fields, and the index of the word after it.
 
-    * header: ``first`` is ``cmd``, ``second`` is ``seq_id``;
+    * header and whole command: ``first`` is ``cmd``, ``second`` is ``seq_id``;
     * word: ``first`` is the value;
     * tokens: ``first`` is the count, ``second`` the index of the first token;
     * sync: ``first`` is its number, ``second`` its flags;
@@ -118,6 +128,11 @@ class Item(NamedTuple):
     first: int
     second: int
     end: int
+
+    @property
+    def starts_command(self) -> bool:
+        """Whether the item is a header (of either kind): the start of the next command."""
+        return self.kind is ItemKind.HEADER or self.kind is ItemKind.COMMAND
 
 
 class WireError(ValueError):
@@ -131,18 +146,21 @@ _CLOSE: Final[bytes] = struct.pack("=I", ItemKind.CLOSE)
 _JOIN_LIMIT: Final[int] = 1 << 16
 """Token bytes up to which a command's message is joined into one ``bytes``."""
 _HEADER_KIND: Final[int] = int(ItemKind.HEADER)
+_COMMAND_KIND: Final[int] = int(ItemKind.COMMAND)
 _WORD_KIND: Final[int] = int(ItemKind.WORD)
 _TOKENS_KIND: Final[int] = int(ItemKind.TOKENS)
 _REPORT: Final[struct.Struct] = struct.Struct("=6I")
 _ACK: Final[struct.Struct] = struct.Struct("=9I")
-_REPORT_TEXT_BYTES: Final[int] = 248 - _REPORT.size
-"""Bytes of error text a report carries at most: a report is one answer (248 bytes)."""
+ANSWER_BYTES: Final[int] = 248
+"""The most bytes one answer (a report or an acknowledgement) takes: every transport's way back carries that."""
+_REPORT_TEXT_BYTES: Final[int] = ANSWER_BYTES - _REPORT.size
+"""Bytes of error text a report carries at most: a report is one answer."""
 _U32: Final[int] = 0xFFFF_FFFF
 _FRAME_PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
 
 
 def encode_header(seq_id: int, cmd: int) -> bytes:
-    """The header item that starts command ``cmd`` for ``seq_id``."""
+    """The header item that starts command ``cmd`` for ``seq_id``, whose follow-ups come in messages of their own."""
     return _HEADER.pack(ItemKind.HEADER, cmd, seq_id)
 
 
@@ -162,14 +180,14 @@ def encode_close() -> bytes:
 
 
 def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) -> list[Buffer]:
-    """One message: the header of ``cmd`` for ``seq_id`` and every follow-up, in order.
+    """One message: the whole-command header of ``cmd`` for ``seq_id`` and every follow-up, in order.
 
     A follow-up is an ``int`` (a word) or a native u32 buffer (a token array).
     Returns the message's parts, to be sent as one message: a single ``bytes`` up to
     :data:`_JOIN_LIMIT` bytes of tokens (one copy, cheaper than many small ones), else
     the items' ``bytes`` with the token buffers themselves between them (not copied).
     """
-    parts: list[Buffer] = [_HEADER.pack(ItemKind.HEADER, cmd, seq_id)]
+    parts: list[Buffer] = [_HEADER.pack(ItemKind.COMMAND, cmd, seq_id)]
     tokens_bytes = 0
     for follow_up in follow_ups:
         if isinstance(follow_up, int):
@@ -182,10 +200,15 @@ def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) ->
     return parts if tokens_bytes > _JOIN_LIMIT else [b"".join(parts)]
 
 
-def decode_header(words: memoryview, at: int) -> tuple[int, int, int] | None:
-    """``(cmd, seq_id, end)`` when a whole header item starts at word ``at``, else ``None``."""
-    if at + 3 <= len(words) and words[at] == _HEADER_KIND:
-        return words[at + 1], words[at + 2], at + 3
+def decode_header(words: memoryview, at: int) -> tuple[int, int, int, bool] | None:
+    """``(cmd, seq_id, end, whole)`` when a header item of either kind starts at word ``at``, else ``None``.
+
+    ``whole``: the command came as one message, which holds every follow-up.
+    """
+    if at + 3 <= len(words):
+        kind = words[at]
+        if kind in (_COMMAND_KIND, _HEADER_KIND):
+            return words[at + 1], words[at + 2], at + 3, kind == _COMMAND_KIND
     return None
 
 
@@ -211,12 +234,19 @@ def encode_sync(number: int, compare_state: bool) -> bytes:
 
 
 class Report(NamedTuple):
-    """A worker's report that a command failed: which (the head's count of commands, from 1), and why."""
+    """A worker's report that a command failed: which (the head's count of commands, from 1), and why.
+
+    ``stopped``: the failure stopped the run (the command runs collectives);
+    ``witness``: it was the worker's collective that failed, so the cause may be
+    another rank's (a stopped report).
+    """
 
     command: int
     seq_id: int
     cmd: int
     error: str
+    stopped: bool = False
+    witness: bool = False
 
 
 class Ack(NamedTuple):
@@ -234,9 +264,8 @@ def encode_report(report: Report) -> bytes:
     text = report.error.encode()
     if len(text) > _REPORT_TEXT_BYTES:
         text = text[: _REPORT_TEXT_BYTES - 3].decode(errors="ignore").encode() + b"..."
-    head = _REPORT.pack(
-        ItemKind.REPORT, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text)
-    )
+    kind = ItemKind.WITNESS if report.witness else ItemKind.STOP if report.stopped else ItemKind.REPORT
+    head = _REPORT.pack(kind, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text))
     return head + text.ljust(-(-len(text) // 4) * 4, b"\0")
 
 
@@ -256,11 +285,11 @@ def decode_answer(answer: bytes) -> Report | Ack:
         WireError: it is neither, or is cut short.
     """
     kind = int.from_bytes(answer[:4], sys.byteorder) if len(answer) >= 4 else None
-    if kind == ItemKind.REPORT and len(answer) >= _REPORT.size:
+    if kind in (ItemKind.REPORT, ItemKind.STOP, ItemKind.WITNESS) and len(answer) >= _REPORT.size:
         _, low, high, seq_id, cmd, length = _REPORT.unpack_from(answer)
         if _REPORT.size + length <= len(answer):
             text = answer[_REPORT.size : _REPORT.size + length].decode(errors="replace")
-            return Report(high << 32 | low, seq_id, cmd, text)
+            return Report(high << 32 | low, seq_id, cmd, text, kind != ItemKind.REPORT, kind == ItemKind.WITNESS)
     if kind == ItemKind.ACK and len(answer) == _ACK.size:
         _, number, crc, low, high, reports, has_state, state_low, state_high = _ACK.unpack(answer)
         return Ack(number, crc, high << 32 | low, reports, state_high << 32 | state_low if has_state else None)
@@ -275,7 +304,7 @@ def decode_item(words: memoryview, at: int) -> Item:
     """
     end = len(words)
     kind = _KINDS.get(words[at])
-    if kind is ItemKind.HEADER and at + 3 <= end:
+    if (kind is ItemKind.HEADER or kind is ItemKind.COMMAND) and at + 3 <= end:
         return Item(kind, words[at + 1], words[at + 2], at + 3)
     if kind is ItemKind.WORD and at + 2 <= end:
         return Item(kind, words[at + 1], 0, at + 2)
@@ -287,12 +316,14 @@ def decode_item(words: memoryview, at: int) -> Item:
         return Item(kind, 0, 0, at + 1)
     if kind is None:
         raise WireError(f"word {at} of a {end}-word message is {words[at]:#x}, not the start of an item")
+    if kind in (ItemKind.REPORT, ItemKind.ACK, ItemKind.STOP, ItemKind.WITNESS):
+        raise WireError(f"word {at} of a {end}-word message is a {kind.name.lower()} kind: answers go to the head")
     raise WireError(f"the {kind.name.lower()} item at word {at} runs past the end of its {end}-word message")
 
 
 def describe_item(item: Item) -> str:
     """How error messages name an item: "a follow-up word (5)", "a token array of 3 tokens"..."""
-    if item.kind is ItemKind.HEADER:
+    if item.starts_command:
         return f"the next command's header (cmd={item.first}, seq_id={item.second})"
     if item.kind is ItemKind.WORD:
         return f"a follow-up word ({item.first})"

@@ -55,7 +55,7 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
 
 from .layers import AllReduce
 from .model import LmConfig, ShardedLm, check_world, init_full_state, shard_state, state_shapes
-from .server import Completion, DecodeStep, Request, ServedLm, Server
+from .server import Completion, DecodeStep, FinishReason, Request, ServedLm, Server
 from .serving import (
     CMD_ALLOC,
     CMD_DECODE,
@@ -72,7 +72,7 @@ from .serving import (
     kv_digest,
 )
 from .tokenizer import VOCAB_SIZE, decode_text, encode
-from .weights import FORMAT_VERSION, MAGIC, SHIPPED_WEIGHTS, load_weights, save_weights
+from .weights import FORMAT_VERSION, MAGIC, SHIPPED_WEIGHTS, load_weights, read_config, save_weights
 
 __all__ = [
     "CMD_ALLOC",
@@ -86,6 +86,7 @@ __all__ = [
     "AllReduce",
     "Completion",
     "DecodeStep",
+    "FinishReason",
     "LmConfig",
     "LmSlots",
     "LmState",
@@ -105,6 +106,7 @@ __all__ = [
     "init_full_state",
     "kv_digest",
     "load_weights",
+    "read_config",
     "save_weights",
     "shard_state",
     "state_shapes",

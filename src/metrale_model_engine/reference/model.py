@@ -80,6 +80,10 @@ class LmConfig:
         """The width of one attention head, ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
+    def kv_cache_bytes(self, num_slots: int, world_size: int, itemsize: int) -> int:
+        """Bytes of one rank's KV cache for ``num_slots`` slots, its heads' keys and values of ``itemsize`` bytes."""
+        return 2 * self.n_layers * num_slots * self.max_seq_len * (self.d_model // world_size) * itemsize
+
 
 def check_world(config: LmConfig, rank: int, world_size: int) -> None:
     """Check that ``world_size`` ranks can share ``config``'s heads and experts and that ``rank`` is one of them.

@@ -21,29 +21,18 @@ The command words are Metrale's:
   (:func:`~metrale_model_engine.batching.send_batch`): a count, then the slot ids
   and one token per slot as two token arrays; each slot feeds its token.
 
-Failures (the README's contract for failures inside a forward):
-
-* A prefill or decode a worker cannot run (a slot it does not hold, a chunk out
-  of order, follow-ups it cannot read, an error in its forward) and an unknown
-  word: the worker raises :class:`~metrale_model_engine.EpCommandRefused`, so the
-  link reports it to the head and the worker leaves (its process exits, which
-  closes its sockets).  The ranks still in the forward see their all-reduce fail:
-  a worker raises :class:`~metrale_model_engine.EpLinkError` and leaves too; the
-  head raises :class:`RunStopped` (an ``EpLinkError``) saying which ranks stopped
-  and, where the transport carries reports between sync points (shared memory),
-  why.  The run stops on every rank, as Metrale's poisoned communicator stops it;
-  no rank goes on out of step.
-* A rank that dies inside a collective: the same, from the all-reduce's failure on.
-* The head's own forward failing after it sent the command: the model is broken
-  for good (every later head call raises :class:`RunStopped`) and the link is
-  closed; the workers' all-reduce fails once the head's process exits.
-* An alloc or free that fails on a worker (no collective to pair): an ordinary
-  failed command; the worker stays up and the head raises it at its next command
-  or sync point.
-
-Measured on gloo (CPU).  Under NCCL a collective's failure surfaces through the
-communicator's own watchdog and timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), not
-as an exception of the all-reduce call, so the bounds above are gloo's.
+Failures (the README's contract for failures inside a forward) are the library's:
+prefill and decode are declared collective (:attr:`ReferenceLm.ep_collective_commands`),
+the all-reduces run through :class:`~metrale_model_engine.torch.Collectives`, and the
+head's forward runs inside ``with link.collective():``.  So any failure of a
+prefill or decode on any rank (a slot a worker does not hold, a chunk out of order,
+follow-ups it cannot read, an error in its forward, a rank that dies, stalls or
+leaves inside one) stops the run on every rank with a
+:class:`~metrale_model_engine.RunStopped` that names the failing rank, the command and,
+where its report arrived, its error; no rank goes on out of step.  An alloc or free
+that fails on a worker (no collective to pair) and an unknown word are ordinary failed
+commands: the worker stays up and the head raises them at its next command or sync
+point.
 
 A prefill chunk carries the whole prompt, as Metrale's word layout has it: a prompt
 of ``L`` tokens in chunks of ``c`` costs ``L * ceil(L / c)`` tokens on the wire.
@@ -52,31 +41,25 @@ of ``L`` tokens in chunks of ``c`` costs ``L * ceil(L / c)`` tokens on the wire.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import zlib
-from array import array
 from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import ClassVar, Final
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import (
-    EpCommandRefused,
-    EpLink,
-    EpLinkError,
-    EpWorkerFailed,
-    LinkedEp,
-    SequenceState,
-    WorkerFailure,
-    check_slot,
-)
-from ..batching import check_batch, recv_batch, send_batch
+from .. import EpLink, LinkedEp, RunStopped, check_slot
+from ..batching import recv_batch, send_batch
+from ..torch import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
+from .kv_check import KvLedger
 from .layers import AllReduce
 from .model import LmConfig, ShardedLm
+from .state import LmSlots, LmState, check_decode, check_prefill, check_prompt, held_state, kv_digest
 from .weights import load_weights
 
 __all__ = [
@@ -101,39 +84,7 @@ CMD_ALLOC: Final = 0xFFFFFFF1
 """Allocate (word 1; a held slot is freed first) or free (word 0) slot ``seq_id``."""
 CMD_DECODE: Final = 0xFFFFFFE0
 """A batched decode step: a count, the slot ids, one token per slot."""
-EXIT_GRACE: Final = 5.0
-"""Seconds the head looks for the rank behind a failed all-reduce (a failing worker takes a moment to exit)."""
-
-
-class LmState(SequenceState):
-    """One sequence in its slot: the tokens fed so far, whose keys and values fill positions ``0 .. length - 1``."""
-
-    __slots__ = ()
-
-    @property
-    def length(self) -> int:
-        """Positions of the slot's KV cache in use: the next token goes at this position."""
-        return len(self.tokens)
-
-
-LmSlots = MutableSequence[LmState | None]
-"""One rank's slot array for the reference model."""
-
-
-class RunStopped(EpLinkError):
-    """The run is over on every rank: a rank refused a command, died or failed inside a forward.
-
-    :attr:`failures` holds what workers reported (a refusal, with its reason), when
-    their reports reached the head; empty otherwise (the message names the ranks
-    that exited).  Unlike :class:`~metrale_model_engine.EpWorkerFailed` for an
-    ordinary command, nothing can be retried: the model refuses every later call.
-    """
-
-    failures: tuple[WorkerFailure, ...]
-
-    def __init__(self, message: str, failures: Sequence[WorkerFailure] = ()) -> None:
-        super().__init__(message)
-        self.failures = tuple(failures)
+_LOGGER = logging.getLogger("metrale_model_engine.reference")
 
 
 @dataclass
@@ -150,102 +101,6 @@ class TimeSpent:
     def copy(self) -> TimeSpent:
         """A snapshot, to subtract from a later one."""
         return dataclasses.replace(self)
-
-
-def kv_digest(slots: Sequence[LmState | None]) -> int:
-    """A u64 digest of the KV bookkeeping of ``slots``: which slots are held, and the tokens each has fed.
-
-    Equal on two ranks when both ran the same commands; set as the link's
-    ``state_digest``, so sync points compare it.
-    """
-    low = high = 0
-    for seq_id, state in enumerate(slots):
-        if state is not None:
-            data = array("I", (seq_id, state.length, *state.tokens)).tobytes()
-            low, high = zlib.crc32(data, low), zlib.adler32(data, high)
-    return (high << 32) | low
-
-
-def _held(slots: Sequence[LmState | None], seq_id: int) -> LmState:
-    check_slot(seq_id, slots)
-    state = slots[seq_id]
-    if state is None:
-        raise KeyError(f"slot {seq_id} is free")
-    return state
-
-
-def check_prompt(prompt: Sequence[int], config: LmConfig, *, where: str = "") -> None:
-    """Check that ``prompt`` fits ``max_seq_len`` and holds ints of the vocabulary; ``where`` prefixes the message.
-
-    Raises:
-        TypeError: a token is not an int.
-        ValueError: the prompt is too long, or a token is outside the vocabulary.
-    """
-    if len(prompt) > config.max_seq_len:
-        raise ValueError(f"{where}the prompt has {len(prompt)} tokens, more than max_seq_len={config.max_seq_len}")
-    _check_tokens(f"{where}prompt", prompt, config.vocab_size)
-
-
-def _check_tokens(name: str, tokens: Sequence[int], vocab_size: int) -> None:
-    for index, token in enumerate(tokens):
-        if type(token) is not int:
-            raise TypeError(f"{name}[{index}] must be an int, got {type(token).__name__} {token!r}")
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"{name}[{index}]={token} is outside the vocabulary (0 ..= {vocab_size - 1})")
-
-
-def check_prefill(
-    slots: Sequence[LmState | None], seq_id: int, prompt: Sequence[int], start: int, length: int, config: LmConfig
-) -> LmState:
-    """Check a prefill chunk against ``slots`` before anything runs; return the slot's state.
-
-    The chunk ``prompt[start : start + length]`` must follow what the slot holds
-    (``start == state.length``), be non-empty, end within the prompt, and the prompt
-    must fit ``max_seq_len`` and the vocabulary.
-
-    Raises:
-        IndexError: ``seq_id`` is out of range.
-        KeyError: the slot is free.
-        TypeError, ValueError: the chunk or the prompt is wrong (the message says how).
-    """
-    state = _held(slots, seq_id)
-    for name, value in (("start", start), ("length", length)):
-        if type(value) is not int:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if length < 1 or start + length > len(prompt):
-        raise ValueError(f"chunk {start} ..< {start + length} is not a non-empty part of a {len(prompt)}-token prompt")
-    if start != state.length:
-        raise ValueError(f"chunk starts at {start}, but slot {seq_id} holds {state.length} tokens: chunks go in order")
-    check_prompt(prompt, config)
-    return state
-
-
-def check_decode(
-    slots: Sequence[LmState | None], seq_ids: Sequence[int], tokens: Sequence[int], config: LmConfig
-) -> list[LmState]:
-    """Check a decode step against ``slots`` before anything runs; return the states, in batch order.
-
-    Every id must index a held slot that has fed at least one token and has room
-    for one more (``length < max_seq_len``); ids distinct; one token per id, in the
-    vocabulary.
-
-    Raises:
-        IndexError, KeyError, ValueError: as :func:`~metrale_model_engine.batching.check_batch`.
-        TypeError, ValueError: a token or a slot's length is wrong (the message says which).
-    """
-    if not seq_ids:
-        raise ValueError("a decode step needs at least one sequence")
-    if len(tokens) != len(seq_ids):
-        raise ValueError(f"a decode step needs one token per sequence: {len(seq_ids)} ids, {len(tokens)} tokens")
-    check_batch(seq_ids, slots)
-    _check_tokens("tokens", tokens, config.vocab_size)
-    states = [_held(slots, seq_id) for seq_id in seq_ids]
-    for state in states:
-        if not 0 < state.length < config.max_seq_len:
-            raise ValueError(
-                f"slot {state.seq_id} holds {state.length} tokens: a decode needs 1 ..= {config.max_seq_len - 1}"
-            )
-    return states
 
 
 class ReferenceLm(nn.Module, LinkedEp[LmState]):
@@ -265,8 +120,16 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         dtype, device: of the weights, KV cache and activations; the device
             defaults to the current CUDA device under NCCL, else torch's default.
         group: the process group of the all-reduces.
-        all_reduce: the in-place sum over the ranks; default ``dist.all_reduce``
-            over ``group`` (tests pass their own to run ranks without a group).
+        all_reduce: the in-place sum over the ranks; default
+            :meth:`Collectives.all_reduce <metrale_model_engine.torch.Collectives.all_reduce>`
+            over ``group`` (tests pass their own to run ranks without a group; a
+            failure of theirs stops the run as a failed collective does).
+        collective_timeout: seconds one all-reduce may wait for the other ranks
+            before the run stops (see :class:`~metrale_model_engine.torch.Collectives`).
+        check_kv_values: make sync points deeper: each rank also checks that its
+            KV cache still holds what its forwards wrote (:class:`~.kv_check.KvLedger`;
+            a digest per write, a reduction of the cache at each sync point), and a
+            rank whose cache was altered reports another state digest.  Default off.
 
     Attributes:
         lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
@@ -280,6 +143,9 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         OSError: the weights file cannot be read.
     """
 
+    ep_collective_commands: ClassVar[frozenset[int]] = frozenset({CMD_PREFILL, CMD_DECODE})
+    """Prefill and decode run the forward's all-reduces: a failure of either stops the run on every rank."""
+
     def __init__(
         self,
         link: EpLink,
@@ -289,24 +155,17 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         device: torch.device | None = None,
         group: dist.ProcessGroup | None = None,
         all_reduce: AllReduce | None = None,
+        collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
+        check_kv_values: bool = False,
     ) -> None:
         super().__init__()
         self.ep_link = link
         rank, world_size = link.rank, link.world_size
         self._reduce = all_reduce
-        if world_size > 1 and all_reduce is None:
-            if not dist.is_initialized():
-                raise RuntimeError(f"{world_size} ranks share the model, but torch.distributed is not initialised")
-            ranks = (dist.get_rank(group), dist.get_world_size(group))
-            if ranks != (rank, world_size):
-                raise ValueError(
-                    f"group: this process is rank {ranks[0]} of {ranks[1]} there, but rank {rank} of "
-                    f"{world_size} on the link; the all-reduces must run over the link's ranks"
-                )
-            if device is None and dist.get_backend(group) == "nccl":
+        if all_reduce is None:  # built at one rank too: it checks its arguments, and does nothing
+            self._reduce = Collectives(link, group, timeout=collective_timeout).all_reduce
+            if world_size > 1 and device is None and dist.get_backend(group) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
-        self._group = group
-        self._stopped: str | None = None
         config, full = load_weights(weights, dtype=dtype)
         reduce = self._all_reduce if world_size > 1 else None
         self.lm: ShardedLm = ShardedLm(
@@ -321,7 +180,17 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         self.lm.load_full_state(full)
         self.spent: TimeSpent = TimeSpent()
         self._sends = world_size > 1  # one rank is the single-GPU model: no command to send, nothing to pay
-        link.state_digest = kv_digest
+        self.kv_ledger: KvLedger | None = KvLedger(self.lm) if check_kv_values else None
+        link.state_digest = kv_digest if self.kv_ledger is None else self._checked_digest
+
+    def _checked_digest(self, slots: Sequence[LmState | None]) -> int:
+        """:func:`kv_digest`, with the slots whose KV cache was altered after the write folded in (and logged)."""
+        assert self.kv_ledger is not None
+        altered = self.kv_ledger.altered((s.seq_id, s.length) for s in slots if s is not None)
+        if not altered:
+            return kv_digest(slots)
+        _LOGGER.error("rank %d: the KV cache of slot(s) %s differs from what was written", self.ep_link.rank, altered)
+        return kv_digest(slots) ^ zlib.crc32(repr(altered).encode()) ^ (1 << 63)
 
     @property
     def config(self) -> LmConfig:
@@ -332,15 +201,15 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
 
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
         """Head: give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed)."""
-        self._check_running()
+        self.ep_link.raise_if_stopped()
         check_slot(seq_id, slots)
         self._send(self.ep_link.send_command, seq_id, CMD_ALLOC, 1)
-        slots[seq_id] = LmState(seq_id)
+        self._new_sequence(slots, seq_id)
 
     def free(self, slots: LmSlots, seq_id: int) -> None:
         """Head: free slot ``seq_id`` on every rank.  Raises ``KeyError`` if it is free (nothing is sent)."""
-        self._check_running()
-        _held(slots, seq_id)
+        self.ep_link.raise_if_stopped()
+        held_state(slots, seq_id)
         self._send(self.ep_link.send_command, seq_id, CMD_ALLOC, 0)
         slots[seq_id] = None
 
@@ -356,10 +225,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command` (nothing is sent).
             RunStopped: the run is over (see the module).
         """
-        self._check_running()
+        self.ep_link.raise_if_stopped()
         state = check_prefill(slots, seq_id, prompt, start, length, self.config)
         self._send(self.ep_link.send_command, seq_id, CMD_PREFILL, length, start, len(prompt), prompt)
-        return self._head_forward(lambda: self.forward_prefill(state, prompt, start, length))
+        with self.ep_link.collective():
+            return self.forward_prefill(state, prompt, start, length)
 
     def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Head: one decode step on every rank: slot ``seq_ids[i]`` feeds ``tokens[i]``.
@@ -372,10 +242,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command` (nothing is sent).
             RunStopped: the run is over (see the module).
         """
-        self._check_running()
+        self.ep_link.raise_if_stopped()
         states = check_decode(slots, seq_ids, tokens, self.config)
         self._send(send_batch, self.ep_link, CMD_DECODE, seq_ids, tokens)
-        return self._head_forward(lambda: self.forward_decode(states, tokens))
+        with self.ep_link.collective():
+            return self.forward_decode(states, tokens)
 
     def _send(self, send: Callable[..., None], *args: object) -> None:
         """Run ``send(*args)``, one command to the workers, counting its time as protocol (one rank: nothing)."""
@@ -384,29 +255,12 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             send(*args)
             self.spent.protocol_s += time.perf_counter() - started
 
-    def _check_running(self) -> None:
-        if self._stopped is not None:
-            raise RunStopped(f"head: the run stopped earlier ({self._stopped}); nothing more can run")
-
-    def _head_forward(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run the head's forward of a command already sent; any failure ends the run."""
-        try:
-            return forward()
-        except RunStopped as stopped:
-            self._stop(str(stopped))
-            raise
-        except BaseException as error:  # its workers are in this forward's collectives: the run is over
-            self._stop(f"the head's own forward failed: {type(error).__name__}: {error}")
-            if not isinstance(error, Exception):
-                raise
-            raise RunStopped(f"head: {self._stopped}") from error
-
-    def _stop(self, why: str) -> None:
-        if self._stopped is None:
-            self._stopped = why
-            self.ep_link.close()
-
     # -- every rank: the forwards, once a command is known and checked ------------
+
+    def _new_sequence(self, slots: LmSlots, seq_id: int) -> None:
+        slots[seq_id] = LmState(seq_id)
+        if self.kv_ledger is not None:
+            self.kv_ledger.forget(seq_id)
 
     def forward_prefill(self, state: LmState, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
         """Run a checked prefill chunk (:func:`check_prefill`) in ``state``'s slot; the logits after its last token.
@@ -415,6 +269,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         """
         chunk = prompt[start : start + length]
         logits = self.lm.prefill(state.seq_id, torch.tensor(chunk, dtype=torch.int64), start)
+        if self.kv_ledger is not None:
+            self.kv_ledger.wrote_chunk(state.seq_id, start, start + length)
         state.extend(chunk)
         return logits
 
@@ -426,11 +282,12 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         has written their keys and values.
         """
         as_tensor = torch.tensor
-        logits = self.lm.decode(
-            as_tensor([state.seq_id for state in states], dtype=torch.int64),
-            as_tensor(tokens, dtype=torch.int64),
-            as_tensor([state.length for state in states], dtype=torch.int64),
-        )
+        seq_ids = as_tensor([state.seq_id for state in states], dtype=torch.int64)
+        positions = as_tensor([state.length for state in states], dtype=torch.int64)
+        logits = self.lm.decode(seq_ids, as_tensor(tokens, dtype=torch.int64), positions)
+        if self.kv_ledger is not None:
+            device = self.kv_ledger.written.device
+            self.kv_ledger.wrote_rows(seq_ids.to(device), positions.to(device))
         for state, token in zip(states, tokens, strict=True):
             state.append(token)
         return logits
@@ -453,62 +310,40 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[LmState | None]) -> None:
         """Worker hook: read the command whole, check it against this rank's slots, run it.
 
-        A prefill or decode that cannot be read, fails its check or fails in its
-        forward other than in a collective, and an unknown word, raise
-        :class:`~metrale_model_engine.EpCommandRefused` (the run stops, see the
-        module); a bad alloc or free fails as an ordinary command.
+        A prefill or decode that fails here in any way stops the run (they are
+        :attr:`ep_collective_commands`); a bad alloc or free, and an unknown word,
+        fail as ordinary commands.
         """
         link = self.ep_link
-        if cmd == CMD_ALLOC:
+        if cmd == CMD_DECODE:
+            seq_ids, tokens = recv_batch(link, slots)
+            self.forward_decode(check_decode(slots, seq_ids, tokens, self.config), tokens)
+        elif cmd == CMD_PREFILL:
+            length, start, full_length = link.recv_word(), link.recv_word(), link.recv_word()
+            prompt = link.recv_tokens(full_length)
+            state = check_prefill(slots, seq_id, prompt, start, length, self.config)
+            self.forward_prefill(state, prompt, start, length)
+        elif cmd == CMD_ALLOC:
             word = link.recv_word()
             if word == 1:
-                slots[seq_id] = LmState(seq_id)
+                self._new_sequence(slots, seq_id)
             elif word == 0:
-                _held(slots, seq_id)
+                held_state(slots, seq_id)
                 slots[seq_id] = None
             else:
                 raise ValueError(f"an alloc's word must be 1 (alloc) or 0 (free), got {word}")
-            return
-        try:
-            if cmd == CMD_PREFILL:
-                length, start, full_length = link.recv_word(), link.recv_word(), link.recv_word()
-                prompt = link.recv_tokens(full_length)
-                state = check_prefill(slots, seq_id, prompt, start, length, self.config)
-                self.forward_prefill(state, prompt, start, length)
-            elif cmd == CMD_DECODE:
-                seq_ids, tokens = recv_batch(link, slots)
-                self.forward_decode(check_decode(slots, seq_ids, tokens, self.config), tokens)
-            else:
-                raise ValueError(f"unknown command word {cmd:#010x} (seq_id={seq_id})")
-        except EpLinkError:
-            raise  # a receive or a collective failed: the worker leaves as it is
-        except Exception as error:
-            what = {CMD_PREFILL: f"a prefill of slot {seq_id}", CMD_DECODE: "a decode step"}.get(cmd, "a command")
-            raise EpCommandRefused(f"rank {link.rank} refuses {what}: {type(error).__name__}: {error}") from error
+        else:
+            super().ep_run_command(seq_id, cmd, slots)
 
     # -- the collectives -----------------------------------------------------------
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
+        assert self._reduce is not None  # the forward runs it only with several ranks
         try:
-            if self._reduce is None:
-                dist.all_reduce(tensor, group=self._group)
-            else:
-                self._reduce(tensor)
-        except Exception as error:  # the backend's own error (RuntimeError from gloo): a rank is gone
-            raise self._collective_failed(error) from error
+            self._reduce(tensor)
+        except RunStopped:
+            raise
+        except Exception as error:  # an all_reduce passed in that failed: a collective's failure all the same
+            raise self.ep_link.collective_failed(error, what="an all-reduce", grace=EXIT_GRACE) from error
         self.spent.collectives_s += time.perf_counter() - started
-
-    def _collective_failed(self, error: Exception) -> RunStopped:
-        """Why an all-reduce failed, as well as this rank can tell (the head asks its link which ranks stopped)."""
-        link = self.ep_link
-        if link.rank == 0:
-            try:
-                link.check_workers(EXIT_GRACE)
-            except EpWorkerFailed as reported:
-                return RunStopped(f"head: the run stopped: {reported}", reported.failures)
-            except EpLinkError as exited:
-                return RunStopped(str(exited))
-        return RunStopped(
-            f"rank {link.rank}: an all-reduce of the forward failed, so a rank died or left the run: {error}"
-        )

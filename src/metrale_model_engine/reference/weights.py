@@ -30,7 +30,7 @@ import torch
 
 from .model import LmConfig, check_state, state_shapes
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "SHIPPED_WEIGHTS", "load_weights", "save_weights"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "SHIPPED_WEIGHTS", "load_weights", "read_config", "save_weights"]
 
 MAGIC: Final[bytes] = b"MTRLREF\0"
 FORMAT_VERSION: Final[int] = 1
@@ -112,11 +112,28 @@ def load_weights(
         raise ValueError(f"{source}: {problem}") from None
 
 
+def read_config(path: str | os.PathLike[str] | None = None) -> LmConfig:
+    """The config of a weights file (``None``: :data:`SHIPPED_WEIGHTS`), reading its header only.
+
+    Raises:
+        OSError, ValueError: as :func:`load_weights`, for the preamble and the header.
+    """
+    source = SHIPPED_WEIGHTS if path is None else Path(path)
+    with source.open("rb") as file:
+        preamble = file.read(_PREAMBLE.size)
+        try:
+            header_length = _check_preamble(preamble)
+            return _parse_config(_parse_header(_read_header(file.read(header_length), header_length)).get("config"))
+        except _BadFile as problem:
+            raise ValueError(f"{source}: {problem}") from None
+
+
 class _BadFile(Exception):
     """A problem with the file's contents; :func:`load_weights` adds the file's name."""
 
 
-def _parse(raw: bytearray, dtype: torch.dtype) -> tuple[LmConfig, dict[str, torch.Tensor]]:
+def _check_preamble(raw: bytes | bytearray) -> int:
+    """The header's length, once the preamble at the start of ``raw`` is checked."""
     if len(raw) < _PREAMBLE.size:
         raise _BadFile(f"truncated: {len(raw)} bytes, less than the {_PREAMBLE.size}-byte preamble")
     magic, version, header_length = _PREAMBLE.unpack_from(raw)
@@ -124,10 +141,20 @@ def _parse(raw: bytearray, dtype: torch.dtype) -> tuple[LmConfig, dict[str, torc
         raise _BadFile(f"not a reference weights file: it starts with {bytes(magic)!r}, not {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise _BadFile(f"format version {version} is not supported (this reader knows version {FORMAT_VERSION})")
+    length: int = header_length
+    return length
+
+
+def _read_header(text: bytes, length: int) -> bytes:
+    if len(text) < length:
+        raise _BadFile(f"truncated: the header needs {length} bytes, the file has {len(text)}")
+    return text
+
+
+def _parse(raw: bytearray, dtype: torch.dtype) -> tuple[LmConfig, dict[str, torch.Tensor]]:
+    header_length = _check_preamble(raw)
     data_start = _PREAMBLE.size + header_length
-    if data_start > len(raw):
-        raise _BadFile(f"truncated: the header needs {header_length} bytes, the file has {len(raw) - _PREAMBLE.size}")
-    header = _parse_header(bytes(raw[_PREAMBLE.size : data_start]))
+    header = _parse_header(_read_header(bytes(raw[_PREAMBLE.size : data_start]), header_length))
     config = _parse_config(header.get("config"))
     entries = header.get("tensors")
     if not isinstance(entries, list):

@@ -1,0 +1,114 @@
+"""``Collectives``: a model's all-reduces over its process group, inside the run's contract."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Final
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_seconds
+from ._link import EpLink
+from ._sync import EXIT_GRACE
+
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None  # a link of several ranks: torch.distributed is initialised
+    return world
+
+
+DEFAULT_COLLECTIVE_TIMEOUT: Final[float] = 300.0
+"""Seconds one collective of a forward may wait for the other ranks before the run stops (5 minutes)."""
+
+
+class Collectives:
+    """The all-reduces of a model's forward, bounded, and mapped to :class:`~metrale_model_engine.RunStopped`.
+
+    Call :meth:`all_reduce` where the forward would call
+    ``torch.distributed.all_reduce``.  Every rank of the link runs the same
+    commands, so the ranks meet in the same all-reduces; when one cannot (it died,
+    refused the command, stalls or skipped its forward), the others must not wait
+    for ever.  Two things make sure of it:
+
+    * each all-reduce waits at most ``timeout`` seconds for the other ranks (the
+      backend's own bound, passed to the collective, so nothing is left pending);
+    * a failed or timed-out all-reduce stops the run
+      (:meth:`EpLink.collective_failed <metrale_model_engine.EpLink.collective_failed>`):
+      the head names the worker ranks that reported a failure or exited, with their
+      command and error where their reports arrived; every later call of the link
+      raises :class:`~metrale_model_engine.RunStopped`.
+
+    Over gloo a rank's failure reaches its peers when its process exits (its
+    sockets close): within milliseconds when the failing rank leaves as
+    ``run_worker`` does, else at ``timeout``.  Under NCCL a collective runs on the
+    GPU stream and its failure or timeout surfaces through the communicator's
+    watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), which ends the process; the
+    ``timeout`` is the watchdog's bound for this collective.
+
+    With one rank it does nothing and needs no process group.
+
+    Args:
+        link: this rank's link; the group's ranks must be the link's.
+        group: the process group of the all-reduces; default the world group.
+        timeout: seconds one all-reduce may wait (default
+            :data:`DEFAULT_COLLECTIVE_TIMEOUT`, 5 minutes: far above any forward's
+            skew, far below the group's idle timeout); ``None``: the group's own.
+
+    Raises:
+        TypeError, ValueError: ``timeout`` is not a positive number of seconds or
+            ``None``; the group's rank or size is not the link's.
+        RuntimeError: several ranks, and torch.distributed is not initialised.
+    """
+
+    __slots__ = ("_group", "_link", "_options", "_solo")
+
+    def __init__(
+        self,
+        link: EpLink,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
+    ) -> None:
+        seconds = check_seconds("timeout", timeout, allow_none=True)
+        self._link = link
+        self._options = dist.AllreduceOptions()  # a sum
+        if seconds is not None:
+            self._options.timeout = datetime.timedelta(seconds=seconds)
+        # The world group is looked up at each call, not held: a gloo group still referenced when
+        # the interpreter tears down can abort the process (see metrale_model_engine.torch).
+        self._group = group
+        self._solo = link.world_size == 1
+        if self._solo:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError(f"{link.world_size} ranks share the model, but torch.distributed is not initialised")
+        ranks = (dist.get_rank(group), dist.get_world_size(group))
+        if ranks != (link.rank, link.world_size):
+            raise ValueError(
+                f"group: this process is rank {ranks[0]} of {ranks[1]} there, but rank {link.rank} of "
+                f"{link.world_size} on the link; the all-reduces must run over the link's ranks"
+            )
+
+    @property
+    def link(self) -> EpLink:
+        """The link whose run a failed collective stops."""
+        return self._link
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place, on every rank (nothing with one rank).
+
+        Raises:
+            RunStopped: the all-reduce failed or timed out: a rank died, refused its
+                command, stalls or skipped its forward (the message says what the
+                link knows); or the run had stopped already.
+        """
+        if self._solo:
+            return
+        try:  # the group in no local variable: a traceback kept by the caller must not keep it alive
+            (self._group if self._group is not None else _world()).allreduce([tensor], self._options).wait()
+        except Exception as error:  # the backend's own (RuntimeError from gloo): a rank is gone or late
+            raise self._link.collective_failed(error, what="an all-reduce") from error

@@ -1,0 +1,117 @@
+"""Rank programs for failures inside a forward: a plain model with one all-reduce per command, and its bugs.
+
+Each runs in a process of ``torch.run_group``.  :class:`Summing` is the smallest
+model a user writes from the README: a collective command (``FORWARD``) whose
+forward sums one tensor over the ranks through ``Collectives``, the head's forward
+inside ``link.collective()``.  :func:`forward_fault` plants one fault on one rank
+and saves, on every rank, the error that ended it and when (``time.time()``), so
+the test can bound the time from the fault to every rank's error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import MutableSequence
+from typing import cast
+
+import torch
+
+from metrale_model_engine import EpLink, LinkedEp, RunStopped, SequenceState, run_worker
+from metrale_model_engine.torch import Collectives, open_link
+
+from rank_results import note, save
+
+FORWARD = 7
+STEPS = 4
+"""Commands the head sends; the fault strikes in the second."""
+FAULTY_STEP = 2
+COLLECTIVE_TIMEOUT = 2.0
+"""Seconds an all-reduce waits in these programs (5 minutes by default)."""
+QUIET = logging.getLogger("tests.forward.quiet")
+QUIET.setLevel(logging.CRITICAL)
+
+Slots = MutableSequence[SequenceState | None]
+
+
+class Summing(LinkedEp[SequenceState]):
+    """Each FORWARD command sums ``rank + 1`` over the ranks, with one all-reduce; the head checks the sum."""
+
+    __slots__ = ("collectives", "ep_link", "fault", "out", "victim")
+    ep_collective_commands = frozenset({FORWARD})
+
+    def __init__(self, link: EpLink, fault: str, victim: int, out: str) -> None:
+        self.ep_link = link
+        self.collectives = Collectives(link, timeout=COLLECTIVE_TIMEOUT)
+        self.fault = fault if link.rank == victim else ""
+        self.victim = victim
+        self.out = out
+
+    def forward(self, step: int) -> float:
+        mine = self.ep_link.rank == self.victim and step == FAULTY_STEP
+        if mine and self.fault == "before":
+            self._struck()
+            raise KeyError("slot 0 is free on this worker")
+        if mine and self.fault in ("stop", "kill"):
+            self._struck()
+            os.kill(os.getpid(), signal.SIGSTOP if self.fault == "stop" else signal.SIGKILL)
+        if mine and self.fault == "skip":
+            self._struck()
+            return 0.0  # a bug that skips the forward, and its all-reduce with it
+        tensor = torch.full((4, 4), float(self.ep_link.rank + 1))
+        if mine and self.fault == "inside":
+            self._struck()  # a list where a tensor belongs: the backend's call refuses it, inside the all-reduce
+            self.collectives.all_reduce(cast(torch.Tensor, tensor.tolist()))
+        self.collectives.all_reduce(tensor)
+        if mine and self.fault == "after":
+            self._struck()
+            raise ValueError("a bug after the all-reduce")
+        return float(tensor[0, 0])
+
+    def _struck(self) -> None:
+        """Note when the fault struck, and where."""
+        note(self.out, "struck", rank=self.ep_link.rank, at=time.time())
+
+    def run_step(self, step: int) -> float:
+        """Head: one FORWARD command, then its forward."""
+        self.ep_link.send_command(0, FORWARD, step)
+        with self.ep_link.collective():
+            return self.forward(step)
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: Slots) -> None:
+        if cmd != FORWARD:
+            super().ep_run_command(seq_id, cmd, slots)
+            return
+        step = self.ep_link.recv_word()
+        if self.fault == "over-read" and step == FAULTY_STEP:
+            self._struck()
+            self.ep_link.recv_word()  # one follow-up more than the head sent
+        self.forward(step)
+
+
+def forward_fault(rank: int, world_size: int, kind: str, fault: str, victim: int, out: str) -> None:
+    """Run :data:`STEPS` commands with ``fault`` planted on rank ``victim``; save how each rank ended."""
+    torch.set_num_threads(1)
+    model = Summing(open_link(kind, num_slots=2, command_timeout=30.0), fault, victim, out)
+    pids = model.ep_link.gather_u32(os.getpid())
+    try:
+        if rank == 0:
+            sums = [model.run_step(step) for step in range(1, STEPS + 1)]
+            model.ep_link.shutdown_workers()
+            save(out, rank, error=None, sums=sums, at=time.time())
+        else:
+            slots: Slots = [None, None]
+            summary = run_worker(model, slots, logger=QUIET)
+            save(out, rank, error=None, summary=summary, at=time.time())
+    except RunStopped as error:
+        save(out, rank, kind=type(error).__name__, message=str(error), failures=error.failures, at=time.time())
+        if fault == "stop" and rank == 0:  # the stopped worker cannot end by itself: end it, as an operator would
+            os.kill(pids[victim], signal.SIGKILL)
+        raise SystemExit(1) from None
+    except Exception as error:  # noqa: BLE001  (the error under test, whatever it is)
+        save(out, rank, kind=type(error).__name__, message=str(error), at=time.time())
+        raise SystemExit(1) from None
+    finally:
+        model.ep_link.close()

@@ -1,0 +1,137 @@
+"""Failures inside a forward, for any model: real processes, both transports, every rank ends within a bound.
+
+The model (``forward_sessions.Summing``) is the smallest a user writes from the
+README: one collective command whose forward sums a tensor over the ranks through
+``Collectives``.  One fault is planted on one worker; every rank must end with a
+:class:`RunStopped` (the victim an :class:`EpCommandRefused` when it refused) within
+:data:`BOUND` seconds of the fault, the head's naming the worker, the command and,
+where it can be known, the worker's error; and every process must exit non-zero.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+import forward_sessions as sessions
+from metrale_model_engine.torch import run_group
+
+from rank_results import load, read_note
+
+pytestmark = [pytest.mark.torch, pytest.mark.ranks]
+
+BOUND = 10.0
+"""Seconds from the fault to the error on every rank (measured: well under one; see the README)."""
+RUN_LIMIT = 120.0
+COMMAND = f"command {sessions.FAULTY_STEP} (seq_id=0, cmd={sessions.FORWARD})"
+
+
+def run(
+    kind: str, fault: str, world_size: int, tmp_path: Path
+) -> tuple[list[int], dict[int, dict[str, object]], float]:
+    codes = run_group(sessions.forward_fault, world_size, kind, fault, 1, str(tmp_path), timeout=RUN_LIMIT)
+    return codes, load(tmp_path, world_size), float(read_note(tmp_path, "struck")["at"])  # type: ignore[arg-type]
+
+
+def assert_bounded(results: dict[int, dict[str, object]], struck: float, bound: float = BOUND) -> None:
+    for rank, result in results.items():
+        took = float(result["at"]) - struck  # type: ignore[arg-type]
+        assert 0 <= took < bound, (rank, took, result)
+
+
+@pytest.mark.parametrize(("kind", "world_size"), [("shm", 3), ("torch", 2)])
+def test_a_plain_exception_before_the_collective_stops_every_rank_and_the_head_names_it(
+    kind: str, world_size: int, tmp_path: Path
+) -> None:
+    codes, results, struck = run(kind, "before", world_size, tmp_path)
+    assert codes == [1] * world_size
+    head, victim = results[0], results[1]
+    assert head["kind"] == "RunStopped", head
+    expected = f"head: the run stopped in {COMMAND}: worker rank 1 failed {COMMAND}: KeyError: 'slot 0 is free on"
+    assert str(head["message"]).startswith(expected), head["message"]
+    assert victim["kind"] == "EpCommandRefused" and "which runs collectives, failed here" in str(victim["message"])
+    for rank in range(2, world_size):  # in the all-reduce with the head when the victim left
+        assert results[rank]["kind"] == "RunStopped", results[rank]
+        assert f"the run stopped in {COMMAND}: an all-reduce failed" in str(results[rank]["message"])
+    assert_bounded(results, struck)
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_an_error_inside_the_collective_stops_every_rank(kind: str, tmp_path: Path) -> None:
+    codes, results, struck = run(kind, "inside", 2, tmp_path)
+    assert codes == [1, 1]
+    head, victim = results[0], results[1]
+    assert victim["kind"] == "RunStopped" and "an all-reduce failed" in str(victim["message"]), victim
+    assert head["kind"] == "RunStopped", head
+    assert f"worker rank 1 failed {COMMAND}: an all-reduce failed here: TypeError" in str(head["message"])
+    assert_bounded(results, struck)
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_plain_exception_after_the_collective_stops_the_run_at_the_heads_next_command(
+    kind: str, tmp_path: Path
+) -> None:
+    codes, results, struck = run(kind, "after", 2, tmp_path)
+    assert codes == [1, 1]
+    head, victim = results[0], results[1]
+    assert victim["kind"] == "EpCommandRefused" and "ValueError: a bug after the all-reduce" in str(victim["message"])
+    assert head["kind"] == "RunStopped", head
+    assert f"worker rank 1 failed {COMMAND}: ValueError: a bug after the all-reduce" in str(head["message"])
+    assert_bounded(results, struck)
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_that_reads_past_the_end_of_a_command_fails_at_once(kind: str, tmp_path: Path) -> None:
+    codes, results, struck = run(kind, "over-read", 2, tmp_path)
+    assert codes == [1, 1]
+    head = results[0]
+    assert head["kind"] == "RunStopped", head
+    assert f"worker rank 1 failed {COMMAND}: EpMismatchError: worker rank 1 expected a follow-up word, but" in str(
+        head["message"]
+    )
+    assert "came whole, as one message" in str(head["message"])
+    assert_bounded(results, struck, 5.0)  # at once: not the 30 s command timeout
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_stopped_inside_its_forward_stops_the_run_after_the_collective_timeout(
+    kind: str, tmp_path: Path
+) -> None:
+    codes, results, struck = run(kind, "stop", 2, tmp_path)
+    assert codes[0] == 1 and codes[1] == -9  # the head ended the stopped worker, as an operator would
+    head = results[0]
+    assert head["kind"] == "RunStopped", head
+    assert f"head: the run stopped in {COMMAND}: an all-reduce failed" in str(head["message"])
+    assert "worker rank(s) [1] are stopped (a signal, a debugger)" in str(head["message"])
+    took = float(head["at"]) - struck  # type: ignore[arg-type]
+    # The head's all-reduce began a moment before the worker stopped itself: its timeout counts from then.
+    assert sessions.COLLECTIVE_TIMEOUT - 0.5 <= took < sessions.COLLECTIVE_TIMEOUT + BOUND, took
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_killed_inside_its_forward_stops_the_head_with_its_rank(kind: str, tmp_path: Path) -> None:
+    codes, results, struck = run(kind, "kill", 2, tmp_path)
+    assert codes == [1, -9]
+    head = results[0]
+    assert head["kind"] == "RunStopped", head
+    assert f"head: the run stopped in {COMMAND}: worker rank(s) [1] exited" in str(head["message"])
+    assert_bounded({0: head}, struck)
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_that_skips_its_forward_is_the_one_the_head_names(kind: str, tmp_path: Path) -> None:
+    codes, results, struck = run(kind, "skip", 3, tmp_path)
+    assert codes == [1, 1, 1]
+    head = results[0]
+    assert head["kind"] == "RunStopped", head
+    message = str(head["message"])
+    # Rank 2 waited in the all-reduce with the head: a witness, not the cause; rank 1 said nothing.
+    assert f"worker rank 2 failed {COMMAND}: an all-reduce failed here" in message, message
+    assert "rank(s) [1] said nothing (they stall, skipped their forward, or left)" in message, message
+    assert results[2]["kind"] == "RunStopped"
+    assert results[1]["kind"] in ("EpReceiveError", "RunStopped"), results[1]  # its link ends with the head's
+    took = float(head["at"]) - struck  # type: ignore[arg-type]
+    assert sessions.COLLECTIVE_TIMEOUT - 0.5 <= took < sessions.COLLECTIVE_TIMEOUT + BOUND, took
