@@ -121,10 +121,10 @@ else
     # and the torch-free example; modules that need torch are followed silently (their own run is the one
     # with torch).
     torch_free=()
-    for file in src/metrale_model_engine/*.py; do
-        grep -qE "^(import torch|from torch)|^    import torch|^from \.(_torch_transport|_groups|_choice|torch) import" \
+    while IFS= read -r file; do
+        grep -qE "^(import torch|from torch)|^    import torch|^from \.+(_torch|torch)(\.[a-z_]+)? import" \
             "$file" || torch_free+=("$file")
-    done
+    done < <(find src/metrale_model_engine -name '*.py' -not -path '*/reference/*' | sort)
     for file in tests/*.py examples/*.py; do
         grep -qE "^(import torch|from metrale_model_engine.torch|    import torch)|importorskip\(\"torch\"" "$file" || torch_free+=("$file")
     done

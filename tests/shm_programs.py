@@ -16,7 +16,8 @@ from array import array
 from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 
-from metrale_model_engine import EpLink, EpSetupError, ProtocolVersion, _waiting, run_worker
+from metrale_model_engine import EpLink, EpSetupError, ProtocolVersion, run_worker
+from metrale_model_engine._shm import waiting as _waiting
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 

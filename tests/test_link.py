@@ -28,7 +28,7 @@ from metrale_model_engine import (
     SequenceState,
     WorkerFailure,
 )
-from metrale_model_engine._liveness import host_fingerprint
+from metrale_model_engine._host.liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
 from metrale_model_engine.wire import WIRE_VERSION, Ack, ItemKind, Report, encode_ack, encode_close, encode_report
 

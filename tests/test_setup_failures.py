@@ -25,10 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from metrale_model_engine import EpSetupError, shm
-from metrale_model_engine._launch import launch
-from metrale_model_engine._shm_transport import ring_setup_failed
-from metrale_model_engine.shm import ShmTransport, _set_up_head, _set_up_worker, run_ring, shm_supported
+from metrale_model_engine import EpSetupError
+from metrale_model_engine._host.launch import launch
+from metrale_model_engine._shm import run as shm_run
+from metrale_model_engine._shm.run import _set_up_head, _set_up_worker
+from metrale_model_engine._shm.transport import ring_setup_failed
+from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
 
 import shm_programs as programs
 
@@ -225,7 +227,7 @@ def test_one_worker_that_cannot_attach_stops_the_others_that_did() -> None:
 
 
 def test_a_worker_that_never_answers_is_named_after_the_setup_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shm, "DEFAULT_SETUP_TIMEOUT", 0.1)
+    monkeypatch.setattr(shm_run, "DEFAULT_SETUP_TIMEOUT", 0.1)
     head_end, worker_end = multiprocessing.Pipe()
     with pytest.raises(EpSetupError, match=r"\(rank 1: it did not attach within 0.1 s\)$"):
         _set_up_head([head_end], SPINS)

@@ -25,11 +25,11 @@ from metrale_model_engine import (
     EpSendError,
     ProtocolVersion,
     SequenceState,
-    _futex,
-    _segment,
     shm,
 )
-from metrale_model_engine._liveness import ProcessWatch
+from metrale_model_engine._host.liveness import ProcessWatch
+from metrale_model_engine._shm import futex as _futex
+from metrale_model_engine._shm import segment as _segment
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
 

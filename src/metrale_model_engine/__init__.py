@@ -22,16 +22,16 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING
 
-from . import _errors
-from ._checks import check_slot
-from ._errors import *  # noqa: F403  (the exception classes, as listed in _errors.__all__)
+from ._core import errors as _errors
+from ._core.checks import check_slot
+from ._core.errors import *  # noqa: F403  (the exception classes, as listed in _errors.__all__)
+from ._core.protocol import PROTOCOL_ENV_VAR, ProtocolVersion
+from ._core.state import SequenceState
+from ._core.tokens import ArrayInterface, TokenArray, as_u32_buffer
+from ._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
 from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
 from ._linked import LinkedEp
 from ._model import ModelEp
-from ._protocol import PROTOCOL_ENV_VAR, ProtocolVersion
-from ._state import SequenceState
-from ._tokens import ArrayInterface, TokenArray, as_u32_buffer
-from ._words import CMD_SHUTDOWN, U32_MAX, check_u32
 from ._worker import WorkerSummary, run_worker
 from .transport import EpTransport
 

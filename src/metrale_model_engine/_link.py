@@ -12,8 +12,16 @@ from typing import Any, Final
 
 from typing_extensions import Buffer, Self
 
-from ._checks import check_bool, check_instance, check_int, check_seconds, disagreement
-from ._errors import (
+from ._core.checks import check_bool, check_instance, check_int, check_seconds, disagreement
+from ._core.codec import (
+    WIRE_VERSION,
+    encode_close,
+    encode_command,
+    encode_header,
+    encode_tokens_prefix,
+    encode_word,
+)
+from ._core.errors import (
     EpLinkError,
     EpRoleError,
     EpSendError,
@@ -22,21 +30,13 @@ from ._errors import (
     describe_command,
     error_text,
 )
-from ._liveness import host_fingerprint
-from ._protocol import ProtocolVersion
+from ._core.protocol import ProtocolVersion
+from ._core.tokens import TokenArray, as_u32_buffer, token_count
+from ._core.transport import EpTransport
+from ._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
+from ._host.liveness import host_fingerprint
 from ._reader import StateDigest
 from ._sync import EXIT_GRACE, SyncPoints
-from ._tokens import TokenArray, as_u32_buffer, token_count
-from ._words import CMD_SHUTDOWN, U32_MAX, check_u32
-from .transport import EpTransport
-from .wire import (
-    WIRE_VERSION,
-    encode_close,
-    encode_command,
-    encode_header,
-    encode_tokens_prefix,
-    encode_word,
-)
 
 DEFAULT_COMMAND_TIMEOUT: Final[float] = 60.0
 """Seconds a worker waits for a follow-up of a command in flight, and the head for a send."""

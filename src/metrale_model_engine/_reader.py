@@ -31,24 +31,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from typing_extensions import Buffer
 
-from ._checks import check_slot
-from ._errors import (
-    EpCommandFailed,
-    EpCommandRefused,
-    EpLinkError,
-    EpMismatchError,
-    EpReceiveError,
-    EpRoleError,
-    RunStopped,
-    WorkerFailure,
-    describe_command,
-    error_text,
-)
-from ._model import S
-from ._tokens import ArrayInterface, writable_u32_buffer
-from ._words import CMD_SHUTDOWN, U32_TYPECODE
-from .transport import EpTransport
-from .wire import (
+from ._core.checks import check_slot
+from ._core.codec import (
     Ack,
     Item,
     ItemKind,
@@ -62,6 +46,22 @@ from .wire import (
     encode_ack,
     encode_report,
 )
+from ._core.errors import (
+    EpCommandFailed,
+    EpCommandRefused,
+    EpLinkError,
+    EpMismatchError,
+    EpReceiveError,
+    EpRoleError,
+    RunStopped,
+    WorkerFailure,
+    describe_command,
+    error_text,
+)
+from ._core.tokens import ArrayInterface, writable_u32_buffer
+from ._core.transport import EpTransport
+from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
+from ._model import S
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""

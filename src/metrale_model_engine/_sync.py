@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 from typing_extensions import Buffer
 
-from ._checks import check_seconds
-from ._errors import EpDivergenceError, EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure
-from ._liveness import ProcessWatch
+from ._core.checks import check_seconds
+from ._core.codec import Ack, Report, WireError, decode_answer, encode_sync
+from ._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure
+from ._core.words import check_u32
+from ._host.liveness import ProcessWatch
 from ._reader import ItemReader
-from ._words import check_u32
-from .wire import Ack, Report, WireError, decode_answer, encode_sync
 
 _CHECK_PAUSE: Final = 0.001
 """Seconds between two looks of :meth:`SyncPoints.check_workers`."""

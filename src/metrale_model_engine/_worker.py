@@ -6,7 +6,7 @@ import logging
 from collections.abc import MutableSequence
 from dataclasses import dataclass
 
-from ._errors import EpCommandFailed, EpReceiveError, RunStopped
+from ._core.errors import EpCommandFailed, EpReceiveError, RunStopped
 from ._model import ModelEp, S
 
 _LOGGER = logging.getLogger("metrale_model_engine.worker")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-from ._checks import check_int
+from ._core.checks import check_int
+from ._core.tokens import TokenArray, as_u32_buffer, token_count
 from ._link import EpLink
-from ._tokens import TokenArray, as_u32_buffer, token_count
 
 __all__ = ["check_batch", "prefill_chunks", "recv_batch", "send_batch"]
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
-from ._errors import EpSetupError
-from ._launch import INTERRUPTED
-from ._protocol import ProtocolVersion
-from ._segment import MAX_WORLD_SIZE
-from ._words import U32_MAX
+from ._core.errors import EpSetupError
+from ._core.protocol import ProtocolVersion
+from ._core.words import U32_MAX
+from ._host.launch import INTERRUPTED
+from ._shm.segment import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     from ._link import EpLink

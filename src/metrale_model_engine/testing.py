@@ -20,14 +20,14 @@ from typing import Literal
 
 from typing_extensions import Buffer
 
+from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header
+from ._core.protocol import ProtocolVersion
+from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
 from ._link import EpLink
 from ._linked import LinkedEp
 from ._model import S
-from ._protocol import ProtocolVersion
-from ._words import CMD_SHUTDOWN, U32_TYPECODE
 from ._worker import WorkerSummary, run_worker
 from .transport import TransportClosed
-from .wire import Ack, ItemKind, decode_item, encode_ack, encode_header
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
 

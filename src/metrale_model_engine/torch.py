@@ -29,7 +29,7 @@ other ranks' next receive or send fails with an ``EpLinkError``.
 from __future__ import annotations
 
 try:
-    import torch
+    import torch  # noqa: F401  (the check: the modules below import it themselves)
 except ImportError as _missing:  # pragma: no cover - exercised in a torch-less venv
     raise ImportError(
         f"metrale_model_engine.torch needs PyTorch (import of {_missing.name or 'torch'!r} failed): for the CPU "
@@ -44,14 +44,11 @@ except ImportError as _missing:
         "all_gather_object use it): pip install 'metrale-model-engine[torch]' or pip install numpy"
     ) from _missing
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from typing_extensions import Buffer, TypeVarTuple, Unpack, deprecated
-
-from ._choice import TRANSPORT_KINDS, TransportKind, open_link, open_transport
-from ._collectives import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
-from ._groups import (
+from ._torch.choice import TRANSPORT_KINDS, TransportKind, open_link, open_transport
+from ._torch.collectives import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
+from ._torch.groups import (
     DEFAULT_IDLE_TIMEOUT,
     cuda_available,
     default_backend,
@@ -60,8 +57,9 @@ from ._groups import (
     init_local_group,
     run_group,
 )
-from ._torch_transport import TorchTransport
-from ._words import U32_MAX, check_u32
+from ._torch.groups import run_local as run_local  # deprecated: kept importable, not in __all__
+from ._torch.tokens import tensor_tokens
+from ._torch.transport import TorchTransport
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
@@ -84,45 +82,6 @@ __all__ = [
 
 TorchTransport.__module__ = __name__
 Collectives.__module__ = __name__
-
-
-def tensor_tokens(tokens: torch.Tensor) -> Buffer:
-    """The values of a 1-D integer tensor as a u32 token array (checked with tensor ops, no Python loop).
-
-    Any device; the values are copied to the CPU once.
-
-    Raises:
-        TypeError: the tensor does not hold integers (``torch.bool`` included).
-        ValueError: it is not 1-D, or a value is outside the u32 range (the message
-            names the first, as ``tokens[i]``).
-    """
-    if tokens.dim() != 1:
-        raise ValueError(f"tokens must be a 1-D token array, got a {tokens.dim()}-D tensor")
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise TypeError(f"tokens must hold integers, got a tensor of dtype {tokens.dtype}")
-    values = tokens.detach().to(device="cpu", dtype=torch.int64)
-    bad = ((values < 0) | (values > U32_MAX)).nonzero()
-    if bad.numel():
-        index = int(bad[0])
-        check_u32(f"tokens[{index}]", int(values[index]))
-    # int64 -> int32 keeps the low 32 bits: the u32 bit pattern.  numpy's stubs do
-    # not declare the buffer protocol before Python 3.12, hence the cast.
-    return memoryview(cast(Buffer, values.to(torch.int32).numpy())).cast("B").cast("I")
-
-
-Ts = TypeVarTuple("Ts")
-
-
-@deprecated("metrale_model_engine.torch.run_local is now run_group (same arguments); run_local goes in 0.3")
-def run_local(
-    target: Callable[[int, int, Unpack[Ts]], None],
-    world_size: int,
-    *args: Unpack[Ts],
-    backend: str | None = None,
-    timeout: float | None = None,
-) -> list[int]:
-    """The former name of :func:`run_group`."""
-    return run_group(target, world_size, *args, backend=backend, timeout=timeout)
 
 
 if not TYPE_CHECKING:

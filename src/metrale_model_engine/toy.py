@@ -19,11 +19,11 @@ import hashlib
 from collections.abc import Iterable, MutableSequence, Sequence
 from typing import ClassVar, Final
 
-from ._checks import check_slot
+from ._core.checks import check_slot
+from ._core.state import SequenceState
+from ._core.tokens import TokenArray, as_u32_buffer
 from ._link import EpLink
 from ._linked import LinkedEp
-from ._state import SequenceState
-from ._tokens import TokenArray, as_u32_buffer
 from .batching import check_batch, recv_batch, send_batch
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]

@@ -44,9 +44,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Final
 
-from ._liveness import process_exists
-from .transport import TransportCorrupt
-from .wire import ANSWER_BYTES
+from .._core.codec import ANSWER_BYTES
+from .._core.transport import TransportCorrupt
+from .._host.liveness import process_exists
 
 SHM_DIR: Final[str] = "/dev/shm"
 NAME_PREFIX: Final[str] = "metrale-ep-"

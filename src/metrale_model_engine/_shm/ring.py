@@ -32,7 +32,7 @@ Memory ordering
     unless a full barrier separates them.  arm64 reorders all of these, so there a
     full barrier also goes between a payload and the stamp that publishes it, and
     between a stamp or counter and what it guards.  The barrier is an uncontended
-    lock's acquire and release (:func:`~metrale_model_engine._futex.full_fence`).
+    lock's acquire and release (:func:`~metrale_model_engine.futex.full_fence`).
 
 A failed send
     A send can fail after publishing part of a message (the ring stayed full for
@@ -51,9 +51,10 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-from . import _futex
-from ._liveness import ProcessWatch
-from ._segment import (
+from .._core.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
+from .._host.liveness import ProcessWatch
+from . import futex
+from .segment import (
     GONE_AT,
     GONE_CLOSED,
     HEAD_BROKEN,
@@ -67,8 +68,7 @@ from ._segment import (
     WRITER_PARKED_AT,
     Segment,
 )
-from ._waiting import CHECK_INTERVAL, SpinBudget, deadline_after, wait_until
-from .transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
+from .waiting import CHECK_INTERVAL, SpinBudget, deadline_after, wait_until
 
 _PARKED_WORD: Final[int] = PARKED_AT // 8
 """The parked bytes of readers 1-8 as one u64: one load tells whether any sleeps."""
@@ -161,16 +161,16 @@ class RingWriter:
                 # The next record's stamp is cleared before this one's is set, so that what a
                 # worker finds there is 0 or a new stamp, never a stale one that might match.
                 u64[(base + (spot + size) % ring) >> 3] = 0
-                if not _futex.TOTAL_STORE_ORDER:
-                    _futex.full_fence()
+                if not futex.TOTAL_STORE_ORDER:
+                    futex.full_fence()
                 line = record >> 3
                 u64[line + 1] = _WRAP if wrap else total  # the polled line, touched last
                 u64[line + 2] = offset  # where this record's bytes sit in the message
                 u64[line] = at + 1  # the stamp: the record is published
                 self._next = at + size
-                _futex.full_fence()  # the stamp is visible before the parked bytes are read
+                futex.full_fence()  # the stamp is visible before the parked bytes are read
                 if u64[_PARKED_WORD] or (self._wide and any(view[_WIDE_PARKED])):
-                    _futex.futex_wake(self._address + record)
+                    futex.futex_wake(self._address + record)
                 if not wrap:
                     if end >= total:
                         return
@@ -192,8 +192,8 @@ class RingWriter:
         self.wake_readers()
 
     def wake_readers(self) -> None:
-        _futex.full_fence()
-        _futex.futex_wake(self._address + self._base + self._next % self._ring)  # where workers wait
+        futex.full_fence()
+        futex.futex_wake(self._address + self._base + self._next % self._ring)  # where workers wait
 
     def _wait_for_room(self, need: int, deadline: float | None, timeout: float | None) -> None:
         """Return once every worker has consumed the ring up to ``need - ring_bytes``."""
@@ -298,8 +298,8 @@ class RingReader:
                     self._budget.observe(time.monotonic() - started)
             elif offset == 0:
                 self._budget.observe(0.0)
-            if not _futex.TOTAL_STORE_ORDER:
-                _futex.full_fence()
+            if not futex.TOTAL_STORE_ORDER:
+                futex.full_fence()
             total = u64[line + 1]
             if total == _WRAP:
                 self._consumed(at + ring - at % ring)
@@ -326,13 +326,13 @@ class RingReader:
     def _consumed(self, position: int) -> None:
         """Publish that this worker has read the ring up to ``position``; wake the head if it waits for room."""
         self._next = position
-        if not _futex.TOTAL_STORE_ORDER:
-            _futex.full_fence()
+        if not futex.TOTAL_STORE_ORDER:
+            futex.full_fence()
         u64 = self._u64
         u64[self._consumed_word] = position
-        _futex.full_fence()  # the counter is visible before the head's parked flag is read
+        futex.full_fence()  # the counter is visible before the head's parked flag is read
         if u64[_WRITER_PARKED_WORD]:
-            _futex.futex_wake(self._address + 8 * self._consumed_word)
+            futex.futex_wake(self._address + 8 * self._consumed_word)
 
     def _wait_for_record(
         self, at: int, record: int, deadline: float | None, timeout: float | None, offset: int, message: int

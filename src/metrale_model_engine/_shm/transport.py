@@ -9,14 +9,15 @@ from typing import Final
 
 from typing_extensions import Buffer, Self
 
-from . import _futex
-from ._answers import ANSWERED_WORD, AnswerReader, AnswerWriter
-from ._checks import check_int, check_seconds
-from ._errors import EpSetupError
-from ._gather import SetupGather
-from ._liveness import ProcessWatch, process_exists
-from ._ring import RingReader, RingWriter
-from ._segment import (
+from .._core.checks import check_int, check_seconds
+from .._core.errors import EpSetupError
+from .._core.transport import TransportClosed
+from .._host.liveness import ProcessWatch, process_exists
+from . import futex
+from .answers import ANSWERED_WORD, AnswerReader, AnswerWriter
+from .gather import SetupGather
+from .ring import RingReader, RingWriter
+from .segment import (
     GONE_CLOSED,
     GONE_FAILED,
     HEAD_PID_AT,
@@ -28,8 +29,7 @@ from ._segment import (
     create_segment,
     unlink_segment,
 )
-from ._waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, SpinBudget
-from .transport import TransportClosed
+from .waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, SpinBudget
 
 DEFAULT_RING_BYTES: Final[int] = 1 << 20
 """Bytes of the ring: how far the head may run ahead of the slowest worker (a small message takes 128)."""
@@ -48,7 +48,7 @@ RING_SETUP_ERRORS: Final = (OSError, RuntimeError, ValueError)
 
 def shm_supported() -> bool:
     """Whether this platform can run the shared-memory transport (Linux on x86-64 or arm64)."""
-    return _futex.SUPPORTED and os.path.isdir("/dev/shm")
+    return futex.SUPPORTED and os.path.isdir("/dev/shm")
 
 
 class ShmTransport:
@@ -347,5 +347,5 @@ def _require_platform() -> None:
     if not shm_supported():
         raise RuntimeError(
             f"the shared-memory transport needs Linux on x86-64 or arm64 with /dev/shm; this is "
-            f"{os.uname().sysname} on {_futex.MACHINE}: use the torch.distributed transport"
+            f"{os.uname().sysname} on {futex.MACHINE}: use the torch.distributed transport"
         )

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from . import _futex
-from ._segment import Segment
+from . import futex
+from .segment import Segment
 
 CHECK_INTERVAL: Final[float] = 0.05
 """Seconds between a waiting rank's checks of its peers, and the cap on every sleep."""
@@ -108,7 +108,7 @@ def wait_until(
         try:
             if not ready():
                 nap = CHECK_INTERVAL if deadline is None else min(CHECK_INTERVAL, deadline - now)
-                _futex.futex_wait(segment.address + word, seen, max(nap, 1e-6))
+                futex.futex_wait(segment.address + word, seen, max(nap, 1e-6))
         finally:
             if parked_flag is not None:
                 segment.bytes[parked_flag] = 0

@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from . import _futex
-from ._liveness import ProcessWatch
-from ._segment import BELL_AT, GATHER_WORDS, HEAD_PID_AT, Segment
-from ._waiting import DEFAULT_SPIN_TIME, wait_until
-from .transport import PeerLost, TransportClosed, TransportTimeout
+from .._core.transport import PeerLost, TransportClosed, TransportTimeout
+from .._host.liveness import ProcessWatch
+from . import futex
+from .segment import BELL_AT, GATHER_WORDS, HEAD_PID_AT, Segment
+from .waiting import DEFAULT_SPIN_TIME, wait_until
 
 
 class SetupGather:
@@ -51,7 +51,7 @@ class SetupGather:
         u32[mine + 2] = len(values)
         for index, value in enumerate(values):
             u32[mine + 3 + index] = value
-        _futex.full_fence()
+        futex.full_fence()
         u32[mine] = generation
         self._ring_bell()
         lines = [layout.gather_at(rank) // 4 for rank in range(layout.world_size)]
@@ -112,4 +112,4 @@ class SetupGather:
     def _ring_bell(self) -> None:
         u32, bell = self._segment.u32, BELL_AT // 4
         u32[bell] = (u32[bell] + 1) & 0xFFFF_FFFF
-        _futex.futex_wake(self._segment.address + BELL_AT)
+        futex.futex_wake(self._segment.address + BELL_AT)

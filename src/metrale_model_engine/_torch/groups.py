@@ -12,10 +12,10 @@ from typing import Final
 
 import torch
 import torch.distributed as dist
-from typing_extensions import TypeVarTuple, Unpack
+from typing_extensions import TypeVarTuple, Unpack, deprecated
 
-from ._launch import check_launch, launch
-from ._torch_transport import _OPEN_TRANSPORTS
+from .._host.launch import check_launch, launch
+from .transport import _OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
 """Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header over gloo."""
@@ -176,3 +176,15 @@ def _release_at_exit() -> None:
         transport.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@deprecated("metrale_model_engine.torch.run_local is now run_group (same arguments); run_local goes in 0.3")
+def run_local(
+    target: Callable[[int, int, Unpack[Ts]], None],
+    world_size: int,
+    *args: Unpack[Ts],
+    backend: str | None = None,
+    timeout: float | None = None,
+) -> list[int]:
+    """The former name of :func:`run_group`."""
+    return run_group(target, world_size, *args, backend=backend, timeout=timeout)

@@ -19,11 +19,11 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-from . import _futex
-from ._segment import ANSWER_SLOT_BYTES, ANSWER_SLOTS, ANSWERED_AT, HEAD_WAITS_AT, LINE, Segment
-from ._waiting import deadline_after, wait_until
-from .transport import TransportTimeout
-from .wire import ANSWER_BYTES
+from .._core.codec import ANSWER_BYTES
+from .._core.transport import TransportTimeout
+from . import futex
+from .segment import ANSWER_SLOT_BYTES, ANSWER_SLOTS, ANSWERED_AT, HEAD_WAITS_AT, LINE, Segment
+from .waiting import deadline_after, wait_until
 
 ANSWERED_WORD: Final[int] = ANSWERED_AT // 8
 """The answered bytes of workers 1-8 as one u64: one load tells whether any answered."""
@@ -67,13 +67,13 @@ class AnswerWriter:
         slot = block.slots + (published % ANSWER_SLOTS) * ANSWER_SLOT_BYTES
         view[slot + 8 : slot + 8 + len(data)] = data
         u32[slot // 4] = len(data)
-        if not _futex.TOTAL_STORE_ORDER:
-            _futex.full_fence()
+        if not futex.TOTAL_STORE_ORDER:
+            futex.full_fence()
         u64[block.published] = published + 1
         view[ANSWERED_AT + self._reader] = (published + 1) & 0xFF
-        _futex.full_fence()  # the count is visible before the head's parked flag is read
+        futex.full_fence()  # the count is visible before the head's parked flag is read
         if view[HEAD_WAITS_AT]:
-            _futex.futex_wake(segment.address + 8 * block.published)
+            futex.futex_wake(segment.address + 8 * block.published)
 
     def _wait_for_room(self, published: int, timeout: float | None) -> None:
         u64, block = self._segment.u64, self._block
@@ -161,17 +161,17 @@ class AnswerReader:
         consumed, published = u64[block.consumed], u64[block.published]
         if consumed == published:
             return []
-        if not _futex.TOTAL_STORE_ORDER:
-            _futex.full_fence()
+        if not futex.TOTAL_STORE_ORDER:
+            futex.full_fence()
         taken = []
         for position in range(consumed, published):
             slot = block.slots + (position % ANSWER_SLOTS) * ANSWER_SLOT_BYTES
             length = u32[slot // 4]
             taken.append(bytes(view[slot + 8 : slot + 8 + min(length, ANSWER_BYTES)]))
         u64[block.consumed] = published
-        _futex.full_fence()  # the count is visible before the worker's parked flag is read
+        futex.full_fence()  # the count is visible before the worker's parked flag is read
         if view[block.parked]:
-            _futex.futex_wake(segment.address + 8 * block.consumed)
+            futex.futex_wake(segment.address + 8 * block.consumed)
         return taken
 
     def _answered(self) -> tuple[int, bytes]:

@@ -9,16 +9,15 @@ from typing import Final, Literal
 import torch
 import torch.distributed as dist
 
-from ._checks import check_choice, disagreement
-from ._errors import EpLinkError, EpSetupError
-from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
-from ._liveness import host_fingerprint
-from ._protocol import ProtocolVersion
-from ._shm_transport import RING_SETUP_ERRORS, ring_setup_failed, setup_reason
-from ._torch_transport import TorchTransport
-from ._waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
-from ._words import U32_TYPECODE
-from .shm import ShmTransport, shm_supported
+from .._core.checks import check_choice, disagreement
+from .._core.errors import EpLinkError, EpSetupError
+from .._core.protocol import ProtocolVersion
+from .._core.words import U32_TYPECODE
+from .._host.liveness import host_fingerprint
+from .._link import DEFAULT_COMMAND_TIMEOUT, EpLink
+from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, ring_setup_failed, setup_reason, shm_supported
+from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
+from .transport import TorchTransport
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from ._words import check_u32, u32_values
+from .words import check_u32, u32_values
 
 
 class SequenceState:

@@ -30,8 +30,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Final
 
-from ._checks import check_int, check_seconds
-from ._errors import EpSetupError
+from .._core.checks import check_int, check_seconds
+from .._core.errors import EpSetupError
 
 SETUP_FAILED: Final = 2
 """A rank's exit code when its setup failed; its launcher raises the error."""

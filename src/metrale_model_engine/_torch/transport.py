@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Buffer
 
-from .transport import TransportClosed, TransportCorrupt, TransportTimeout
-from .wire import ANSWER_BYTES, FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
+from .._core.codec import ANSWER_BYTES, FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
+from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
 
 _MAX_MESSAGE_WORDS: Final[int] = 1 << 30
 """A frame announcing more is corruption, not a message (4 GiB)."""

@@ -9,7 +9,7 @@ from typing import Any, Final, Protocol, TypeAlias, Union
 
 from typing_extensions import Buffer
 
-from ._words import U32_MAX, U32_TYPECODE, u32_array
+from .words import U32_MAX, U32_TYPECODE, u32_array
 
 
 class ArrayInterface(Protocol):

@@ -1,0 +1,308 @@
+"""The wire codec: what a head sends and a worker answers, as pure encode and decode functions.
+
+The format is documented in the public module, :mod:`metrale_model_engine.wire`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Final, NamedTuple
+
+from typing_extensions import Buffer
+
+from .words import U32_MAX, U32_MIN, U32_TYPECODE
+
+__all__ = [
+    "ANSWER_BYTES",
+    "FRAME_PAYLOAD",
+    "FRAME_WORDS",
+    "U32_MAX",
+    "U32_MIN",
+    "U32_TYPECODE",
+    "WIRE_VERSION",
+    "Ack",
+    "Item",
+    "ItemKind",
+    "Report",
+    "WireError",
+    "decode_answer",
+    "decode_header",
+    "decode_item",
+    "decode_tokens",
+    "decode_word",
+    "describe_item",
+    "encode_ack",
+    "encode_close",
+    "encode_command",
+    "encode_header",
+    "encode_report",
+    "encode_sync",
+    "encode_tokens_prefix",
+    "encode_word",
+    "frame_length",
+    "frame_message",
+]
+
+WIRE_VERSION: Final[int] = 5
+"""Version of this wire format; every rank must run the same one.  3: items in messages; 4: the setup
+exchange carries each rank's pid and host; 5: whole-command headers and reports that stop the run."""
+
+FRAME_WORDS: Final[int] = 16
+"""u32 words per frame over a fixed-size broadcast (64 bytes: one cache line)."""
+
+FRAME_PAYLOAD: Final[int] = FRAME_WORDS - 1
+"""Message words a frame carries after its length word; longer messages add one bulk broadcast."""
+
+
+class ItemKind(enum.IntEnum):
+    """The first word of an item.  Distinct, unlikely values, so that corruption shows."""
+
+    HEADER = 0x4D45_0001
+    WORD = 0x4D45_0002
+    TOKENS = 0x4D45_0003
+    CLOSE = 0x4D45_0004
+    SYNC = 0x4D45_0005
+    COMMAND = 0x4D45_0006
+    REPORT = 0x4D45_0011
+    ACK = 0x4D45_0012
+    STOP = 0x4D45_0013
+    WITNESS = 0x4D45_0014
+
+
+class Item(NamedTuple):
+    """One decoded item: its kind, two fields, and the index of the word after it.
+
+    * header and whole command: ``first`` is ``cmd``, ``second`` is ``seq_id``;
+    * word: ``first`` is the value;
+    * tokens: ``first`` is the count, ``second`` the index of the first token;
+    * sync: ``first`` is its number, ``second`` its flags;
+    * close: both 0.
+    """
+
+    kind: ItemKind
+    first: int
+    second: int
+    end: int
+
+    @property
+    def starts_command(self) -> bool:
+        """Whether the item is a header (of either kind): the start of the next command."""
+        return self.kind is ItemKind.HEADER or self.kind is ItemKind.COMMAND
+
+
+class WireError(ValueError):
+    """A message does not decode: an unknown kind, or an item that runs past the message's end."""
+
+
+_KINDS: Final[dict[int, ItemKind]] = {int(kind): kind for kind in ItemKind}
+_HEADER: Final[struct.Struct] = struct.Struct("=3I")
+_PAIR: Final[struct.Struct] = struct.Struct("=2I")
+_CLOSE: Final[bytes] = struct.pack("=I", ItemKind.CLOSE)
+_JOIN_LIMIT: Final[int] = 1 << 16
+"""Token bytes up to which a command's message is joined into one ``bytes``."""
+_HEADER_KIND: Final[int] = int(ItemKind.HEADER)
+_COMMAND_KIND: Final[int] = int(ItemKind.COMMAND)
+_WORD_KIND: Final[int] = int(ItemKind.WORD)
+_TOKENS_KIND: Final[int] = int(ItemKind.TOKENS)
+_REPORT: Final[struct.Struct] = struct.Struct("=6I")
+_ACK: Final[struct.Struct] = struct.Struct("=9I")
+ANSWER_BYTES: Final[int] = 248
+"""The most bytes one answer (a report or an acknowledgement) takes: every transport's way back carries that."""
+_REPORT_TEXT_BYTES: Final[int] = ANSWER_BYTES - _REPORT.size
+"""Bytes of error text a report carries at most: a report is one answer."""
+_U32: Final[int] = 0xFFFF_FFFF
+_FRAME_PAYLOAD_BYTES: Final[int] = 4 * FRAME_PAYLOAD
+
+
+def encode_header(seq_id: int, cmd: int) -> bytes:
+    """The header item that starts command ``cmd`` for ``seq_id``, whose follow-ups come in messages of their own."""
+    return _HEADER.pack(ItemKind.HEADER, cmd, seq_id)
+
+
+def encode_word(value: int) -> bytes:
+    """A follow-up word item."""
+    return _PAIR.pack(ItemKind.WORD, value)
+
+
+def encode_tokens_prefix(count: int) -> bytes:
+    """The first two words of a token array item; the ``count`` tokens' bytes follow it."""
+    return _PAIR.pack(ItemKind.TOKENS, count)
+
+
+def encode_close() -> bytes:
+    """The close item: the head closed its link before shutting the workers down."""
+    return _CLOSE
+
+
+def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) -> list[Buffer]:
+    """One message: the whole-command header of ``cmd`` for ``seq_id`` and every follow-up, in order.
+
+    A follow-up is an ``int`` (a word) or a native u32 buffer (a token array).
+    Returns the message's parts, to be sent as one message: a single ``bytes`` up to
+    :data:`_JOIN_LIMIT` bytes of tokens (one copy, cheaper than many small ones), else
+    the items' ``bytes`` with the token buffers themselves between them (not copied).
+    """
+    parts: list[Buffer] = [_HEADER.pack(ItemKind.COMMAND, cmd, seq_id)]
+    tokens_bytes = 0
+    for follow_up in follow_ups:
+        if isinstance(follow_up, int):
+            parts.append(_PAIR.pack(ItemKind.WORD, follow_up))
+            continue
+        size = memoryview(follow_up).nbytes
+        tokens_bytes += size
+        parts.append(_PAIR.pack(ItemKind.TOKENS, size >> 2))
+        parts.append(follow_up)
+    return parts if tokens_bytes > _JOIN_LIMIT else [b"".join(parts)]
+
+
+def decode_header(words: memoryview, at: int) -> tuple[int, int, int, bool] | None:
+    """``(cmd, seq_id, end, whole)`` when a header item of either kind starts at word ``at``, else ``None``.
+
+    ``whole``: the command came as one message, which holds every follow-up.
+    """
+    if at + 3 <= len(words):
+        kind = words[at]
+        if kind in (_COMMAND_KIND, _HEADER_KIND):
+            return words[at + 1], words[at + 2], at + 3, kind == _COMMAND_KIND
+    return None
+
+
+def decode_word(words: memoryview, at: int) -> tuple[int, int] | None:
+    """``(value, end)`` when a whole word item starts at word ``at``, else ``None``."""
+    if at + 2 <= len(words) and words[at] == _WORD_KIND:
+        return words[at + 1], at + 2
+    return None
+
+
+def decode_tokens(words: memoryview, at: int) -> tuple[int, int] | None:
+    """``(start, end)`` of the tokens when a whole token array item starts at word ``at``, else ``None``."""
+    if at + 2 <= len(words) and words[at] == _TOKENS_KIND:
+        end = at + 2 + words[at + 1]
+        if end <= len(words):
+            return at + 2, end
+    return None
+
+
+def encode_sync(number: int, compare_state: bool) -> bytes:
+    """The sync item of sync point ``number``."""
+    return _HEADER.pack(ItemKind.SYNC, number, int(compare_state))
+
+
+class Report(NamedTuple):
+    """A worker's report that a command failed: which (the head's count of commands, from 1), and why.
+
+    ``stopped``: the failure stopped the run (the command runs collectives);
+    ``witness``: it was the worker's collective that failed, so the cause may be
+    another rank's (a stopped report).
+    """
+
+    command: int
+    seq_id: int
+    cmd: int
+    error: str
+    stopped: bool = False
+    witness: bool = False
+
+
+class Ack(NamedTuple):
+    """A worker's acknowledgement of a sync point: what it received, and its state's digest if asked."""
+
+    number: int
+    stream_crc: int
+    commands: int
+    reports: int
+    state_digest: int | None
+
+
+def encode_report(report: Report) -> bytes:
+    """A report answer; the error text is cut (on a character) to fit one answer."""
+    text = report.error.encode()
+    if len(text) > _REPORT_TEXT_BYTES:
+        text = text[: _REPORT_TEXT_BYTES - 3].decode(errors="ignore").encode() + b"..."
+    kind = ItemKind.WITNESS if report.witness else ItemKind.STOP if report.stopped else ItemKind.REPORT
+    head = _REPORT.pack(kind, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text))
+    return head + text.ljust(-(-len(text) // 4) * 4, b"\0")
+
+
+def encode_ack(ack: Ack) -> bytes:
+    """An acknowledgement answer."""
+    state = 0 if ack.state_digest is None else ack.state_digest
+    return _ACK.pack(
+        ItemKind.ACK, ack.number, ack.stream_crc, ack.commands & _U32, ack.commands >> 32, ack.reports,
+        int(ack.state_digest is not None), state & _U32, state >> 32,
+    )  # fmt: skip
+
+
+def decode_answer(answer: bytes) -> Report | Ack:
+    """The report or acknowledgement in one answer.
+
+    Raises:
+        WireError: it is neither, or is cut short.
+    """
+    kind = int.from_bytes(answer[:4], sys.byteorder) if len(answer) >= 4 else None
+    if kind in (ItemKind.REPORT, ItemKind.STOP, ItemKind.WITNESS) and len(answer) >= _REPORT.size:
+        _, low, high, seq_id, cmd, length = _REPORT.unpack_from(answer)
+        if _REPORT.size + length <= len(answer):
+            text = answer[_REPORT.size : _REPORT.size + length].decode(errors="replace")
+            return Report(high << 32 | low, seq_id, cmd, text, kind != ItemKind.REPORT, kind == ItemKind.WITNESS)
+    if kind == ItemKind.ACK and len(answer) == _ACK.size:
+        _, number, crc, low, high, reports, has_state, state_low, state_high = _ACK.unpack(answer)
+        return Ack(number, crc, high << 32 | low, reports, state_high << 32 | state_low if has_state else None)
+    raise WireError(f"an answer of {len(answer)} bytes is neither a report nor an acknowledgement")
+
+
+def decode_item(words: memoryview, at: int) -> Item:
+    """The item that starts at word ``at`` of a message (a u32 memoryview of it).
+
+    Raises:
+        WireError: the first word is no item kind, or the item runs past the message.
+    """
+    end = len(words)
+    kind = _KINDS.get(words[at])
+    if (kind is ItemKind.HEADER or kind is ItemKind.COMMAND) and at + 3 <= end:
+        return Item(kind, words[at + 1], words[at + 2], at + 3)
+    if kind is ItemKind.WORD and at + 2 <= end:
+        return Item(kind, words[at + 1], 0, at + 2)
+    if kind is ItemKind.TOKENS and at + 2 <= end and at + 2 + words[at + 1] <= end:
+        return Item(kind, words[at + 1], at + 2, at + 2 + words[at + 1])
+    if kind is ItemKind.SYNC and at + 3 <= end:
+        return Item(kind, words[at + 1], words[at + 2], at + 3)
+    if kind is ItemKind.CLOSE:
+        return Item(kind, 0, 0, at + 1)
+    if kind is None:
+        raise WireError(f"word {at} of a {end}-word message is {words[at]:#x}, not the start of an item")
+    if kind in (ItemKind.REPORT, ItemKind.ACK, ItemKind.STOP, ItemKind.WITNESS):
+        raise WireError(f"word {at} of a {end}-word message is a {kind.name.lower()} kind: answers go to the head")
+    raise WireError(f"the {kind.name.lower()} item at word {at} runs past the end of its {end}-word message")
+
+
+def describe_item(item: Item) -> str:
+    """How error messages name an item: "a follow-up word (5)", "a token array of 3 tokens"..."""
+    if item.starts_command:
+        return f"the next command's header (cmd={item.first}, seq_id={item.second})"
+    if item.kind is ItemKind.WORD:
+        return f"a follow-up word ({item.first})"
+    if item.kind is ItemKind.TOKENS:
+        return f"a token array of {item.first} token{'' if item.first == 1 else 's'}"
+    if item.kind is ItemKind.SYNC:
+        return f"sync point {item.first}"
+    return "the head's close"
+
+
+def frame_message(message: Buffer) -> tuple[bytes, memoryview | None]:
+    """Split a message (its bytes) into the frame and the bulk that fixed-size broadcasts carry.
+
+    The frame is :data:`FRAME_WORDS` words, ``[length in words, the first words...]``
+    (zero-padded); the bulk is the rest of the message, ``None`` when it fits.
+    """
+    view = memoryview(message).cast("B")
+    frame = struct.pack("=I", len(view) // 4) + bytes(view[:_FRAME_PAYLOAD_BYTES]).ljust(_FRAME_PAYLOAD_BYTES, b"\0")
+    return frame, (view[_FRAME_PAYLOAD_BYTES:] if len(view) > _FRAME_PAYLOAD_BYTES else None)
+
+
+def frame_length(frame: memoryview) -> int:
+    """The message length, in words, that a received frame (a u32 memoryview) announces."""
+    return int(frame[0])
