@@ -27,7 +27,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contents(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     package = {n for n in names if n.startswith("metrale_model_engine/")}
-    modules = ("__init__.py", "py.typed", "_model.py", "_link.py", "_worker.py", "testing.py", "toy.py", "wire.py")
+    modules = ["__init__.py", "py.typed", "_engine/model.py", "_engine/link.py", "_engine/worker.py"]
+    modules += ["_core/codec.py", "_shm/ring.py", "_torch/transport.py", "testing.py", "toy.py", "wire.py"]
     for module in (*modules, "reference/tiny_moe.weights"):
         assert f"metrale_model_engine/{module}" in package
     licenses = {Path(n).name for n in names if "/licenses/" in n}

@@ -29,10 +29,11 @@ from ._core.protocol import PROTOCOL_ENV_VAR, ProtocolVersion
 from ._core.state import SequenceState
 from ._core.tokens import ArrayInterface, TokenArray, as_u32_buffer
 from ._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
-from ._link import DEFAULT_COMMAND_TIMEOUT, EpLink
-from ._linked import LinkedEp
-from ._model import ModelEp
-from ._worker import WorkerSummary, run_worker
+from ._engine.link import EpLink
+from ._engine.linked import LinkedEp
+from ._engine.model import ModelEp
+from ._engine.settings import DEFAULT_COMMAND_TIMEOUT
+from ._engine.worker import WorkerSummary, run_worker
 from .transport import EpTransport
 
 __all__ = [

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ._core.checks import check_int
 from ._core.tokens import TokenArray, as_u32_buffer, token_count
-from ._link import EpLink
+from ._engine.link import EpLink
 
 __all__ = ["check_batch", "prefill_chunks", "recv_batch", "send_batch"]
 

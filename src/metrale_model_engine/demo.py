@@ -40,7 +40,7 @@ from ._host.launch import INTERRUPTED
 from ._shm.segment import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
-    from ._link import EpLink
+    from ._engine.link import EpLink
     from .reference import Completion, ReferenceLm, Server
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

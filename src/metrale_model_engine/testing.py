@@ -23,10 +23,10 @@ from typing_extensions import Buffer
 from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header
 from ._core.protocol import ProtocolVersion
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from ._link import EpLink
-from ._linked import LinkedEp
-from ._model import S
-from ._worker import WorkerSummary, run_worker
+from ._engine.link import EpLink
+from ._engine.linked import LinkedEp
+from ._engine.model import S
+from ._engine.worker import WorkerSummary, run_worker
 from .transport import TransportClosed
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]

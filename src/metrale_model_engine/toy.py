@@ -22,8 +22,8 @@ from typing import ClassVar, Final
 from ._core.checks import check_slot
 from ._core.state import SequenceState
 from ._core.tokens import TokenArray, as_u32_buffer
-from ._link import EpLink
-from ._linked import LinkedEp
+from ._engine.link import EpLink
+from ._engine.linked import LinkedEp
 from .batching import check_batch, recv_batch, send_batch
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]

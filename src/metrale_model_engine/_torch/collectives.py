@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from .._core.checks import check_seconds
-from .._link import EpLink
-from .._sync import EXIT_GRACE
+from .._engine.link import EpLink
+from .._engine.reports import EXIT_GRACE
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]
 

@@ -6,8 +6,8 @@ import logging
 from collections.abc import MutableSequence
 from dataclasses import dataclass
 
-from ._core.errors import EpCommandFailed, EpReceiveError, RunStopped
-from ._model import ModelEp, S
+from .._core.errors import EpCommandFailed, EpReceiveError, RunStopped
+from .model import ModelEp, S
 
 _LOGGER = logging.getLogger("metrale_model_engine.worker")
 

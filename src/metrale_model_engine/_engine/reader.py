@@ -1,6 +1,6 @@
 """The worker's side of a link: the item stream, the step that runs a command, the receives.
 
-Pull-style: a worker asks for the next header (:meth:`ItemReader.step`) and then
+Pull-style: a worker asks for the next header (:meth:`CommandReader.step`) and then
 for each follow-up it expects (``recv_word``, ``recv_tokens``...); the reader
 decodes the item the request meets and receives the next message only when the
 current one is used up, so it reads a command the same way whether the head sent it
@@ -27,12 +27,12 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable, Container, MutableSequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from typing_extensions import Buffer
 
-from ._core.checks import check_slot
-from ._core.codec import (
+from .._core.checks import check_slot
+from .._core.codec import (
     Ack,
     Item,
     ItemKind,
@@ -46,7 +46,7 @@ from ._core.codec import (
     encode_ack,
     encode_report,
 )
-from ._core.errors import (
+from .._core.errors import (
     EpCommandFailed,
     EpCommandRefused,
     EpLinkError,
@@ -58,10 +58,13 @@ from ._core.errors import (
     describe_command,
     error_text,
 )
-from ._core.tokens import ArrayInterface, writable_u32_buffer
-from ._core.transport import EpTransport
-from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from ._model import S
+from .._core.tokens import ArrayInterface, writable_u32_buffer
+from .._core.transport import EpTransport
+from .._core.words import CMD_SHUTDOWN, U32_TYPECODE
+from .model import S
+from .run_state import RunState
+from .settings import LinkSettings
+from .stream import CommandStream
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""
@@ -76,46 +79,42 @@ _LEAVE_TIMEOUT = 1.0
 _NO_COMMANDS: frozenset[int] = frozenset()
 
 
-class ItemReader:
-    """A worker's reading state over its transport; the base of :class:`~metrale_model_engine.EpLink`."""
+class CommandReader:
+    """A worker's reading of the command stream: the step that runs a command, the follow-ups, the way back.
+
+    Every rank's link has one; on the head its methods raise ``EpRoleError``.
+
+    Args:
+        transport, settings, stream, run: the link's parts.
+    """
 
     __slots__ = (
         "_at",
         "_collective",
-        "_command",
-        "_command_timeout",
-        "_commands",
-        "_crc",
         "_last_failed",
-        "_rank",
         "_reports",
-        "_state_digest",
-        "_stopped",
+        "_run",
+        "_settings",
+        "_stream",
         "_transport",
         "_whole",
         "_words",
+        "state_digest",
     )
 
-    _transport: EpTransport
-    _rank: int
-    _command_timeout: float | None
-
-    if TYPE_CHECKING:  # the link above provides it
-
-        def _stop(self, stopped: RunStopped) -> RunStopped: ...
-
-    def _start_reading(self) -> None:
+    def __init__(self, transport: EpTransport, settings: LinkSettings, stream: CommandStream, run: RunState) -> None:
+        self._transport = transport
+        self._settings = settings
+        self._stream = stream
+        self._run = run
         self._words = _NO_WORDS  # the current message, as u32 words
         self._at = 0  # the index of its next unread word
         self._last_failed = False  # the last command failed: skip what it left unread
         self._whole = False  # the command in flight came as one message, every follow-up in it
         self._collective = False  # the command in flight runs collectives: a failure stops the run
-        self._stopped: RunStopped | None = None  # why the run stopped, once it has
-        self._command = (0, 0)  # (seq_id, cmd) of the command in flight (sent or received), for messages
-        self._commands = 0  # headers sent (head) or received (worker), shutdown excluded
-        self._crc = 0  # CRC-32 of every message's bytes sent (head) or received (worker)
         self._reports = 0  # failures this worker reported
-        self._state_digest: StateDigest | None = None
+        self.state_digest: StateDigest | None = None
+        """The digest of this rank's slots that sync points ask for (``EpLink.state_digest``)."""
 
     # -- the step ------------------------------------------------------------
 
@@ -146,10 +145,10 @@ class ItemReader:
                 earlier); the worker must leave its loop and exit.
             EpRoleError: called on the head.
         """
-        if self._rank == 0:
+        if self._settings.rank == 0:
             raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
-        if self._stopped is not None:
-            raise self._still_stopped()
+        if self._run.stopped is not None:
+            raise self._run.still_stopped()
         if self._at >= len(self._words):
             self._words, self._at = self._receive(None), 0
         header = decode_header(self._words, self._at)
@@ -158,8 +157,7 @@ class ItemReader:
         cmd, seq_id, self._at, self._whole = header
         if cmd == CMD_SHUTDOWN:
             return False
-        self._commands += 1
-        self._command = (seq_id, cmd)
+        self._stream.begin(seq_id, cmd)
         self._last_failed = True  # until the command returns
         self._collective = cmd in collective
         try:
@@ -168,8 +166,8 @@ class ItemReader:
             if self._whole and self._at < len(self._words):
                 raise self._left_unread(self._skip_rest())
         except RunStopped as stopped:
-            if self._stopped is None:  # the hook refused the command itself: tell the head first
-                self._leave(stopped, error_text(stopped))
+            if self._run.stopped is None:  # the hook refused the command itself: tell the head first
+                self.leave(stopped, error_text(stopped))
             raise
         except EpLinkError:
             raise
@@ -183,27 +181,45 @@ class ItemReader:
         self._last_failed = False
         return True
 
+    def refuse(self, error: BaseException) -> EpCommandRefused:
+        """Refuse the command in flight, failed by ``error``, as one that runs collectives (``EpLink.collective``)."""
+        self._collective = True
+        refused = self._failed(error)
+        assert isinstance(refused, EpCommandRefused)
+        return refused
+
     def _failed(self, error: BaseException) -> EpCommandFailed | EpCommandRefused:
         """Report the command in flight as failed by ``error``; return what to raise.
 
         A command that runs collectives is refused: the report stops the run, and so
         does the :class:`EpCommandRefused` returned.
         """
-        seq_id, cmd = self._command
+        seq_id, cmd = self._stream.command
+        number = self._stream.commands
         text = error_text(error)
         if not self._collective:
             self._report(seq_id, cmd, text)
             return EpCommandFailed(error)
-        failure = WorkerFailure(self._rank, self._commands, seq_id, cmd, text, stopped=True)
+        failure = WorkerFailure(self._settings.rank, number, seq_id, cmd, text, stopped=True)
         refused = EpCommandRefused(
-            f"worker rank {self._rank}: {describe_command(self._commands, seq_id, cmd)}, which runs collectives, "
+            f"{self._settings.who}: {describe_command(number, seq_id, cmd)}, which runs collectives, "
             f"failed here, so the run stops on every rank: {text}",
             (failure,),
         )
-        self._leave(refused, text)
+        self.leave(refused, text)
         return refused
 
-    def _leave(self, stopped: RunStopped, text: str, *, witness: bool = False) -> None:
+    def witness(self, error: BaseException, what: str) -> RunStopped:
+        """A collective (``what``) of the command in flight failed here: report it as a witness, stop; return it."""
+        where = describe_command(self._stream.commands, *self._stream.command)
+        stopped = RunStopped(
+            f"{self._settings.who}: the run stopped in {where}: {what} failed, so a rank died, "
+            f"left the run or stalls: {error_text(error)}"
+        )
+        self.leave(stopped, f"{what} failed here: {error_text(error)}", witness=True)
+        return stopped
+
+    def leave(self, stopped: RunStopped, text: str, *, witness: bool = False) -> None:
         """Worker: tell the head that the command in flight stopped the run, and why; stop; close the link.
 
         The report is best effort, within a second (the head may be gone, or its
@@ -211,22 +227,12 @@ class ItemReader:
         otherwise wait for a sync point.  ``witness``: this worker's collective failed.
         """
         try:
-            report = Report(self._commands, *self._command, text, True, witness)
+            report = Report(self._stream.commands, *self._stream.command, text, True, witness)
             self._answer(encode_report(report), timeout=_LEAVE_TIMEOUT)
             self._reports += 1
         except EpLinkError as error:
-            _LOGGER.debug("worker rank %d could not report why the run stopped: %s", self._rank, error)
-        self._stop(stopped)
-
-    def _still_stopped(self) -> RunStopped:
-        stopped = self._stopped
-        assert stopped is not None
-        who = f"worker rank {self._rank}" if self._rank else "head"
-        return RunStopped(
-            f"{who}: the run stopped earlier ({stopped}); this link runs no more commands",
-            stopped.failures,
-            stopped.ranks,
-        )
+            _LOGGER.debug("%s could not report why the run stopped: %s", self._settings.who, error)
+        self._run.stop(stopped)
 
     def _skip_rest(self) -> list[str]:
         """Consume the items left in the current message; describe each."""
@@ -258,41 +264,42 @@ class ItemReader:
                     raise self._failed(self._left_unread(skipped))
                 continue
             if skipped and not reported:
-                self._report(*self._command, error_text(self._left_unread(skipped)))
+                self._report(*self._stream.command, error_text(self._left_unread(skipped)))
                 reported = True
             self._answer_sync(item.first, bool(item.second & 1), slots)
         if skipped and not self._last_failed:  # raised once; the header behind them runs at the next step
             error = self._left_unread(skipped)
             if not reported:
-                self._report(*self._command, error_text(error))
+                self._report(*self._stream.command, error_text(error))
             raise EpCommandFailed(error)
         return item.first, item.second, item.end, item.kind is ItemKind.COMMAND
 
     def _left_unread(self, skipped: list[str]) -> EpMismatchError:
         them = "it was" if len(skipped) == 1 else "they were"
         return EpMismatchError(
-            f"worker rank {self._rank}: {describe_command(self._commands, *self._command)} "
+            f"{self._settings.who}: {describe_command(self._stream.commands, *self._stream.command)} "
             f"left {', '.join(skipped)} unread; {them} skipped"
         )
 
     def _report(self, seq_id: int, cmd: int, text: str) -> None:
-        """Tell the head that its ``self._commands``-th command failed here, and why (``text``)."""
-        self._answer(encode_report(Report(self._commands, seq_id, cmd, text)))
+        """Tell the head that the command in flight (its count of them) failed here, and why (``text``)."""
+        self._answer(encode_report(Report(self._stream.commands, seq_id, cmd, text)))
         self._reports += 1
 
     def _answer_sync(self, number: int, compare_state: bool, slots: MutableSequence[S | None]) -> None:
-        digest = self._state_digest(slots) if compare_state and self._state_digest is not None else None
-        self._answer(encode_ack(Ack(number, self._crc, self._commands, self._reports, digest)))
+        digest = self.state_digest(slots) if compare_state and self.state_digest is not None else None
+        stream = self._stream
+        self._answer(encode_ack(Ack(number, stream.crc, stream.commands, self._reports, digest)))
         try:
-            self._transport.flush_answers(self._command_timeout)
+            self._transport.flush_answers(self._settings.command_timeout)
         except Exception as error:
-            raise EpReceiveError(f"worker rank {self._rank}: answering sync point {number} failed: {error}") from error
+            raise EpReceiveError(f"{self._settings.who}: answering sync point {number} failed: {error}") from error
 
     def _answer(self, answer: bytes, *, timeout: float | None = None) -> None:
         try:
-            self._transport.answer(answer, self._command_timeout if timeout is None else timeout)
+            self._transport.answer(answer, self._settings.command_timeout if timeout is None else timeout)
         except Exception as error:
-            raise EpReceiveError(f"worker rank {self._rank}: answering the head failed: {error}") from error
+            raise EpReceiveError(f"{self._settings.who}: answering the head failed: {error}") from error
 
     # -- follow-ups ----------------------------------------------------------
 
@@ -370,31 +377,32 @@ class ItemReader:
         return item
 
     def _follow_up(self, expected: str) -> Item:
-        if self._rank == 0:
+        if self._settings.rank == 0:
             raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
+        timeout = self._settings.command_timeout
         if self._at >= len(self._words):
-            what = describe_command(self._commands, *self._command)
+            what = describe_command(self._stream.commands, *self._stream.command)
             if self._whole:  # nothing can follow: the message was the whole command
                 raise EpMismatchError(
-                    f"worker rank {self._rank} expected {expected}, but {what} came whole, "
+                    f"{self._settings.who} expected {expected}, but {what} came whole, "
                     "as one message, and this worker has read all of it"
                 )
             try:
-                self._words, self._at = self._receive(self._command_timeout), 0
+                self._words, self._at = self._receive(timeout), 0
             except EpReceiveError as error:
                 if not isinstance(error.__cause__, TimeoutError):
                     raise
                 raise EpReceiveError(
-                    f"worker rank {self._rank} expected {expected} of {what}, and none came within "
-                    f"{self._command_timeout} s (the command timeout): the head sent fewer follow-ups than this "
+                    f"{self._settings.who} expected {expected} of {what}, and none came within "
+                    f"{timeout} s (the command timeout): the head sent fewer follow-ups than this "
                     f"worker reads, or stalls ({error.__cause__})"
                 ) from error.__cause__
-        return self._peek(self._command_timeout)
+        return self._peek(timeout)
 
     def _mismatch(self, expected: str, item: Item) -> NoReturn:
         if not item.starts_command and item.kind is not ItemKind.SYNC:
             self._at = item.end  # consumed; a header or a sync point stays for the next step
-        raise EpMismatchError(f"worker rank {self._rank} expected {expected}, but the head sent {describe_item(item)}")
+        raise EpMismatchError(f"{self._settings.who} expected {expected}, but the head sent {describe_item(item)}")
 
     # -- the stream ------------------------------------------------------------
 
@@ -406,17 +414,17 @@ class ItemReader:
         try:
             item = decode_item(self._words, self._at)
         except WireError as error:
-            raise EpReceiveError(f"worker rank {self._rank}: a corrupt message from the head: {error}") from None
+            raise EpReceiveError(f"{self._settings.who}: a corrupt message from the head: {error}") from None
         if item.kind is ItemKind.CLOSE:
-            raise EpReceiveError(f"worker rank {self._rank}: the head closed its link before shutting the workers down")
+            raise EpReceiveError(f"{self._settings.who}: the head closed its link before shutting the workers down")
         return item
 
     def _receive(self, timeout: float | None) -> memoryview:
         try:
             message = self._transport.receive(timeout)
         except Exception as error:
-            raise EpReceiveError(f"worker rank {self._rank}: receive from the head failed: {error}") from error
+            raise EpReceiveError(f"{self._settings.who}: receive from the head failed: {error}") from error
         if len(message) % 4:
-            raise EpReceiveError(f"worker rank {self._rank}: a corrupt message of {len(message)} bytes from the head")
-        self._crc = zlib.crc32(message, self._crc)
+            raise EpReceiveError(f"{self._settings.who}: a corrupt message of {len(message)} bytes from the head")
+        self._stream.crc = zlib.crc32(message, self._stream.crc)
         return message.cast(U32_TYPECODE)

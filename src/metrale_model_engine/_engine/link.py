@@ -1,0 +1,436 @@
+"""``EpLink``: the engine a model holds: one rank's end of the command protocol over a transport."""
+
+from __future__ import annotations
+
+from collections.abc import Container, MutableSequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from typing_extensions import Buffer, Self
+
+from .._core.codec import encode_command, encode_header, encode_tokens_prefix, encode_word
+from .._core.errors import RunStopped
+from .._core.protocol import ProtocolVersion
+from .._core.tokens import ArrayInterface, TokenArray, as_u32_buffer, token_count
+from .._core.transport import EpTransport
+from .._core.words import CMD_SHUTDOWN, check_u32
+from .model import S
+from .reader import CommandReader, RunCommand, StateDigest
+from .reports import EXIT_GRACE, WorkerReports
+from .run_state import RunState, stop_on_error
+from .sender import HeadSender, checked_follow_ups, checked_header
+from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
+from .stream import CommandStream
+from .sync import SyncPoints
+
+
+class EpLink:
+    """One rank's end of the head/worker command protocol: what a model holds to speak it.
+
+    A model keeps its link in ``self.ep_link`` (:class:`~metrale_model_engine.LinkedEp`):
+    the head starts a command with :meth:`send_command` (one message) or item by
+    item (:meth:`send_header`, :meth:`send_word`, :meth:`send_tokens`: the trait's
+    per-word calls); a worker runs :meth:`step` in its loop, and the model's hook
+    reads the follow-ups with :meth:`recv_word`, :meth:`recv_tokens` and
+    :meth:`recv_tokens_into`.  It owns its transport: :meth:`close` (or a ``with``
+    block) closes both.  Construction is collective: every rank builds its link at
+    the same point, and all confirm that they agree on the wire version, the
+    protocol, ``seq_id_on_wire`` and the slot count (on failure the transport stays
+    open, the caller's to close).
+
+    A send checks everything first (``TypeError``/``ValueError`` naming the
+    argument; nothing is sent) and raises ``EpRoleError`` on a worker, ``EpSendError``
+    when the transport fails.  A receive waits at most ``command_timeout`` and raises
+    ``EpMismatchError`` when the head sent something else (the item is consumed; a
+    next command's header stays for the next step), ``EpReceiveError`` when it
+    failed, ``EpRoleError`` on the head.  Once the run stopped (:class:`RunStopped`),
+    every send, step and sync point raises it.
+
+    Args:
+        transport: the group of ranks to speak over.
+        num_slots: the slot count, ``--max-batch-size``; a header's ``seq_id`` must
+            be below it (checked on the head before sending).
+        protocol: the header layout; default :meth:`ProtocolVersion.from_env`.
+        seq_id_on_wire: whether headers carry ``seq_id``: always under v2, by default
+            under v1 too (it costs nothing); ``False`` (v1 only) is v1 as the Rust
+            engine has it: workers run every command with ``seq_id`` 0.
+        command_timeout: seconds a worker waits for a follow-up of a command in
+            flight, and the head for a send (``None``: as long as the transport
+            allows).  An idle worker's wait for the next header is not bounded by it.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument has the right type and a wrong value
+            (``seq_id_on_wire=False`` under v2 included).
+        EpSetupError: the ranks disagree.
+        EpLinkError: the setup exchange itself failed (a rank died, a timeout).
+    """
+
+    # The parts: settings (read-only), the stream's count, the run's state, the worker's
+    # reader, the head's sender and view of its workers' reports, the sync points.
+    __slots__ = ("_closed", "_reader", "_reports", "_run", "_sender", "_settings", "_stream", "_sync", "_transport")
+
+    def __init__(
+        self,
+        transport: EpTransport,
+        *,
+        num_slots: int,
+        protocol: ProtocolVersion | None = None,
+        seq_id_on_wire: bool = True,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+    ) -> None:
+        options = {"protocol": protocol, "seq_id_on_wire": seq_id_on_wire, "command_timeout": command_timeout}
+        settings = LinkSettings.checked(transport.rank, transport.world_size, num_slots=num_slots, **options)
+        local_workers = agree_on_setup(transport, settings)
+        self._settings = settings
+        self._transport = transport
+        self._closed = False
+        stream = self._stream = CommandStream()
+        run = self._run = RunState(settings.who, self.close)
+        self._reader = CommandReader(transport, settings, stream, run)
+        reports = self._reports = (
+            WorkerReports(transport, settings, stream, run, local_workers) if settings.rank == 0 else None
+        )
+        self._sender = HeadSender(transport, settings, stream, run, reports, lambda: self._closed)
+        self._sync = SyncPoints(transport, settings, stream, reports, self._sender.send)
+
+    # -- what every rank can ask -------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank; 0 is the head."""
+        return self._settings.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks, head included; the protocol is live (``is_ep()``) when above 1."""
+        return self._settings.world_size
+
+    @property
+    def num_slots(self) -> int:
+        """The slot count all ranks agreed on (``--max-batch-size``)."""
+        return self._settings.num_slots
+
+    @property
+    def protocol(self) -> ProtocolVersion:
+        """The protocol version all ranks agreed on."""
+        return self._settings.protocol
+
+    @property
+    def seq_id_on_wire(self) -> bool:
+        """Whether headers carry ``seq_id``: always under v2, under v1 unless turned off."""
+        return self._settings.seq_id_on_wire
+
+    @property
+    def command_timeout(self) -> float | None:
+        """Seconds a command's follow-ups and a send may wait (``None``: the transport's own limit)."""
+        return self._settings.command_timeout
+
+    @property
+    def transport(self) -> EpTransport:
+        """The transport this link speaks over, and owns."""
+        return self._transport
+
+    @property
+    def workers_shut_down(self) -> bool:
+        """Whether the head has sent the shutdown header (:meth:`shutdown_workers`)."""
+        return self._sender.shut_down
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the run stopped, which closes the link)."""
+        return self._closed
+
+    @property
+    def stopped(self) -> RunStopped | None:
+        """Why the run stopped (a copy of the first :class:`RunStopped` raised), ``None`` while it goes on."""
+        return self._run.stopped
+
+    @property
+    def commands(self) -> int:
+        """Commands sent (head) or received (worker) so far; a :class:`WorkerFailure` names one by this count."""
+        return self._stream.commands
+
+    @property
+    def state_digest(self) -> StateDigest | None:
+        """A function ``digest(slots) -> int`` (u64) of a rank's slots, compared at sync points; default ``None``.
+
+        Set it on every rank (the same function): :meth:`sync` compares the workers' with the head's.
+        """
+        return self._reader.state_digest
+
+    @state_digest.setter
+    def state_digest(self, digest: StateDigest | None) -> None:
+        if digest is not None and not callable(digest):
+            raise TypeError(f"state_digest must be a function of the slots or None, got {type(digest).__name__}")
+        self._reader.state_digest = digest
+
+    # -- head: sends ---------------------------------------------------------
+
+    def send_command(self, seq_id: int, cmd: int, *follow_ups: int | TokenArray) -> None:
+        """Head: send command ``cmd`` for ``seq_id`` with its follow-ups, as one message.
+
+        A follow-up is a u32 word (an ``int``) or a token array; workers read them
+        in order with :meth:`recv_word` and :meth:`recv_tokens`.  Over shared memory
+        the command is one ring record (consecutive records only past the record
+        size); over torch.distributed it is at most two broadcasts.
+
+        Raises:
+            TypeError, ValueError: a word or token is not a u32 (the message names
+                ``follow_ups[i]``), ``seq_id >= num_slots``, or ``cmd`` is the
+                shutdown word.
+            EpWorkerFailed, RunStopped: workers reported failures (nothing is sent).
+            EpRoleError, EpSendError: see the class.
+        """
+        seq_id, cmd = checked_header(self._settings, seq_id, cmd)
+        self._sender.start(seq_id, cmd, encode_command(seq_id, cmd, checked_follow_ups(follow_ups)))
+
+    def send_header(self, seq_id: int, cmd: int) -> None:
+        """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
+
+        Raises as :meth:`send_command`.
+        """
+        seq_id, cmd = checked_header(self._settings, seq_id, cmd)
+        self._sender.start(seq_id, cmd, (encode_header(seq_id, cmd),))
+
+    def send_word(self, word: int) -> None:
+        """Head: send one follow-up word of the command in flight (see the class for what a send raises)."""
+        if type(word) is not int or word >> 32:
+            word = check_u32("word", word)
+        self._sender.require_head()
+        self._sender.send((encode_word(word),))
+
+    def send_tokens(self, tokens: TokenArray) -> Buffer:
+        """Head: send one follow-up token array; return it as the u32 buffer that was sent (see the class)."""
+        buffer = as_u32_buffer("tokens", tokens)
+        self._sender.require_head()
+        self._sender.send((encode_tokens_prefix(token_count(buffer)), buffer))
+        return buffer
+
+    # -- head: the workers' state ------------------------------------------------
+
+    def sync(self, slots: MutableSequence[Any] | None = None) -> None:
+        """Head: wait until every worker has run every command sent so far, and check that they agree.
+
+        Each worker's loop answers the sync item with what it received (the count of
+        commands, a CRC-32 of every message) and, when ``slots`` is given and
+        :attr:`state_digest` is set, the digest of its slots; the head reads every
+        worker's answers, reports first, within ``command_timeout``.  A no-op on one rank.
+
+        Raises:
+            EpWorkerFailed: workers reported failed commands not raised yet (each once).
+            RunStopped: a worker's report stopped the run, or the run stopped earlier.
+            EpDivergenceError: a worker's stream or state differs from the head's (the
+                message names the ranks, and the commands within which they diverged).
+            EpRoleError, EpSendError: see the class.
+            EpLinkError: a worker died, or did not answer in ``command_timeout`` (named).
+        """
+        self._sender.require_head()
+        if self._settings.world_size == 1:
+            return
+        digest = self._reader.state_digest
+        self._sync.sync(None if slots is None or digest is None else digest(slots))
+
+    def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
+        """Head: a sync point (:meth:`sync`), then the shutdown header; every worker's loop then ends.
+
+        The shutdown header goes out even when the sync point raises, then the sync
+        point's error is raised: a head cannot shut down past a failure it was not
+        told of.  Idempotent; after it, other sends raise :class:`EpSendError`.
+
+        Raises:
+            EpWorkerFailed, EpDivergenceError, RunStopped: as :meth:`sync`.
+            EpRoleError, EpSendError: see the class.
+        """
+        sender = self._sender
+        sender.require_head()
+        if sender.shut_down:
+            return
+        self._run.raise_if_stopped()
+        try:
+            self.sync(slots)
+        finally:
+            sender.send((encode_header(0, CMD_SHUTDOWN),))
+            sender.shut_down = True
+
+    def check_workers(self, timeout: float = 0.0) -> None:
+        """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
+
+        It looks until it finds something or ``timeout`` seconds have passed (a
+        worker that just failed takes a moment to exit), and returns when it found
+        nothing (or the worker that stopped runs on another host and sent no report).
+        :meth:`collective_failed` uses it.  A no-op on one rank.
+
+        Raises:
+            EpWorkerFailed: workers reported failed commands (each once), none stopping the run.
+            RunStopped: a report stopped the run, or workers of this host exited (named).
+            EpRoleError: called on a worker.
+            TypeError, ValueError: ``timeout`` is not a number of seconds ``>= 0``.
+        """
+        self._sender.require_head()
+        assert self._reports is not None
+        self._reports.check(timeout)
+
+    # -- every rank: values all ranks must agree on -----------------------------
+
+    def gather_u32(self, value: int) -> list[int]:
+        """Every rank's ``value`` (a u32), by rank, on every rank.  Collective: at the same point on every rank.
+
+        Usable inside a command (the head after sending it, each worker in its hook);
+        bounded by ``command_timeout``.  ``TypeError``/``ValueError`` for a value that
+        is not a u32; ``EpLinkError`` when a rank did not take part in time, or died.
+        """
+        return self._sync.gather_u32(value)
+
+    def min_u32(self, value: int) -> int:
+        """The smallest ``value`` (a u32) of every rank, on every rank (a :meth:`gather_u32`)."""
+        return min(self._sync.gather_u32(value))
+
+    def assert_ranks_agree(self, **values: int) -> None:
+        """Raise :class:`EpDivergenceError` on every rank unless every rank passed the same named u32 values.
+
+        Collective, like :meth:`gather_u32`; at most 12 values (``ValueError`` past
+        that).  The message lists every value that differs (the names too count), with
+        each rank's.  Raises as :meth:`gather_u32` otherwise.
+        """
+        self._sync.assert_ranks_agree(values)
+
+    # -- worker --------------------------------------------------------------
+
+    def step(
+        self, run: RunCommand[S], slots: MutableSequence[S | None], collective: Container[int] = frozenset()
+    ) -> bool:
+        """Worker: receive the next header and run its command with ``run(seq_id, cmd, slots)``.
+
+        What the trait's ``ep_worker_step`` does; ``collective`` holds the command
+        words whose forward runs collectives.  Waits for the header without the
+        command timeout (an idle server is not a failure).  Returns ``False`` on the
+        shutdown word.
+
+        Raises:
+            EpCommandFailed: the header arrived and the command failed (``seq_id >=
+                len(slots)``, an unknown command, a follow-up other than the head sent,
+                read past a whole command's end or left unread, an error in the
+                command); the worker stays in step.  (Follow-ups of a command sent
+                item by item left unread fail the next step, once.)
+            EpCommandRefused: the same for a command in ``collective`` (or refused by
+                the hook): reported to the head as stopping the run; the worker exits.
+            RunStopped: a collective of the command failed, or the run stopped earlier.
+            EpReceiveError: a receive failed (head gone, a timeout, a corrupt
+                message, the head closed its link); the worker must exit.
+            EpRoleError: called on the head.
+        """
+        return self._reader.step(run, slots, collective)
+
+    def recv_word(self) -> int:
+        """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
+
+        See the class for what a receive raises; also ``EpMismatchError`` when the
+        command came as one message and has no more follow-ups.
+        """
+        return self._reader.recv_word()
+
+    def recv_tokens(self, count: int | None = None) -> list[int]:
+        """Worker: the next follow-up token array, as a list; pass ``count`` to require a length.
+
+        See the class for what a receive raises: ``EpMismatchError`` too when another
+        number than ``count`` came (the message names both); ``TypeError`` or
+        ``ValueError`` when ``count`` is not ``None`` or an int ``>= 0`` (nothing is received).
+        """
+        return self._reader.recv_tokens(count)
+
+    def recv_tokens_into(self, buffer: Buffer | ArrayInterface) -> None:
+        """Worker: the next follow-up token array, written into ``buffer`` in place.
+
+        ``buffer``: a writable, C-contiguous, 1-D u32 buffer (``array('I')``, numpy
+        ``uint32``) of the head's length, for tokens that go to a tensor, not to Python.
+
+        See the class for what a receive raises: ``EpMismatchError`` too for a token
+        array of another length; ``TypeError`` or ``ValueError`` when ``buffer`` is not
+        such a buffer (nothing is received).
+        """
+        self._reader.recv_tokens_into(buffer)
+
+    # -- the run stops --------------------------------------------------------
+
+    def collective(self) -> AbstractContextManager[None]:
+        """Run a block that makes collectives with the other ranks: if it raises, the run stops on every rank.
+
+        For the head's forward of a command it sent (and a worker's hook, around the
+        part that runs collectives, when its command word is not one of
+        ``LinkedEp.ep_collective_commands``, whose whole step is covered already): the
+        other ranks are in, or on their way to, its collectives.  On the head a
+        failure raises :class:`RunStopped` naming the command and the error, and
+        closes the link; on a worker it refuses the command (:class:`EpCommandRefused`,
+        reported to the head).  A :class:`RunStopped` raised inside passes as it is.
+
+        Raises:
+            RunStopped: the block raised, or the run stopped earlier.
+        """
+        self._run.raise_if_stopped()
+        refuse = self._reader.refuse if self._settings.rank else None
+        return stop_on_error(self._run, self._settings.who, self._stream, refuse)
+
+    def collective_failed(
+        self, error: BaseException, *, what: str = "a collective", grace: float = EXIT_GRACE
+    ) -> RunStopped:
+        """A collective of the command in flight failed on this rank (``error``): stop the run; return what to raise.
+
+        For the code that runs a model's collectives (``metrale_model_engine.torch.Collectives``
+        does it for its all-reduces), whose backend says only that some peer is gone
+        or late.  The head looks, up to ``grace`` seconds, for the workers that
+        reported a failure, exited or are stopped (a signal, a debugger): the error
+        names them (:attr:`RunStopped.failures`, :attr:`RunStopped.ranks`).  A worker
+        names the command, and reports its failure to the head as a witness (it may
+        only have seen another rank's).  The link is closed.
+
+        Args:
+            error: the backend's error.
+            what: how messages name the collective (``"an all-reduce"``).
+            grace: seconds the head looks for the rank behind the failure.
+        """
+        if self._run.stopped is not None:
+            return self._run.still_stopped()
+        if self._reports is None:
+            return self._reader.witness(error, what)
+        return self._reports.collective_failed(error, what, grace)
+
+    def raise_if_stopped(self) -> None:
+        """Raise :class:`RunStopped` if the run stopped (:attr:`stopped`); for a model's head methods, first thing.
+
+        Sends and steps check it themselves; a head method calls it before its own checks.
+        """
+        self._run.raise_if_stopped()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the link and its transport.  Idempotent.
+
+        A head that has not shut its workers down tells them first (best effort,
+        within a second; once the run stopped, without waiting), so that every
+        worker's next receive raises :class:`EpReceiveError` at once.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sender.tell_closed()
+        finally:
+            if self._reports is not None:
+                self._reports.close()
+            self._transport.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        settings = self._settings
+        state = "closed" if self._closed else "open"
+        return (
+            f"<EpLink rank {settings.rank} of {settings.world_size}, protocol {settings.protocol.value}, "
+            f"{settings.num_slots} slots, {type(self._transport).__name__}, {state}>"
+        )

@@ -1,0 +1,180 @@
+"""``WorkerReports``: the head's view of its workers: their reports of failed commands, and which have stopped."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from .._core.checks import check_seconds
+from .._core.codec import WireError
+from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
+from .._core.transport import EpTransport
+from .._host.liveness import ProcessWatch
+from .agreement import read_answers
+from .run_state import RunState
+from .settings import LinkSettings
+from .stream import CommandStream
+
+EXIT_GRACE: Final = 5.0
+"""Seconds the head looks for the worker behind a failed collective (a failing worker takes a moment to exit)."""
+_CHECK_PAUSE: Final = 0.001
+"""Seconds between two looks of :meth:`WorkerReports.stopped_workers`."""
+_NOT_SENT: Final = "; nothing of the command being sent was sent"
+
+
+class WorkerReports:
+    """The head's reading of its workers' reports, and its watch of the worker processes of its host.
+
+    Every report is counted once, by worker (a sync point checks that none was
+    lost); the worker processes of the head's host (their pids travel in the setup
+    exchange) are watched with pidfds, so that the head can name the ranks that
+    exited or are stopped.
+
+    Args:
+        transport, settings, stream, run: the link's parts.
+        pids: the pid of every worker on the head's host, by rank.
+    """
+
+    __slots__ = ("_ranks", "_run", "_seen", "_settings", "_stream", "_transport", "_watch")
+
+    def __init__(
+        self,
+        transport: EpTransport,
+        settings: LinkSettings,
+        stream: CommandStream,
+        run: RunState,
+        pids: Mapping[int, int],
+    ) -> None:
+        self._transport = transport
+        self._settings = settings
+        self._stream = stream
+        self._run = run
+        self._seen = [0] * settings.world_size  # by rank: failures the head has read
+        self._watch: ProcessWatch | None = ProcessWatch()
+        self._ranks = {pid: rank for rank, pid in pids.items()}
+        for pid in pids.values():
+            self._watch.add(pid)
+
+    def seen(self, failures: list[WorkerFailure]) -> list[WorkerFailure]:
+        """Count ``failures`` as read; return them."""
+        for failure in failures:
+            self._seen[failure.rank] += 1
+        return failures
+
+    def seen_count(self, rank: int) -> int:
+        """How many reports of worker ``rank`` the head has read."""
+        return self._seen[rank]
+
+    def poll(self) -> list[WorkerFailure]:
+        """The failures the workers reported since the last look (each counted as read).
+
+        Raises:
+            EpLinkError: an answer is corrupt, or reading the answers failed.
+        """
+        failures: list[WorkerFailure] = []
+        try:
+            for rank, answer in self._transport.poll_answers():
+                found, _ = read_answers(rank, [answer])
+                failures += self.seen(found)
+        except WireError as error:
+            raise EpLinkError(f"head: a corrupt answer: {error}") from None
+        except Exception as error:
+            raise EpLinkError(f"head: reading the workers' answers failed: {error}") from error
+        return failures
+
+    def raise_pending(self) -> None:
+        """Raise what the workers reported since the last look: the command being sent is not sent.
+
+        Raises:
+            RunStopped: a report stopped the run (the link is closed).
+            EpWorkerFailed: ordinary failed commands.
+        """
+        failures = self.poll()
+        if any(failure.stopped for failure in failures):
+            raise self.stop(self.why(failures, []), failures, (), note=_NOT_SENT)
+        if failures:
+            raise EpWorkerFailed(failures, _NOT_SENT)
+
+    def check(self, timeout: object) -> None:
+        """``EpLink.check_workers``: raise why workers stopped, looking up to ``timeout`` seconds."""
+        limit = check_seconds("timeout", timeout, allow_zero=True)
+        assert limit is not None
+        failures, exited = self.stopped_workers(limit)
+        if exited or any(failure.stopped for failure in failures):
+            raise self.stop(self.why(failures, exited), failures, exited)
+        if failures:
+            raise EpWorkerFailed(failures)
+
+    def stopped_workers(self, limit: float) -> tuple[list[WorkerFailure], list[int]]:
+        """The reports not read yet and the worker ranks that exited; looks up to ``limit`` seconds for either."""
+        deadline = time.monotonic() + limit
+        while self._settings.world_size > 1:
+            exited = self.exited()  # first: a report written before the exit is in by now
+            failures = self.poll()
+            if failures or exited or time.monotonic() >= deadline:
+                return failures, exited
+            time.sleep(_CHECK_PAUSE)
+        return [], []
+
+    def stop(
+        self, why: str, failures: Sequence[WorkerFailure], ranks: Sequence[int], *, note: str = "", where: str = ""
+    ) -> RunStopped:
+        """Stop the run for ``why`` (the link is closed); return the :class:`RunStopped` to raise."""
+        return self._run.stop(RunStopped(f"head: the run stopped{where}: {why}{note}", failures, ranks))
+
+    def why(self, failures: Sequence[WorkerFailure], exited: Sequence[int]) -> str:
+        """The reason a run stopped, as the head knows it: first-hand reports, the ranks that exited, witnesses.
+
+        A witness (a worker whose collective failed) may only have seen another rank's
+        failure: its report comes last, and when nothing else is known, the ranks
+        that said nothing are named.
+        """
+        reasons = [str(failure) for failure in failures if not failure.witness]
+        if exited:
+            reasons.append(
+                f"worker rank(s) {list(exited)} exited (died or left the run) after command {self._stream.commands}"
+            )
+        witnesses = [failure for failure in failures if failure.witness]
+        reasons += [str(failure) for failure in witnesses]
+        silent = [rank for rank in range(1, self._settings.world_size) if rank not in {f.rank for f in witnesses}]
+        if witnesses and len(reasons) == len(witnesses) and silent:
+            reasons.append(f"rank(s) {silent} said nothing (they stall, skipped their forward, or left)")
+        return "; ".join(reasons)
+
+    def exited(self) -> list[int]:
+        """The worker ranks of the head's host whose process has exited."""
+        if self._watch is None:
+            return []
+        return sorted(self._ranks[pid] for pid in self._watch.dead())
+
+    def halted(self) -> list[int]:
+        """The worker ranks of the head's host whose process is stopped (a signal, a debugger)."""
+        if self._watch is None:
+            return []
+        return sorted(self._ranks[pid] for pid in self._watch.halted())
+
+    def close(self) -> None:
+        """Stop watching the worker processes (release the pidfds).  Idempotent."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def collective_failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
+        """``EpLink.collective_failed`` on the head: look for the worker behind it, stop the run, name it."""
+        where = describe_command(self._stream.commands, *self._stream.command)
+        limit = check_seconds("grace", grace, allow_zero=True)
+        assert limit is not None
+        halted = self.halted()  # a worker that cannot run will not report or exit: no grace to wait
+        failures, exited = self.stopped_workers(0.0 if halted else limit)
+        if failures or exited:
+            why = self.why(failures, exited)
+        elif halted:
+            exited = halted
+            why = f"{what} failed ({error_text(error)}): worker rank(s) {halted} are stopped (a signal, a debugger)"
+        else:
+            why = (
+                f"{what} failed ({error_text(error)}), and no worker reported a failure or exited within {limit:g} s "
+                "(a worker that stalls or skipped its forward, or one on another host)"
+            )
+        return self.stop(why, failures, exited, where=f" in {where}")

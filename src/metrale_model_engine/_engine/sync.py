@@ -1,0 +1,105 @@
+"""``SyncPoints``: the head's sync points, and the values every rank can check that all ranks agree on."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+
+from typing_extensions import Buffer
+
+from .._core.codec import Ack, WireError, encode_sync
+from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
+from .._core.transport import EpTransport
+from .._core.words import check_u32
+from .agreement import HeadFigures, differences, disagreement_of_values, read_answers
+from .reports import WorkerReports
+from .settings import LinkSettings
+from .stream import CommandStream
+
+Send = Callable[[Sequence[Buffer]], None]
+"""The link's send of one message (its checks, the transport, the stream's digest)."""
+
+
+class SyncPoints:
+    """Sync points (head) and agreement helpers (every rank) over a link's transport.
+
+    Args:
+        transport, settings, stream: the link's parts.
+        reports: the head's reading of its workers' reports (``None`` on a worker).
+        send: the link's send of one message.
+    """
+
+    __slots__ = ("_agreed", "_number", "_reports", "_send", "_settings", "_stream", "_transport")
+
+    def __init__(
+        self,
+        transport: EpTransport,
+        settings: LinkSettings,
+        stream: CommandStream,
+        reports: WorkerReports | None,
+        send: Send,
+    ) -> None:
+        self._transport = transport
+        self._settings = settings
+        self._stream = stream
+        self._reports = reports
+        self._send = send
+        self._number = 0  # sync points sent
+        self._agreed = 0  # commands sent by the last sync point where every rank agreed
+
+    def sync(self, mine: int | None) -> None:
+        """Head: ``EpLink.sync``, comparing state digests when ``mine`` (the head's) is given."""
+        reports = self._reports
+        assert reports is not None  # the link checked the role
+        self._number += 1
+        number = self._number
+        self._send((encode_sync(number, mine is not None),))
+        failures: list[WorkerFailure] = []
+        acks: dict[int, Ack] = {}
+        for rank in range(1, self._settings.world_size):
+            while rank not in acks:
+                try:
+                    answers = self._transport.receive_answers(rank, self._settings.command_timeout)
+                    found, answered = read_answers(rank, answers)
+                except WireError as error:
+                    raise EpLinkError(f"head: a corrupt answer at sync point {number}: {error}") from None
+                except Exception as error:
+                    exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
+                    raise EpLinkError(
+                        f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
+                    ) from error
+                failures += reports.seen(found)
+                if any(failure.stopped for failure in found):  # that worker left: no acknowledgement will come
+                    raise reports.stop(reports.why(failures, []), failures, ())
+                acks.update((rank, ack) for ack in answered if ack.number == number)
+        stream = self._stream
+        differ = differences(HeadFigures(number, stream.commands, stream.crc, mine, self._agreed), acks)
+        lost = [rank for rank, ack in acks.items() if ack.reports != reports.seen_count(rank)]
+        if lost:
+            raise EpLinkError(f"head: reports of worker rank(s) {lost} were lost on the way (a transport fault)")
+        if failures:
+            raise EpWorkerFailed(failures, f"; at sync point {number}: {differ[0]}" if differ else "")
+        if differ is not None:
+            raise EpDivergenceError(*differ)
+        self._agreed = stream.commands
+
+    def gather_u32(self, value: int) -> list[int]:
+        """``EpLink.gather_u32``: every rank's ``value``, by rank."""
+        return [words[0] for words in self._gather([check_u32("value", value)], "gathering a value")]
+
+    def assert_ranks_agree(self, values: dict[str, int]) -> None:
+        """``EpLink.assert_ranks_agree``: raise on every rank unless every rank passed the same named values."""
+        names = sorted(values)
+        if len(names) > 12:
+            raise ValueError(f"assert_ranks_agree takes at most 12 values, got {len(names)}")
+        words = [zlib.crc32("\0".join(names).encode())] + [check_u32(name, values[name]) for name in names]
+        everyone = self._gather(words, "checking that the ranks agree")
+        differ = disagreement_of_values(["the names of the values", *names], everyone)
+        if differ is not None:
+            raise EpDivergenceError(f"rank {self._settings.rank}: {differ[0]}", differ[1])
+
+    def _gather(self, words: list[int], doing: str) -> list[list[int]]:
+        try:
+            return self._transport.gather(words, self._settings.command_timeout)
+        except Exception as error:
+            raise EpLinkError(f"rank {self._settings.rank}: {doing} failed: {error}") from error
