@@ -156,6 +156,17 @@ def test_a_missing_follow_up_meets_the_next_header_which_still_runs(head: Head) 
     assert slots == [None, None, SequenceState(2), None]
 
 
+def test_words_sent_outside_a_command_are_read_after_any_command(head: Head) -> None:
+    """Only a step's reads stop at a whole command's end: a word read outside any step waits for it."""
+    head.command(0, WORD, 7)
+    head.recorder.ep_broadcast_cmd(11)  # a follow-up outside any command, as the benchmarks' bursts send
+    worker = head.worker()
+    slots: list[SequenceState | None] = [None] * 4
+    assert worker.ep_worker_step(slots) is True
+    assert worker.ep_link.recv_word() == 11
+    assert slots == [SequenceState(0, [7]), None, None, None]
+
+
 def test_a_follow_up_of_another_kind_is_a_mismatch(head: Head) -> None:
     head.command(0, WORD, LONG)  # tokens where a word was expected
     head.command(1, TOKENS, 4)  # a word where tokens were expected

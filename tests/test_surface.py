@@ -1,6 +1,8 @@
-"""Each public module's surface is pinned, its classes name their public home, and renamed names warn."""
+"""Public modules: each surface pinned, classes with their source and help, dir() the surface, old names warn."""
 
 import importlib
+import inspect
+import pydoc
 import types
 import warnings
 
@@ -9,6 +11,7 @@ import pytest
 import metrale_model_engine
 
 SURFACES = {
+    "metrale_model_engine.demo": ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"],
     "metrale_model_engine": [
         "CMD_SHUTDOWN",
         "DEFAULT_COMMAND_TIMEOUT",
@@ -73,11 +76,15 @@ SURFACES = {
     ],
     "metrale_model_engine.transport": [
         "EpTransport",
+        "HeadEnd",
+        "HeadTransport",
         "PeerLost",
         "SoloTransport",
         "TransportClosed",
         "TransportCorrupt",
         "TransportTimeout",
+        "WorkerEnd",
+        "WorkerTransport",
     ],
     "metrale_model_engine.shm": [
         "CHECK_INTERVAL",
@@ -135,6 +142,7 @@ REFERENCE_SURFACE = [
     "SHIPPED_WEIGHTS",
     "ServedLm",
     "Server",
+    "Shard",
     "ShardedLm",
     "TimeSpent",
     "VOCAB_SIZE",
@@ -148,9 +156,11 @@ REFERENCE_SURFACE = [
     "kv_digest",
     "load_weights",
     "read_config",
+    "run_summary",
     "save_weights",
     "shard_state",
     "state_shapes",
+    "summary_lines",
 ]
 
 
@@ -162,11 +172,6 @@ def surfaces() -> dict[str, list[str]]:
     return found
 
 
-def public_home(module: str, name: str) -> bool:
-    """``module`` is ``name`` or one of its public submodules (the reference package keeps classes in its modules)."""
-    return module == name or (module.startswith(name + ".") and "._" not in module)
-
-
 @pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))
 def test_each_public_module_exports_exactly_its_surface(name: str, surface: list[str]) -> None:
     module = importlib.import_module(name)
@@ -176,15 +181,24 @@ def test_each_public_module_exports_exactly_its_surface(name: str, surface: list
 
 
 @pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))
-def test_classes_name_their_public_home(name: str, surface: list[str]) -> None:
+def test_every_public_class_shows_its_source_and_its_help(name: str, surface: list[str]) -> None:
+    """Classes keep the module that defines them as ``__module__``: ``inspect.getsource`` and ``help()`` find them."""
     module = importlib.import_module(name)
     for public in surface:
         value = getattr(module, public)
-        is_class = isinstance(value, type) and not isinstance(value, types.GenericAlias)  # 3.10: list[X] is a type
-        if is_class and public != "EpTransport":  # the protocol's home is the transport module
-            reexported = name.startswith("metrale_model_engine.") and value.__module__ == "metrale_model_engine"
-            assert public_home(value.__module__, name) or reexported, (public, value.__module__)
-    assert metrale_model_engine.EpTransport.__module__ == "metrale_model_engine.transport"
+        if isinstance(value, type) and not isinstance(value, types.GenericAlias):  # 3.10: list[X] is a type
+            assert value.__module__.startswith("metrale_model_engine"), (public, value.__module__)
+            assert f"class {value.__name__}" in inspect.getsource(value), public
+            assert value.__doc__ and value.__doc__.split("\n")[0] in pydoc.render_doc(value), public
+
+
+@pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))
+def test_dir_of_a_public_module_shows_its_surface_and_nothing_else(name: str, surface: list[str]) -> None:
+    module = importlib.import_module(name)
+    shown = [entry for entry in dir(module) if not entry.startswith("_") and entry not in surface]
+    submodules = [entry for entry in shown if isinstance(getattr(module, entry), types.ModuleType)]
+    assert shown == submodules, shown  # annotations, TYPE_CHECKING, the modules it imports: not listed
+    assert all(getattr(module, entry).__name__ == f"{name}.{entry}" for entry in submodules)
 
 
 def test_the_root_holds_what_a_user_writes() -> None:
@@ -224,3 +238,14 @@ def test_the_renamed_launchers_warn_and_still_run() -> None:
         with pytest.raises(ValueError, match="world_size must be an int in 1"):
             shm.run_local(print, 0)  # deprecated: the checks still run
     assert any("run_local is now run_ring" in str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the reference package needs torch")
+def test_the_renamed_server_module_warns_and_gives_the_schedulers_names() -> None:
+    import sys
+
+    sys.modules.pop("metrale_model_engine.reference.server", None)
+    with pytest.warns(DeprecationWarning, match=r"reference\.server is now metrale_model_engine\.reference\.scheduler"):
+        old = importlib.import_module("metrale_model_engine.reference.server")
+    new = importlib.import_module("metrale_model_engine.reference.scheduler")
+    assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ._core import errors as _errors
 from ._core.checks import check_slot
 from ._core.errors import *  # noqa: F403  (the exception classes, as listed in _errors.__all__)
+from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import PROTOCOL_ENV_VAR, ProtocolVersion
 from ._core.state import SequenceState
 from ._core.tokens import ArrayInterface, TokenArray, as_u32_buffer
@@ -60,10 +61,8 @@ __all__ += _errors.__all__
 
 __version__ = "0.1.0"
 
-for _name in __all__:
-    _value = globals()[_name]
-    if isinstance(_value, type) and _value.__module__.startswith(f"{__name__}._"):
-        _value.__module__ = __name__  # tracebacks and reprs name the public home
+__dir__: PublicDir = public_dir(globals(), __all__)
+"""The names a user writes (``__all__``), the loaded public submodules, the dunders (PEP 562)."""
 
 if TYPE_CHECKING:
     from .wire import FRAME_WORDS as FRAME_WORDS

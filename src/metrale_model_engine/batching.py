@@ -17,10 +17,12 @@ import operator
 from collections.abc import Sequence
 
 from ._core.checks import check_int
+from ._core.namespace import PublicDir, public_dir
 from ._core.tokens import TokenArray, as_u32_buffer, token_count
 from ._engine.link import EpLink
 
 __all__ = ["check_batch", "prefill_chunks", "recv_batch", "send_batch"]
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 def send_batch(link: EpLink, cmd: int, slot_ids: TokenArray, values: TokenArray) -> None:

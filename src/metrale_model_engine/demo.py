@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 
 from ._core.errors import EpSetupError
+from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
 from ._core.words import U32_MAX
 from ._host.launch import INTERRUPTED
@@ -41,11 +41,11 @@ from ._shm.segment import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     from ._engine.link import EpLink
-    from .reference import Completion, ReferenceLm, Server
+    from .reference import Completion, ReferenceLm
+
+__all__ = ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_SHARED_UNITS: Final = 4
-"""The shipped model's attention heads and experts (both 4): a world size must divide them."""
 
 PROMPTS: Final[tuple[str, ...]] = (
     "Licensed under the",
@@ -81,12 +81,22 @@ def _world_size(text: str) -> int:
     value = _whole(text, 1)
     if value > MAX_WORLD_SIZE:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE} (the most ranks one ring serves)")
-    if _SHARED_UNITS % value:
-        raise argparse.ArgumentTypeError(
-            f"must divide the model's {_SHARED_UNITS} attention heads and {_SHARED_UNITS} experts "
-            f"(1, 2 or 4), got {value}"
-        )
     return value
+
+
+def _unshared_world_size(world_size: int) -> str | None:
+    """Why the shipped model cannot be split over ``world_size`` ranks (read from its weights' header), or ``None``."""
+    try:
+        from .reference import SHIPPED_WEIGHTS, read_config
+    except ImportError:  # no torch: main says so, in its own line
+        return None
+    config = read_config(SHIPPED_WEIGHTS)
+    heads, experts = config.n_heads, config.n_experts
+    if not heads % world_size and not experts % world_size:
+        return None
+    sizes = [size for size in range(1, min(heads, experts) + 1) if not heads % size and not experts % size]
+    listed = ", ".join(map(str, sizes))
+    return f"must divide the model's {heads} attention heads and {experts} experts ({listed}), got {world_size}"
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -104,7 +114,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """
     parser = _OneLineParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--world-size", type=_world_size, default=2, help="local ranks: 1, 2 or 4 (default 2; torchrun sets it)")
+    add(
+        "--world-size",
+        type=_world_size,
+        default=2,
+        help="local ranks, a divisor of the model's heads and experts (default 2; torchrun sets it)",
+    )
     versions = [p.value for p in ProtocolVersion]
     add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
     add(
@@ -133,6 +148,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote",
     )
     args = parser.parse_args(argv)
+    unshared = _unshared_world_size(args.world_size)
+    if unshared is not None:
+        parser.error(f"argument --world-size: {unshared}")
     if args.json is not None and not args.json.resolve().parent.is_dir():
         parser.error(f"argument --json: {str(args.json)!r} is in a directory that does not exist")
     if args.json is not None and args.json.is_dir():
@@ -230,7 +248,7 @@ def _open_link(world_size: int, work: Work) -> EpLink:
 
 
 def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
-    from .reference import Request, Server, decode_text, encode
+    from .reference import Request, Server, decode_text, encode, run_summary, summary_lines
 
     link = model.ep_link
     ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
@@ -264,8 +282,9 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
                 reported.add(completion.request.id)
                 report(completion)
     wall_s = time.perf_counter() - started
-    summary = _summary(model, server, wall_s)
-    _print_summary(summary, len(server.completions))
+    summary = run_summary(model, server, wall_s)
+    for line in summary_lines(summary):
+        _say(line)
     server.shutdown()  # a last sync point: it raises unless every rank's KV bookkeeping is the head's
     if model.is_ep():
         sync_points = server.steps // work.sync_every + 1
@@ -276,75 +295,6 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
     if work.json_path is not None:
         work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
-
-
-def _summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, object]:
-    from .reference import decode_text
-
-    link = model.ep_link
-    generated = sum(len(c.tokens) for c in server.completions.values())
-    steps = server.decode_steps  # none when every request ends at its prefill (--max-new-tokens 1)
-    median = statistics.median(step.total_s for step in steps) if steps else 0.0
-
-    def share(part: float) -> float:
-        total = sum(step.total_s for step in steps)
-        return round(part / total, 4) if total else 0.0
-
-    backend = "none"
-    if model.is_ep():
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend())
-    return {
-        "ranks": link.world_size,
-        "protocol": link.protocol.value,
-        "transport": type(link.transport).__name__,
-        "backend": backend,
-        "slots": link.num_slots,
-        "steps": server.steps,
-        "tokens": generated,
-        "wall_s": round(wall_s, 4),
-        "tokens_per_s": round(generated / wall_s, 1),
-        "decode_step": {
-            "count": len(steps),
-            "median_ms": round(median * 1e3, 3),
-            "largest_batch": max((step.batch for step in steps), default=0),
-            "protocol_share": share(sum(step.protocol_s for step in steps)),
-            "collectives_share": share(sum(step.collectives_s for step in steps)),
-            "compute_share": share(sum(step.compute_s for step in steps)),
-            "protocol_us_median": round(statistics.median(s.protocol_s for s in steps) * 1e6, 1) if steps else 0.0,
-        },
-        "requests": [
-            {
-                "id": c.request.id,
-                "prompt": decode_text(c.request.prompt),
-                "tokens": c.tokens,
-                "text": decode_text(c.tokens),
-                "submitted_step": c.submitted_step,
-                "admitted_step": c.admitted_step,
-                "finished_step": c.finished_step,
-                "finish_reason": c.finish_reason,
-            }
-            for c in server.completions.values()
-        ],
-    }
-
-
-def _print_summary(summary: dict[str, object], requests: int) -> None:
-    step = summary["decode_step"]
-    assert isinstance(step, dict)
-    _say(
-        f"[head] {requests} requests, {summary['tokens']} tokens in {summary['wall_s']:.2f} s: "
-        f"{summary['tokens_per_s']:.0f} tokens/s"
-    )
-    if not step["count"]:
-        _say("[head] no decode step: every request ended with its prefill")
-        return
-    _say(
-        f"[head] a decode step (median {step['median_ms']:.2f} ms, batches up to {step['largest_batch']}): "
-        f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
-        f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -440,6 +390,8 @@ def _under_torchrun(backend: str | None, work: Work) -> int:
     finally:
         dist.destroy_process_group()
 
+
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 if __name__ == "__main__":
     raise SystemExit(main())

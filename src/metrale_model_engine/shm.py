@@ -41,6 +41,7 @@ Errors are plain (see :mod:`metrale_model_engine.transport`): ``PeerLost``,
 them.  Not thread-safe: one thread of each rank uses its transport.
 """
 
+from ._core.namespace import PublicDir, public_dir
 from ._shm.run import run_local as run_local  # deprecated: kept importable, not in __all__
 from ._shm.run import run_ring
 from ._shm.segment import MAX_WORLD_SIZE
@@ -60,4 +61,4 @@ __all__ = [
     "shm_supported",
 ]
 
-ShmTransport.__module__ = __name__
+__dir__: PublicDir = public_dir(globals(), __all__)

@@ -21,15 +21,17 @@ from typing import Literal
 from typing_extensions import Buffer
 
 from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header
+from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
+from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
 from ._engine.link import EpLink
 from ._engine.linked import LinkedEp
 from ._engine.model import S
 from ._engine.worker import WorkerSummary, run_worker
-from .transport import TransportClosed
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 EventKind = Literal["cmd", "cmd_for_seq", "tokens", "sync", "shutdown", "close"]
 
@@ -51,8 +53,8 @@ Message = tuple[int, ...]
 """One message as its u32 words."""
 
 
-class RecordingTransport:
-    """Rank 0 of a pretend group of ``world_size`` ranks: keeps every message it is given.
+class RecordingTransport(HeadEnd):
+    """The head (rank 0) of a pretend group of ``world_size`` ranks: keeps every message it is given.
 
     Give it to an :class:`~metrale_model_engine.EpLink` to run a head without
     processes; :attr:`messages` is then exactly what went on the wire.  The setup
@@ -60,8 +62,6 @@ class RecordingTransport:
     as workers in step would (the same commands and stream; no failures; no state,
     so a sync point that compares state digests is told they computed none).
     """
-
-    rank = 0
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -86,30 +86,11 @@ class RecordingTransport:
             at = item.end
             self._commands += item.starts_command and item.first != CMD_SHUTDOWN
 
-    def receive(self, timeout: float | None) -> memoryview:
-        """Refused: this is the head."""
-        raise TransportClosed("a RecordingTransport is the head: it only sends")
-
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """Record the setup words (the first gather); every rank agrees."""
         if self.setup is None:
             self.setup = list(words)
         return [list(words)] * self.world_size
-
-    def answer(self, answer: Buffer, timeout: float | None) -> None:
-        """Refused: this is the head."""
-        raise TransportClosed("a RecordingTransport is the head: it does not answer")
-
-    def flush_answers(self, timeout: float | None) -> None:
-        """Nothing is held."""
-
-    def answers_ready(self) -> bool:
-        """The pretend workers report no failures."""
-        return False
-
-    def poll_answers(self) -> list[tuple[int, bytes]]:
-        """The pretend workers report no failures."""
-        return []
 
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
         """Worker ``rank``'s acknowledgement of the last sync point, as a worker in step would send it."""
@@ -124,8 +105,8 @@ class RecordingTransport:
         self.closed = True
 
 
-class ReplayTransport:
-    """Rank 1 of a pretend two-rank group: receives ``messages`` in order, then ``EOFError``.
+class ReplayTransport(WorkerEnd):
+    """A worker (rank 1) of a pretend two-rank group: receives ``messages`` in order, then ``EOFError``.
 
     Args:
         messages: what the head sent, one sequence of words per message.
@@ -144,10 +125,6 @@ class ReplayTransport:
         self.answers: list[bytes] = []
         """What the worker answered (failure reports, sync acknowledgements), oldest first."""
 
-    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
-        """Refused: this is a worker."""
-        raise TransportClosed("a ReplayTransport is a worker: it only receives")
-
     def receive(self, timeout: float | None) -> memoryview:
         """The next recorded message; ``EOFError`` past the last."""
         message = next(self._pending, None)
@@ -163,24 +140,6 @@ class ReplayTransport:
     def answer(self, answer: Buffer, timeout: float | None) -> None:
         """Keep the answer in :attr:`answers`."""
         self.answers.append(bytes(memoryview(answer).cast("B")))
-
-    def flush_answers(self, timeout: float | None) -> None:
-        """Nothing is held back."""
-
-    def answers_ready(self) -> bool:
-        """A worker receives no answers."""
-        return False
-
-    def poll_answers(self) -> list[tuple[int, bytes]]:
-        """A worker receives no answers."""
-        return []
-
-    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
-        """Refused: this is a worker."""
-        raise TransportClosed("a ReplayTransport is a worker: it receives no answers")
-
-    def close(self) -> None:
-        """Nothing is held."""
 
 
 class RecordingEp(LinkedEp[S]):

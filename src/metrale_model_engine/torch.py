@@ -46,6 +46,7 @@ except ImportError as _missing:
 
 from typing import TYPE_CHECKING
 
+from ._core.namespace import PublicDir, public_dir
 from ._torch.choice import TRANSPORT_KINDS, TransportKind, open_link, open_transport
 from ._torch.collectives import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
 from ._torch.groups import (
@@ -80,8 +81,7 @@ __all__ = [
     "tensor_tokens",
 ]
 
-TorchTransport.__module__ = __name__
-Collectives.__module__ = __name__
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 if not TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""A toy multi-rank model with real commands, for the tests, the benchmarks and ``demo --toy``.
+"""A toy multi-rank model with real commands, for the tests and the benchmarks.
 
 ``ToyModel`` serves sequences in slots with four commands (alloc, prefill with a
 prompt, decode, free).  Its "forward" is a rolling checksum over the tokens, so that
@@ -20,6 +20,7 @@ from collections.abc import Iterable, MutableSequence, Sequence
 from typing import ClassVar, Final
 
 from ._core.checks import check_slot
+from ._core.namespace import PublicDir, public_dir
 from ._core.state import SequenceState
 from ._core.tokens import TokenArray, as_u32_buffer
 from ._engine.link import EpLink
@@ -27,6 +28,7 @@ from ._engine.linked import LinkedEp
 from .batching import check_batch, recv_batch, send_batch
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 VOCAB_SIZE: Final[int] = 32_000
 _CHECKSUM_MOD: Final[int] = (1 << 61) - 1

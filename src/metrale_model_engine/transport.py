@@ -9,15 +9,40 @@ transport raises, once, to the library's own errors (a failed send to
 ``EpLinkError``).  A transport raises plain errors: the classes below, ``OSError``,
 or its backend's own.
 
-Implementations: :class:`metrale_model_engine.shm.ShmTransport` (one host, shared
-memory), :class:`metrale_model_engine.torch.TorchTransport` (any
-torch.distributed group), and the in-memory doubles of
-:mod:`metrale_model_engine.testing`.
+A transport has two ends, by role: :class:`HeadTransport` (rank 0: sends, reads
+answers) and :class:`WorkerTransport` (receives, answers); :class:`EpTransport` is
+both, as ``EpLink`` takes it.  Implementations:
+:class:`metrale_model_engine.shm.ShmTransport` (one host, shared memory) and
+:class:`metrale_model_engine.torch.TorchTransport` (any torch.distributed group)
+serve every rank; :class:`SoloTransport` (one rank) and the in-memory doubles of
+:mod:`metrale_model_engine.testing` play one role, on :class:`HeadEnd` or
+:class:`WorkerEnd`, whose calls of the other role refuse.
 """
 
-from ._core.transport import EpTransport, PeerLost, SoloTransport, TransportClosed, TransportCorrupt, TransportTimeout
+from ._core.namespace import PublicDir, public_dir
+from ._core.transport import (
+    EpTransport,
+    HeadEnd,
+    HeadTransport,
+    PeerLost,
+    SoloTransport,
+    TransportClosed,
+    TransportCorrupt,
+    TransportTimeout,
+    WorkerEnd,
+    WorkerTransport,
+)
 
-__all__ = ["EpTransport", "PeerLost", "SoloTransport", "TransportClosed", "TransportCorrupt", "TransportTimeout"]
-
-for _class in (EpTransport, PeerLost, SoloTransport, TransportClosed, TransportCorrupt, TransportTimeout):
-    _class.__module__ = __name__  # reprs and docs name the public home
+__all__ = [
+    "EpTransport",
+    "HeadEnd",
+    "HeadTransport",
+    "PeerLost",
+    "SoloTransport",
+    "TransportClosed",
+    "TransportCorrupt",
+    "TransportTimeout",
+    "WorkerEnd",
+    "WorkerTransport",
+]
+__dir__: PublicDir = public_dir(globals(), __all__)

@@ -75,6 +75,7 @@ from ._core.codec import (
     frame_length,
     frame_message,
 )
+from ._core.namespace import PublicDir, public_dir
 
 __all__ = [
     "ANSWER_BYTES",
@@ -107,5 +108,4 @@ __all__ = [
     "frame_message",
 ]
 
-for _class in (Ack, Item, ItemKind, Report, WireError):
-    _class.__module__ = __name__  # reprs and docs name the public home
+__dir__: PublicDir = public_dir(globals(), __all__)

@@ -7,11 +7,9 @@ from typing import Protocol
 
 from typing_extensions import Buffer
 
-__all__ = ["EpTransport", "PeerLost", "SoloTransport", "TransportClosed", "TransportCorrupt", "TransportTimeout"]
 
-
-class EpTransport(Protocol):
-    """A fixed group of ranks that rank 0 sends messages to.
+class HeadTransport(Protocol):
+    """A transport's head end (rank 0): it sends messages to every worker and reads their answers.
 
     Not thread-safe: one thread of each rank uses its transport.
     """
@@ -26,6 +24,18 @@ class EpTransport(Protocol):
         """Number of ranks in the group."""
         ...
 
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        """Every rank's ``words`` (at most 13 u32 words, the same count on each), by rank.  Collective.
+
+        ``timeout`` bounds the wait for every rank (``None``: the transport's setup
+        limit).
+        """
+        ...
+
+    def close(self) -> None:
+        """Leave the group and release what this rank holds.  Idempotent; a no-op where nothing is held."""
+        ...
+
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: send one message, the concatenation of ``parts`` (native u32 buffers), to every worker.
 
@@ -34,11 +44,30 @@ class EpTransport(Protocol):
         """
         ...
 
-    def receive(self, timeout: float | None) -> memoryview:
-        """Worker: the next message, whole, as read-only bytes valid until the next receive or close.
+    def answers_ready(self) -> bool:
+        """Head: whether :meth:`poll_answers` has something.  Cheap: called before every command."""
+        ...
 
-        ``timeout`` as for :meth:`send`.
-        """
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """Head: every answer that has arrived, as ``(rank, answer)``, without waiting."""
+        ...
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Head, at a sync point: worker ``rank``'s answers, waiting (bounded) for at least one."""
+        ...
+
+
+class WorkerTransport(Protocol):
+    """A transport's worker end (a rank above 0): it receives the head's messages and answers them."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group; 0 is the head."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
         ...
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
@@ -46,6 +75,17 @@ class EpTransport(Protocol):
 
         ``timeout`` bounds the wait for every rank (``None``: the transport's setup
         limit).
+        """
+        ...
+
+    def close(self) -> None:
+        """Leave the group and release what this rank holds.  Idempotent; a no-op where nothing is held."""
+        ...
+
+    def receive(self, timeout: float | None) -> memoryview:
+        """Worker: the next message, whole, as read-only bytes valid until the next receive or close.
+
+        ``timeout`` as for :meth:`send`.
         """
         ...
 
@@ -62,65 +102,98 @@ class EpTransport(Protocol):
         """Worker, at a sync point (the head is receiving): deliver every answer held back."""
         ...
 
+
+class EpTransport(HeadTransport, WorkerTransport, Protocol):
+    """A fixed group of ranks that rank 0 sends messages to: both ends, the rank says which one a process uses.
+
+    What ``EpLink`` speaks over.  A transport that only ever plays one role
+    inherits :class:`HeadEnd` or :class:`WorkerEnd`, whose calls of the other role
+    refuse or do nothing, honestly, and implements its own.
+    """
+
+
+class HeadEnd:
+    """A base for a transport that is only ever the head: the worker's calls refuse, its answers are none.
+
+    A subclass gives ``world_size``, :meth:`~HeadTransport.send`,
+    :meth:`~HeadTransport.gather` and :meth:`~HeadTransport.receive_answers`; these
+    defaults say what a head without answers between sync points does.
+    """
+
+    rank = 0
+
+    def receive(self, timeout: float | None) -> memoryview:
+        """Refused: the head receives no commands."""
+        raise TransportClosed(f"{type(self).__name__} is a head: it receives no commands")
+
+    def answer(self, answer: Buffer, timeout: float | None) -> None:
+        """Refused: the head answers no one."""
+        raise TransportClosed(f"{type(self).__name__} is a head: it answers no one")
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Nothing is held: a head holds no answers."""
+
     def answers_ready(self) -> bool:
-        """Head: whether :meth:`poll_answers` has something.  Cheap: called before every command."""
-        ...
+        """No answer arrives between sync points."""
+        return False
 
     def poll_answers(self) -> list[tuple[int, bytes]]:
-        """Head: every answer that has arrived, as ``(rank, answer)``, without waiting."""
-        ...
-
-    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
-        """Head, at a sync point: worker ``rank``'s answers, waiting (bounded) for at least one."""
-        ...
+        """No answer arrives between sync points."""
+        return []
 
     def close(self) -> None:
-        """Leave the group and release what this rank holds.  Idempotent; a no-op where nothing is held."""
-        ...
+        """Nothing is held."""
 
 
-class SoloTransport:
+class WorkerEnd:
+    """A base for a transport that is only ever a worker: the head's calls refuse.
+
+    A subclass gives ``rank``, ``world_size``, :meth:`~WorkerTransport.receive`,
+    :meth:`~WorkerTransport.gather` and :meth:`~WorkerTransport.answer`.
+    """
+
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """Refused: a worker sends no commands."""
+        raise TransportClosed(f"{type(self).__name__} is a worker: it sends no commands")
+
+    def answers_ready(self) -> bool:
+        """A worker reads no answers."""
+        return False
+
+    def poll_answers(self) -> list[tuple[int, bytes]]:
+        """Refused: a worker reads no answers."""
+        raise TransportClosed(f"{type(self).__name__} is a worker: it reads no answers")
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        """Refused: a worker reads no answers."""
+        raise TransportClosed(f"{type(self).__name__} is a worker: it reads no answers")
+
+    def flush_answers(self, timeout: float | None) -> None:
+        """Nothing is held back: this worker's answers are on their way (a subclass that holds them overrides it)."""
+
+    def close(self) -> None:
+        """Nothing is held."""
+
+
+class SoloTransport(HeadEnd):
     """The one-rank group: the head alone, with no one to send to.
 
     What a single-GPU model's link runs over: its sends go nowhere and cost a
     method call, and ``is_ep()`` is ``False``.  Closing it changes nothing.
     """
 
-    rank = 0
     world_size = 1
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Nothing to send to."""
 
-    def receive(self, timeout: float | None) -> memoryview:
-        """Never called: the one rank is the head."""
-        raise TransportClosed("the one-rank group has no head to receive from")
-
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """This rank's words, alone."""
         return [list(words)]
 
-    def answer(self, answer: Buffer, timeout: float | None) -> None:
-        """Never called: the one rank is the head."""
-        raise TransportClosed("the one-rank group has no head to answer")
-
-    def flush_answers(self, timeout: float | None) -> None:
-        """Nothing is held."""
-
-    def answers_ready(self) -> bool:
-        """No worker, no answer."""
-        return False
-
-    def poll_answers(self) -> list[tuple[int, bytes]]:
-        """No worker, no answer."""
-        return []
-
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
-        """Never called: there is no worker ``rank``."""
+        """Refused: there is no worker ``rank``."""
         raise TransportClosed(f"the one-rank group has no worker rank {rank}")
-
-    def close(self) -> None:
-        """Nothing is held."""
 
 
 class TransportClosed(ConnectionError):

@@ -178,6 +178,8 @@ class CommandReader:
             raise
         except Exception as error:
             raise self._failed(error) from error
+        finally:
+            self._whole = False  # follow-ups read outside a step wait for the head, as before any command
         self._last_failed = False
         return True
 

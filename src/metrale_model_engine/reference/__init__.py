@@ -41,6 +41,13 @@ Weights travel in a small safetensors-like file (:mod:`.weights`), read
 without pickle; :func:`shard_state` cuts one rank's part out of the full state.
 The tokenizer (:mod:`.tokenizer`) maps each UTF-8 byte to one token.  This
 package imports torch; the root package never imports it.
+
+Its modules, one job each: :mod:`.config` (the shape and the sharding rule),
+:mod:`.layers` and :mod:`.model` (the network), :mod:`.state` (a slot's state and
+the checks every rank makes of a command), :mod:`.serving` (:class:`ReferenceLm`,
+the network served over the protocol), :mod:`.scheduler` (:class:`Server`,
+continuous batching on the head), :mod:`.kv_check`, :mod:`.summary`,
+:mod:`.weights` and :mod:`.tokenizer`.  Everything is exported here.
 """
 
 from __future__ import annotations
@@ -53,9 +60,11 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
         "pip install 'metrale-model-engine[torch]' (CPU build: pip install torch==2.13.0 first)"
     ) from _missing
 
+from .._core.namespace import PublicDir, public_dir
+from .config import LmConfig, Shard, check_world, init_full_state, shard_state, state_shapes
 from .layers import AllReduce
-from .model import LmConfig, ShardedLm, check_world, init_full_state, shard_state, state_shapes
-from .server import Completion, DecodeStep, FinishReason, Request, ServedLm, Server
+from .model import ShardedLm
+from .scheduler import Completion, DecodeStep, FinishReason, Request, ServedLm, Server
 from .serving import (
     CMD_ALLOC,
     CMD_DECODE,
@@ -71,6 +80,7 @@ from .serving import (
     check_prompt,
     kv_digest,
 )
+from .summary import run_summary, summary_lines
 from .tokenizer import VOCAB_SIZE, decode_text, encode
 from .weights import FORMAT_VERSION, MAGIC, SHIPPED_WEIGHTS, load_weights, read_config, save_weights
 
@@ -95,6 +105,7 @@ __all__ = [
     "RunStopped",
     "ServedLm",
     "Server",
+    "Shard",
     "ShardedLm",
     "TimeSpent",
     "check_decode",
@@ -107,7 +118,12 @@ __all__ = [
     "kv_digest",
     "load_weights",
     "read_config",
+    "run_summary",
     "save_weights",
     "shard_state",
     "state_shapes",
+    "summary_lines",
 ]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)

@@ -18,9 +18,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from .._core.namespace import PublicDir, public_dir
 from .model import ShardedLm
 
 __all__ = ["KvLedger"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
 
 _SAME_WIDTH_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 

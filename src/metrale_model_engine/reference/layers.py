@@ -12,14 +12,13 @@ hidden width.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from .model import LmConfig
+from .._core.namespace import PublicDir, public_dir
+from .config import LmConfig
 
 __all__ = [
     "AllReduce",
@@ -35,6 +34,9 @@ __all__ = [
     "rms_norm",
     "scaled_dot_product",
 ]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -256,7 +258,7 @@ class ShardedBlock(nn.Module):
         device: torch.device | None,
     ) -> ShardedBlock:
         """Rank ``rank``'s shard of a layer of ``config`` (a checked ``world_size``), weights zero, gains one."""
-        heads, experts = config.n_heads // world_size, config.n_experts // world_size
+        heads, experts, _ = config.per_rank(world_size)
         attn = ShardedAttention(
             config.d_model,
             heads,

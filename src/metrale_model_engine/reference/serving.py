@@ -54,11 +54,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import EpLink, LinkedEp, RunStopped, check_slot
+from .._core.namespace import PublicDir, public_dir
 from ..batching import recv_batch, send_batch
 from ..torch import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
+from .config import LmConfig
 from .kv_check import KvLedger
 from .layers import AllReduce
-from .model import LmConfig, ShardedLm
+from .model import ShardedLm
 from .state import LmSlots, LmState, check_decode, check_prefill, check_prompt, held_state, kv_digest
 from .weights import load_weights
 
@@ -77,6 +79,10 @@ __all__ = [
     "check_prompt",
     "kv_digest",
 ]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
 
 CMD_PREFILL: Final = 0xFFFFFFF0
 """A prefill chunk: ``chunk_len``, ``chunk_start``, ``full_len``, then the whole prompt."""

@@ -13,10 +13,14 @@ from array import array
 from collections.abc import MutableSequence, Sequence
 
 from .. import SequenceState, check_slot
+from .._core.namespace import PublicDir, public_dir
 from ..batching import check_batch
-from .model import LmConfig
+from .config import LmConfig
 
 __all__ = ["LmSlots", "LmState", "check_decode", "check_prefill", "check_prompt", "held_state", "kv_digest"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 class LmState(SequenceState):

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from .._core.namespace import PublicDir, public_dir
+
 __all__ = ["VOCAB_SIZE", "decode_text", "encode"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
 
 VOCAB_SIZE: Final[int] = 256
 """Token ``t`` is the byte ``t``."""

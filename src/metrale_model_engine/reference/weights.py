@@ -28,9 +28,14 @@ from typing import Final
 
 import torch
 
-from .model import LmConfig, check_state, state_shapes
+from .._core.namespace import PublicDir, public_dir
+from .config import LmConfig, check_state, state_shapes
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SHIPPED_WEIGHTS", "load_weights", "read_config", "save_weights"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
 
 MAGIC: Final[bytes] = b"MTRLREF\0"
 FORMAT_VERSION: Final[int] = 1

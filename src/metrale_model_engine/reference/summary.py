@@ -1,0 +1,90 @@
+"""What a served run did, as a JSON-ready summary and the head's closing lines (the demo prints both)."""
+
+from __future__ import annotations
+
+import statistics
+
+from .._core.namespace import PublicDir, public_dir
+from .scheduler import Server
+from .serving import ReferenceLm
+from .tokenizer import decode_text
+
+__all__ = ["run_summary", "summary_lines"]
+
+
+def run_summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, object]:
+    """The run of ``server`` over ``model`` that took ``wall_s`` seconds: its link, its steps, every request.
+
+    ``decode_step`` splits the head's decode steps into compute, collectives and
+    protocol (shares of their total time); it counts none when every request ended
+    with its prefill.  Call it on the head, before ``server.shutdown()``.
+    """
+    link = model.ep_link
+    generated = sum(len(c.tokens) for c in server.completions.values())
+    steps = server.decode_steps
+    total = sum(step.total_s for step in steps)
+
+    def share(part: float) -> float:
+        return round(part / total, 4) if total else 0.0
+
+    backend = "none"
+    if model.is_ep():
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend())
+    return {
+        "ranks": link.world_size,
+        "protocol": link.protocol.value,
+        "transport": type(link.transport).__name__,
+        "backend": backend,
+        "slots": link.num_slots,
+        "steps": server.steps,
+        "tokens": generated,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(generated / wall_s, 1) if wall_s > 0 else 0.0,
+        "decode_step": {
+            "count": len(steps),
+            "median_ms": round(statistics.median(s.total_s for s in steps) * 1e3, 3) if steps else 0.0,
+            "largest_batch": max((step.batch for step in steps), default=0),
+            "protocol_share": share(sum(step.protocol_s for step in steps)),
+            "collectives_share": share(sum(step.collectives_s for step in steps)),
+            "compute_share": share(sum(step.compute_s for step in steps)),
+            "protocol_us_median": round(statistics.median(s.protocol_s for s in steps) * 1e6, 1) if steps else 0.0,
+        },
+        "requests": [
+            {
+                "id": c.request.id,
+                "prompt": decode_text(c.request.prompt),
+                "tokens": c.tokens,
+                "text": decode_text(c.tokens),
+                "submitted_step": c.submitted_step,
+                "admitted_step": c.admitted_step,
+                "finished_step": c.finished_step,
+                "finish_reason": c.finish_reason,
+            }
+            for c in server.completions.values()
+        ],
+    }
+
+
+def summary_lines(summary: dict[str, object]) -> list[str]:
+    """The head's lines for a :func:`run_summary`: the throughput, then how a decode step splits."""
+    step = summary["decode_step"]
+    requests = summary["requests"]
+    assert isinstance(step, dict) and isinstance(requests, list)
+    lines = [
+        f"[head] {len(requests)} requests, {summary['tokens']} tokens in {summary['wall_s']:.2f} s: "
+        f"{summary['tokens_per_s']:.0f} tokens/s"
+    ]
+    if not step["count"]:
+        lines.append("[head] no decode step: every request ended with its prefill")
+    else:
+        lines.append(
+            f"[head] a decode step (median {step['median_ms']:.2f} ms, batches up to {step['largest_batch']}): "
+            f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
+            f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
+        )
+    return lines
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)

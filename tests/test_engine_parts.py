@@ -1,0 +1,173 @@
+"""The link's parts, each alone: the command stream, the run's state, the settings, the head's reports, the ends.
+
+``EpLink`` is built from these by composition; here each is driven without a link,
+so that a change to one shows in its own test first.
+"""
+
+import zlib
+
+import pytest
+
+from metrale_model_engine import EpLinkError, ProtocolVersion, RunStopped, WorkerFailure
+from metrale_model_engine._core.transport import HeadEnd, SoloTransport, TransportClosed, WorkerEnd
+from metrale_model_engine._engine.reports import WorkerReports
+from metrale_model_engine._engine.run_state import RunState, stop_on_error
+from metrale_model_engine._engine.settings import LinkSettings
+from metrale_model_engine._engine.stream import CommandStream
+from metrale_model_engine.testing import RecordingTransport, ReplayTransport
+
+
+def test_the_stream_counts_commands_and_folds_every_part_into_one_crc() -> None:
+    stream = CommandStream()
+    stream.begin(2, 7)
+    stream.add([b"ab", memoryview(b"cd")])
+    stream.begin(0, 9)
+    stream.add([b"e"])
+    assert (stream.commands, stream.command) == (2, (0, 9))
+    assert stream.crc == zlib.crc32(b"abcde")
+
+
+def test_the_run_keeps_the_first_reason_and_tells_the_link_each_time() -> None:
+    closed: list[int] = []
+    run = RunState("head", lambda: closed.append(1))
+    run.raise_if_stopped()  # nothing yet
+    first = RunStopped("worker rank 1 refused")
+    assert run.stop(first) is first
+    run.stop(RunStopped("a later reason"))
+    assert str(run.stopped) == "worker rank 1 refused" and run.stopped is not first
+    assert closed == [1, 1]
+    with pytest.raises(RunStopped, match=r"^head: the run stopped earlier \(worker rank 1 refused\); this link runs"):
+        run.raise_if_stopped()
+
+
+def test_an_error_in_a_collective_block_stops_the_run_and_names_the_command() -> None:
+    run, stream = RunState("head", lambda: None), CommandStream()
+    stream.begin(3, 0xE0)
+    with pytest.raises(RunStopped) as info, stop_on_error(run, "head", stream, None):
+        raise KeyError("slot 3")
+    assert "its own forward of command 1 (seq_id=3, cmd=224) failed: KeyError: 'slot 3'" in str(info.value)
+    assert run.stopped is not None
+
+
+def test_a_workers_collective_block_is_refused_through_its_hook() -> None:
+    run, stream = RunState("worker rank 1", lambda: None), CommandStream()
+    refused = RunStopped("refused by the hook")
+    with pytest.raises(RunStopped) as info, stop_on_error(run, "worker rank 1", stream, lambda error: refused):
+        raise ValueError("bad")
+    assert info.value is refused and run.stopped is None  # the hook decides what the run knows
+
+
+def test_an_interrupt_in_a_collective_block_passes_and_ends_the_run() -> None:
+    run, stream = RunState("head", lambda: None), CommandStream()
+    with pytest.raises(KeyboardInterrupt), stop_on_error(run, "head", stream, None):
+        raise KeyboardInterrupt
+    assert "the run stopped in command 0" in str(run.stopped) and "KeyboardInterrupt" in str(run.stopped)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"num_slots": 0}, ValueError, "num_slots"),
+        ({"num_slots": 2**32}, ValueError, "num_slots"),
+        ({"protocol": "v2"}, TypeError, "protocol must be a ProtocolVersion"),
+        ({"seq_id_on_wire": 1}, TypeError, "seq_id_on_wire"),
+        ({"seq_id_on_wire": False}, ValueError, "seq_id_on_wire=False needs protocol v1"),
+        ({"command_timeout": -1.0}, ValueError, "command_timeout"),
+    ],
+)
+def test_settings_name_the_argument_they_refuse(
+    changes: dict[str, object], error: type[Exception], message: str
+) -> None:
+    arguments: dict[str, object] = {
+        "num_slots": 4,
+        "protocol": ProtocolVersion.V2,
+        "seq_id_on_wire": True,
+        "command_timeout": 5.0,
+    }
+    with pytest.raises(error, match=message):
+        LinkSettings.checked(0, 2, **{**arguments, **changes})
+
+
+def test_settings_default_to_the_environments_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METRALE_EP_PROTOCOL", "v2")
+    settings = LinkSettings.checked(2, 3, num_slots=8, protocol=None, seq_id_on_wire=True, command_timeout=None)
+    assert (settings.protocol, settings.command_timeout, settings.who) == (ProtocolVersion.V2, None, "worker rank 2")
+
+
+def _reports(world_size: int) -> WorkerReports:
+    settings = LinkSettings.checked(
+        0, world_size, num_slots=4, protocol=ProtocolVersion.V2, seq_id_on_wire=True, command_timeout=1.0
+    )
+    stream = CommandStream()
+    stream.begin(0, 5)
+    return WorkerReports(RecordingTransport(world_size), settings, stream, RunState("head", lambda: None), {})
+
+
+def test_the_head_puts_first_hand_reports_before_witnesses() -> None:
+    reports = _reports(3)
+    first = WorkerFailure(2, 1, 0, 5, "ValueError: bad", stopped=True)
+    witness = WorkerFailure(1, 1, 0, 5, "RuntimeError: Connection closed by peer", stopped=True, witness=True)
+    why = reports.why([witness, first], [])
+    assert why.index("ValueError") < why.index("Connection closed")
+    assert "said nothing" not in why
+
+
+def test_the_head_names_the_silent_ranks_when_only_witnesses_spoke() -> None:
+    witness = WorkerFailure(1, 1, 0, 5, "RuntimeError: timed out", stopped=True, witness=True)
+    assert "rank(s) [2] said nothing" in _reports(3).why([witness], [])
+    assert "worker rank(s) [2] exited (died or left the run) after command 1" in _reports(3).why([], [2])
+
+
+def test_the_head_counts_each_report_it_reads() -> None:
+    reports = _reports(3)
+    reports.seen([WorkerFailure(2, 1, 0, 5, "x"), WorkerFailure(2, 2, 0, 5, "y")])
+    assert (reports.seen_count(1), reports.seen_count(2)) == (0, 2)
+    assert reports.stopped_workers(0.0) == ([], [])
+    reports.close()
+    reports.close()  # idempotent
+
+
+class _Head(HeadEnd):
+    world_size = 2
+
+    def send(self, parts: object, timeout: float | None) -> None:
+        pass
+
+
+def test_each_end_refuses_the_other_ends_calls_by_name() -> None:
+    head = _Head()
+    with pytest.raises(TransportClosed, match="_Head is a head: it receives no commands"):
+        head.receive(None)
+    with pytest.raises(TransportClosed, match="it answers no one"):
+        head.answer(b"", None)
+    assert (head.answers_ready(), head.poll_answers()) == (False, [])
+    worker = ReplayTransport([])
+    assert isinstance(worker, WorkerEnd)
+    with pytest.raises(TransportClosed, match="ReplayTransport is a worker: it sends no commands"):
+        worker.send([b""], None)
+    with pytest.raises(TransportClosed, match="it reads no answers"):
+        worker.poll_answers()
+    with pytest.raises(TransportClosed, match="it reads no answers"):
+        worker.receive_answers(1, None)
+    assert worker.answers_ready() is False
+
+
+def test_the_solo_transport_has_no_workers() -> None:
+    solo = SoloTransport()
+    solo.send([b"anything"], None)  # nobody to send to: a no-op
+    assert solo.gather([1, 2]) == [[1, 2]]
+    with pytest.raises(TransportClosed, match="the one-rank group has no worker rank 1"):
+        solo.receive_answers(1, None)
+
+
+def test_a_corrupt_answer_is_a_link_error() -> None:
+    class Garbled(RecordingTransport):
+        def poll_answers(self) -> list[tuple[int, bytes]]:
+            return [(1, b"\x01\x02")]
+
+    settings = LinkSettings.checked(
+        0, 2, num_slots=4, protocol=ProtocolVersion.V2, seq_id_on_wire=True, command_timeout=1.0
+    )
+    reports = WorkerReports(Garbled(2), settings, CommandStream(), RunState("head", lambda: None), {})
+    with pytest.raises(EpLinkError, match="head: a corrupt answer"):
+        reports.poll()
