@@ -46,6 +46,7 @@ SURFACES = {
     ],
     "metrale_model_engine.wire": [
         "ANSWER_BYTES",
+        "DIGEST_EDGE",
         "FRAME_PAYLOAD",
         "FRAME_WORDS",
         "U32_MAX",
@@ -71,6 +72,7 @@ SURFACES = {
         "encode_sync",
         "encode_tokens_prefix",
         "encode_word",
+        "fold_message",
         "frame_length",
         "frame_message",
     ],

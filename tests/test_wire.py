@@ -1,5 +1,7 @@
 """The wire codec: pure encode and decode functions, the layout they fix, and what they refuse."""
 
+import itertools
+import zlib
 from array import array
 
 import pytest
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from metrale_model_engine.wire import (
     ANSWER_BYTES,
+    DIGEST_EDGE,
     FRAME_PAYLOAD,
     FRAME_WORDS,
     WIRE_VERSION,
@@ -25,6 +28,7 @@ from metrale_model_engine.wire import (
     encode_report,
     encode_tokens_prefix,
     encode_word,
+    fold_message,
     frame_length,
     frame_message,
 )
@@ -39,7 +43,7 @@ def view(*values: int) -> memoryview:
 
 
 def test_the_layout_is_fixed() -> None:
-    assert WIRE_VERSION == 5 and (FRAME_WORDS, FRAME_PAYLOAD, ANSWER_BYTES) == (16, 15, 248)
+    assert WIRE_VERSION == 6 and (FRAME_WORDS, FRAME_PAYLOAD, ANSWER_BYTES, DIGEST_EDGE) == (16, 15, 248, 4096)
     assert words(encode_header(7, 3)) == (0x4D45_0001, 3, 7)
     assert words(*encode_command(3, 7, [])) == (0x4D45_0006, 7, 3)
     assert words(encode_word(9)) == (0x4D45_0002, 9)
@@ -149,3 +153,31 @@ def test_a_per_word_header_is_not_a_whole_command() -> None:
         decode_header(message[:2], 0) is None
         and decode_header(memoryview(array("I", words(encode_word(1)))), 0) is None
     )
+
+
+@given(
+    st.binary(max_size=3 * DIGEST_EDGE),
+    st.lists(st.integers(0, 3 * DIGEST_EDGE), max_size=4),
+    st.integers(0, 2**32 - 1),
+)
+def test_the_digest_of_a_message_does_not_depend_on_how_it_is_cut(data: bytes, cuts: list[int], crc: int) -> None:
+    points = [0, *sorted(min(cut, len(data)) for cut in cuts), len(data)]
+    parts = [data[start:end] for start, end in itertools.pairwise(points)]
+    assert fold_message(crc, parts) == fold_message(crc, [data])
+    if len(data) % 4 == 0:  # as a worker holds it: one u32 view
+        assert fold_message(crc, [memoryview(data).cast("I")]) == fold_message(crc, [data])
+
+
+def test_a_message_up_to_two_edges_is_folded_whole_and_a_longer_one_by_its_length_and_edges() -> None:
+    small = bytes(range(256)) * (2 * DIGEST_EDGE // 256)
+    assert fold_message(5, [small]) == zlib.crc32(small, 5)
+    large = bytearray(small * 4)
+    digest = fold_message(0, [large])
+    for at in (0, DIGEST_EDGE - 1, len(large) - DIGEST_EDGE, len(large) - 1):  # the edges count
+        changed = bytearray(large)
+        changed[at] ^= 1
+        assert fold_message(0, [changed]) != digest, at
+    assert fold_message(0, [large + b"\0\0\0\0"]) != digest  # and the length
+    middle = bytearray(large)
+    middle[len(large) // 2] ^= 1  # the middle is the transport's to deliver whole: not folded
+    assert fold_message(0, [middle]) == digest

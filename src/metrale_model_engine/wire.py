@@ -23,8 +23,10 @@ Workers send *answers* back (``EpTransport.answer``), each one message:
   of that command failed, which may only have seen another rank's failure;
 * acknowledgement: ``[ACK, number, stream crc32, commands (u64), reports, has state,
   state digest (u64)]``: the worker reached sync point ``number`` having received
-  ``commands`` commands and a stream whose CRC-32 is ``stream crc32`` (over every
-  message's bytes, the sync's included), and sent ``reports`` reports in all.
+  ``commands`` commands and a stream whose digest is ``stream crc32`` (every
+  message folded in by :func:`fold_message`, the sync's included: whole up to
+  ``2 * DIGEST_EDGE`` bytes, else its length and both edges), and sent ``reports``
+  reports in all.
 
 Items travel in *messages*, one per send of a transport: a message holds one or
 more whole items, never a part of one.  A command sent in one call
@@ -47,6 +49,7 @@ kind a reader expects, cheaply, or say it is not there.
 
 from ._core.codec import (
     ANSWER_BYTES,
+    DIGEST_EDGE,
     FRAME_PAYLOAD,
     FRAME_WORDS,
     U32_MAX,
@@ -72,6 +75,7 @@ from ._core.codec import (
     encode_sync,
     encode_tokens_prefix,
     encode_word,
+    fold_message,
     frame_length,
     frame_message,
 )
@@ -79,6 +83,7 @@ from ._core.namespace import PublicDir, public_dir
 
 __all__ = [
     "ANSWER_BYTES",
+    "DIGEST_EDGE",
     "FRAME_PAYLOAD",
     "FRAME_WORDS",
     "U32_MAX",
@@ -104,6 +109,7 @@ __all__ = [
     "encode_sync",
     "encode_tokens_prefix",
     "encode_word",
+    "fold_message",
     "frame_length",
     "frame_message",
 ]

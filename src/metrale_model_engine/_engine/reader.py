@@ -25,7 +25,6 @@ head asks, the digest of its state.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Container, MutableSequence
 from typing import Any, NoReturn
 
@@ -45,6 +44,7 @@ from .._core.codec import (
     describe_item,
     encode_ack,
     encode_report,
+    fold_message,
 )
 from .._core.errors import (
     EpCommandFailed,
@@ -428,5 +428,5 @@ class CommandReader:
             raise EpReceiveError(f"{self._settings.who}: receive from the head failed: {error}") from error
         if len(message) % 4:
             raise EpReceiveError(f"{self._settings.who}: a corrupt message of {len(message)} bytes from the head")
-        self._stream.crc = zlib.crc32(message, self._stream.crc)
+        self._stream.crc = fold_message(self._stream.crc, (message,))
         return message.cast(U32_TYPECODE)

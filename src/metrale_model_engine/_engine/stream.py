@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
+from .._core.codec import fold_message
+
 
 class CommandStream:
-    """The commands counted so far, the one in flight, and a CRC-32 of every message's bytes.
+    """The commands counted so far, the one in flight, and a digest of every message.
 
     The head counts what it sent, a worker what it received; sync points compare
     the two (``EpDivergenceError`` when they differ).  The shutdown header is not
@@ -24,7 +25,7 @@ class CommandStream:
         self.command = (0, 0)
         """``(seq_id, cmd)`` of the command in flight, for messages."""
         self.crc = 0
-        """CRC-32 of every message's bytes, in order."""
+        """The stream digest: a CRC-32 of every message, in order, as ``fold_message`` folds one."""
 
     def begin(self, seq_id: int, cmd: int) -> None:
         """A command starts: count it and remember it."""
@@ -32,8 +33,5 @@ class CommandStream:
         self.command = (seq_id, cmd)
 
     def add(self, parts: Sequence[Buffer]) -> None:
-        """Fold one message, the concatenation of ``parts``, into the CRC."""
-        crc = self.crc
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        self.crc = crc
+        """Fold one message, the concatenation of ``parts``, into the digest (``fold_message``)."""
+        self.crc = fold_message(self.crc, parts)
