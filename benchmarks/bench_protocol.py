@@ -14,13 +14,17 @@ Families of cases, each per call (``harness`` says how a call is timed):
   message, emulated with the same link); over shared memory also after idle gaps of
   0.1, 1, 5 and 20 ms, a server's step cadence, with the spin learned from the gaps
   (the default) and fixed at 1 ms (a ring with ``max_spin_time=spin_time``);
+* the decode step as the README recommends and the reference model sends it:
+  ``send_batch`` from lists (and from arrays), read with ``recv_batch``;
 * floors: a raw ``torch.distributed.broadcast`` of a preallocated int32 tensor of as
-  many words (and a length word then the words), and a local ``memoryview`` copy;
+  many words (and a length word then the words), a local ``memoryview`` copy, and
+  the Python limit: a count stored in one shared word that each worker spins on;
 * peers, what a Python engine would pick: gloo's ``broadcast_object_list`` (pickle,
   two broadcasts), a ``multiprocessing.Queue`` and a ``multiprocessing.Pipe`` per
   worker, and ``PickleRing``, what vLLM's ``MessageQueue`` does (``peers.py``: each
   message pickled into a shared-memory ring with per-reader flags, readers that spin
-  for a second after a message, then block), with the decode step and the gaps too.
+  for a second after a message, then block), with the decode step and the gaps too,
+  and a token buffer pickled as its bytes (vLLM sends a numpy array out of band).
 
 After the rounds, an idle probe: a shared-memory worker waits 1 s, its CPU is read
 over the next 3 s, then a header wakes it.  Prints medians (p25-p75) and the ratios of
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import sys
@@ -50,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from metrale_model_engine import EpLink, ProtocolVersion, SequenceState
+from metrale_model_engine.batching import recv_batch, send_batch
 from metrale_model_engine.shm import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, ShmTransport
 from metrale_model_engine.torch import TorchTransport, default_backend, open_transport, run_group
 from metrale_model_engine.wire import WIRE_VERSION
@@ -75,6 +81,35 @@ class Peers:
     queues: list[object]
     pipes: list[tuple[Connection, Connection]]
     ring: PickleRingHandle
+    ping: str
+    """A file of one page: the shared word of :class:`Ping`."""
+
+
+class Ping:
+    """The Python limit: the head stores a count in a shared word; each worker spins until it sees it.
+
+    No framing, no copy, no check, no sleep: what any protocol in Python costs at the least.
+    """
+
+    def __init__(self, path: str) -> None:
+        with open(path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), mmap.PAGESIZE)
+        self._word = memoryview(self._map).cast("Q")
+        self._count = 0
+
+    def send(self) -> None:
+        self._count += 1
+        self._word[0] = self._count
+
+    def receive(self) -> None:
+        self._count += 1
+        word, count = self._word, self._count
+        while word[0] < count:
+            pass
+
+    def close(self) -> None:
+        self._word.release()
+        self._map.close()
 
 
 def nothing(seq_id: int, cmd: int, slots: Slots) -> None:
@@ -94,6 +129,7 @@ class DecodeStep:
         self.ids, self.tokens = decode_batch()
         self.id_array, self.token_array = array("I", self.ids), array("I", self.tokens)
         self.slots: Slots = [None] * SLOTS
+        self.live: Slots = [SequenceState(seq_id) for seq_id in range(SLOTS)]  # what recv_batch checks
         self.seen: tuple[list[int], list[int]] = ([], [])
 
     def one_message(self) -> None:
@@ -101,6 +137,19 @@ class DecodeStep:
 
     def one_message_of_arrays(self) -> None:
         self.link.send_command(0, DECODE, BATCH, self.id_array, self.token_array)
+
+    def batched(self) -> None:
+        """The way the README recommends and the reference model sends it: ``send_batch`` from lists."""
+        send_batch(self.link, DECODE, self.ids, self.tokens)
+
+    def batched_arrays(self) -> None:
+        send_batch(self.link, DECODE, self.id_array, self.token_array)
+
+    def receive_batch(self) -> None:
+        self.link.step(self._read_batch, self.live)
+
+    def _read_batch(self, seq_id: int, cmd: int, slots: Slots) -> None:
+        self.seen = recv_batch(self.link, slots)
 
     def item_by_item(self) -> None:
         link = self.link
@@ -197,6 +246,7 @@ def build_cases(rank: int, peers: Peers) -> tuple[list[Case], list[object]]:
     mine_q = peers.queues[rank - 1] if rank else None
     mine_p = peers.pipes[rank - 1][0] if rank else None
     header = [SEQ_ID, CMD]
+    ping = Ping(peers.ping)
 
     def headers(link: EpLink, name: str, family: str, words: int) -> Case:
         return Case(
@@ -259,7 +309,11 @@ def build_cases(rank: int, peers: Peers) -> tuple[list[Case], list[object]]:
         if n <= 4_096:  # a pickle of 65,536 ints does not fit vLLM's 1 MiB chunk (it goes over zmq there)
             cases.append(Case(f"peer pickle ring tokens {n}", "peer", "tokens-list", n, partial(ring.enqueue, tokens),
                               ring.dequeue))  # fmt: skip
-    return cases, [v1, v2, shm, fixed, ring]
+        # A buffer pickles as its bytes (vLLM sends a numpy array's out of band: one copy each side, as here).
+        cases.append(Case(f"peer pickle ring tokens {n} from buffer", "peer", "tokens-into", n,
+                          partial(ring.enqueue, buffer), ring.dequeue))  # fmt: skip
+    cases.append(Case("shared-word ping (the Python limit)", "limit", "ping", 1, ping.send, ping.receive))
+    return cases, [v1, v2, shm, fixed, ring, ping]
 
 
 def decode_cases(gloo: EpLink, shm: EpLink, fixed: EpLink, ring: PickleRing) -> list[Case]:
@@ -279,6 +333,10 @@ def decode_cases(gloo: EpLink, shm: EpLink, fixed: EpLink, ring: PickleRing) -> 
                       shm_step.receive_six))  # fmt: skip
     cases.append(Case("decode step, one message from arrays (shm)", "shm", "decode-arrays", words,
                       shm_step.one_message_of_arrays, shm_step.receive))  # fmt: skip
+    cases.append(Case("decode step, send_batch/recv_batch from lists (shm)", "shm", "decode-batch", words,
+                      shm_step.batched, shm_step.receive_batch))  # fmt: skip
+    cases.append(Case("decode step, send_batch/recv_batch from arrays (shm)", "shm", "decode-batch", words,
+                      shm_step.batched_arrays, shm_step.receive_batch))  # fmt: skip
     command = (DECODE, ids, tokens)
     cases.append(Case("peer pickle ring decode step", "peer", "decode-one", words, partial(ring.enqueue, command),
                       ring.dequeue))  # fmt: skip
@@ -353,14 +411,16 @@ def report(found: list[Result], idle: list[dict[str, float]], meta: dict[str, ob
     print(f"wrote {out / 'bench_protocol.json'} and {out / 'bench_protocol.png'}")
 
 
-def make_peers(world_size: int) -> tuple[Peers, PickleRing]:
+def make_peers(world_size: int, out: Path) -> tuple[Peers, PickleRing]:
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     ring = PickleRing.create(world_size - 1)  # the parent owns the block; rank 0 writes into it
     queues: list[object] = [context.Queue() for _ in range(world_size - 1)]
     pipes = [context.Pipe(duplex=False) for _ in range(world_size - 1)]
-    return Peers(queues, pipes, ring.handle), ring
+    ping = Path(out, "ping.bin")
+    ping.write_bytes(bytes(mmap.PAGESIZE))
+    return Peers(queues, pipes, ring.handle, str(ping)), ring
 
 
 def main() -> None:
@@ -378,7 +438,7 @@ def main() -> None:
     backend = default_backend(args.world_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    peers, ring = make_peers(args.world_size)
+    peers, ring = make_peers(args.world_size, out)
     try:
         if args.profile:
             codes = run_group(profile_main, args.world_size, args.profile, calls * 10, peers, str(out), backend=backend)
@@ -388,9 +448,10 @@ def main() -> None:
         ready = ready_page(out, args.world_size)
         started = time.monotonic()
         codes = run_group(rank_main, args.world_size, rounds, warmup, calls, peers, str(out), backend=backend,
-                          timeout=5400)  # fmt: skip
+                          timeout=900 if args.quick else 5400)  # fmt: skip
         ready.unlink()
     finally:
+        Path(peers.ping).unlink(missing_ok=True)
         ring.close()
     if any(codes):
         raise SystemExit(f"a rank failed: exit codes {codes}")

@@ -65,6 +65,8 @@ CMD_END_ROUND: Final = 0x0000BEEF
 """The benchmark's own command: the round is over (workers leave their loop, the link stays up)."""
 TARGET_SHARE: Final = 0.02
 """The protocol's share of a decode step at the full batch, over shared memory: at most this."""
+TARGET_PROTOCOL_US: Final = 25.0
+"""The head's protocol time of that step (the decode command's send), median, in microseconds: at most this."""
 SOURCE: Final = (Path(__file__).resolve().parents[1] / "LICENSE-APACHE").read_text()
 
 
@@ -305,6 +307,11 @@ def analyse(samples: dict[str, list[RoundResult]], work: Workload) -> Findings:
         f"ours shm: protocol share of a decode step at batch {work.slots}, at most {TARGET_SHARE:.0%}": (
             share,
             share <= TARGET_SHARE,
+        ),
+        f"ours shm: the head's protocol time of a decode step at batch {work.slots}, median us, at most "
+        f"{TARGET_PROTOCOL_US:g}": (
+            table["ours shm"]["protocol_us"],
+            table["ours shm"]["protocol_us"] <= TARGET_PROTOCOL_US,
         ),
         "ours shm ahead of peer pickle (tokens/s ratio above 1)": (
             ratios["ours shm / peer pickle, tokens/s"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -148,15 +149,41 @@ def print_report(
         "a sync point (shm), us: a sync then a header, less a header": med("sync point, then a header (shm)") - header,
         "a sync point (gloo), us: a sync then a header, less a header": med("sync point, then a header (gloo)")
         - med("header v2 (gloo)"),
-        "tokens 65536 into (shm) / memoryview copy 256 KiB, at most 2": into / copy,
+        "tokens 65536 into (shm) / memoryview copy 256 KiB, at most 3": into / copy,
+        "tokens 65536 buffer to buffer: pickle ring from buffer / ours (shm), at least 1.5": paired(
+            "peer pickle ring tokens 65536 from buffer", "tokens 65536 buffer into buffer (shm)"
+        ),
+        "header: pickle ring / header v2 (shm), at least 2": paired("peer pickle ring header", "header v2 (shm)"),
+        "decode step, send_batch/recv_batch from lists: pickle ring / ours (shm), at least 2": paired(
+            ring_step, "decode step, send_batch/recv_batch from lists (shm)"
+        ),
+        "decode step, send_batch/recv_batch from arrays: pickle ring from arrays / ours (shm), at least 2.5": paired(
+            "peer pickle ring decode step from arrays", "decode step, send_batch/recv_batch from arrays (shm)"
+        ),
+        "header v2 (shm) / shared-word ping (the Python limit), at most 8": paired(
+            "header v2 (shm)", "shared-word ping (the Python limit)"
+        ),
+        "decode step, send_batch/recv_batch from lists (shm) / shared-word ping": paired(
+            "decode step, send_batch/recv_batch from lists (shm)", "shared-word ping (the Python limit)"
+        ),
         "idle worker CPU, % of a core over 3 s after 1 s idle, at most 2": 100 * max(w[2] for w in wakes),
         "wake-up after that idle, us, at most 1000": max(w[1] - w[0] for w in wakes) / 1000,
         "wake-up after that idle, from the message published, us": max(w[1] - published for w in wakes) / 1000,
     }
     print()
     for what, value in targets.items():
-        print(f"target: {what}: {value:.3f}")
+        print(f"target: {what}: {value:.3f}{verdict(what, value)}")
     return targets, table
+
+
+def verdict(what: str, value: float) -> str:
+    """`` (met)`` or `` (missed)`` for a target that names its bound ("at least 2", "at most 8"), else nothing."""
+    found = re.search(r"at (least|most) ([0-9.]+)$", what)
+    if found is None:
+        return ""
+    bound = float(found.group(2))
+    met = value >= bound if found.group(1) == "least" else value <= bound
+    return " (met)" if met else " (missed)"
 
 
 def plot(found: list[Result], meta: dict[str, object], path: Path) -> None:

@@ -1,5 +1,6 @@
 """Batched commands, their checks, prefill chunks; the toy's batched decode; a refused command."""
 
+from array import array
 from collections.abc import MutableSequence
 
 import pytest
@@ -36,6 +37,32 @@ def test_a_batch_is_one_message_a_count_and_two_arrays() -> None:
     with pytest.raises(TypeError, match=r"slot_ids\[0\] must be an int"):
         send_batch(recorder.ep_link, 9, [True], [70])
     assert len(recorder.wire) == 1
+
+
+@pytest.mark.parametrize(
+    ("ids", "values", "error", "fragment"),
+    [
+        ([0, -1], [5, 6], ValueError, r"slot_ids\[1\]=-1 is outside the u32 range"),
+        ((0, 1), (5, 2**32), ValueError, r"values\[1\]=4294967296 is outside the u32 range"),
+        ([0, 1], [5, False], TypeError, r"values\[1\] must be an int .*got bool False"),
+        ([0, 1], [5, "6"], TypeError, r"values\[1\] must be an int"),
+    ],
+)
+def test_a_batch_from_lists_names_its_bad_id_or_value_and_sends_nothing(
+    ids: list[int], values: list[int], error: type[Exception], fragment: str
+) -> None:
+    recorder: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    with pytest.raises(error, match=fragment):
+        send_batch(recorder.ep_link, 9, ids, values)
+    assert recorder.wire == []
+
+
+def test_a_batch_from_lists_tuples_or_arrays_is_the_same_message() -> None:
+    recorder: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    send_batch(recorder.ep_link, 9, [3, 1], [2**31, 7])  # a token past 2**31: the careful path
+    send_batch(recorder.ep_link, 9, (3, 1), (2**31, 7))
+    send_batch(recorder.ep_link, 9, array("I", [3, 1]), array("I", [2**31, 7]))
+    assert recorder.wire == [whole(9, 0) + word(2) + tokens([3, 1]) + tokens([2**31, 7])] * 3
 
 
 @pytest.mark.parametrize(

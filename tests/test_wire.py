@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from metrale_model_engine._core.codec import encode_plain_command
 from metrale_model_engine.wire import (
     ANSWER_BYTES,
     DIGEST_EDGE,
@@ -181,3 +182,26 @@ def test_a_message_up_to_two_edges_is_folded_whole_and_a_longer_one_by_its_lengt
     middle = bytearray(large)
     middle[len(large) // 2] ^= 1  # the middle is the transport's to deliver whole: not folded
     assert fold_message(0, [middle]) == digest
+
+
+follow_up_values = st.one_of(
+    st.integers(0, 2**32 - 1),
+    st.lists(st.integers(0, 2**32 - 1), max_size=6),
+    st.lists(st.integers(0, 2**31 - 1), max_size=6).map(tuple),
+)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.lists(follow_up_values, max_size=4))
+def test_the_one_pass_encoder_writes_exactly_the_careful_encoders_message(
+    seq_id: int, cmd: int, follow_ups: list[int | list[int] | tuple[int, ...]]
+) -> None:
+    plain = encode_plain_command(seq_id, cmd, follow_ups)
+    buffers = [f if isinstance(f, int) else array("I", f) for f in follow_ups]
+    careful = b"".join(bytes(part) for part in encode_command(seq_id, cmd, buffers))
+    big_token = any(not isinstance(f, int) and any(t >= 2**31 for t in f) for f in follow_ups)
+    assert plain is None if big_token else plain is not None and plain.tobytes() == careful
+
+
+@pytest.mark.parametrize("odd", [True, [1, True], [-1], 2**32, -1, [2**31], array("I", [1]), b"\0\0\0\0", 1.0])
+def test_the_one_pass_encoder_leaves_anything_not_plain_to_the_careful_path(odd: object) -> None:
+    assert encode_plain_command(0, 1, [5, odd]) is None

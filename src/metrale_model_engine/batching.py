@@ -33,6 +33,14 @@ def send_batch(link: EpLink, cmd: int, slot_ids: TokenArray, values: TokenArray)
             in length (nothing is sent).
         EpRoleError, EpSendError: as :meth:`EpLink.send_command`.
     """
+    if isinstance(slot_ids, (list, tuple)) and isinstance(values, (list, tuple)) and len(slot_ids) == len(values):
+        try:  # lists go into the message as they are: converted and checked once, by the link's encoder
+            link.send_command(0, cmd, len(slot_ids), slot_ids, values)
+        except (TypeError, ValueError):
+            as_u32_buffer("slot_ids", slot_ids)  # a bad id or value: raise in the batch's own words
+            as_u32_buffer("values", values)
+            raise
+        return
     ids, tokens = as_u32_buffer("slot_ids", slot_ids), as_u32_buffer("values", values)
     count = token_count(ids)
     if token_count(tokens) != count:

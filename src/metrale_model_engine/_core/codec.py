@@ -9,12 +9,13 @@ import enum
 import struct
 import sys
 import zlib
+from array import array
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
 from typing_extensions import Buffer
 
-from .words import U32_MAX, U32_MIN, U32_TYPECODE
+from .words import U32_MAX, U32_MIN, U32_TYPECODE, plain_small_ints
 
 __all__ = [
     "ANSWER_BYTES",
@@ -40,6 +41,7 @@ __all__ = [
     "encode_close",
     "encode_command",
     "encode_header",
+    "encode_plain_command",
     "encode_report",
     "encode_sync",
     "encode_tokens_prefix",
@@ -200,6 +202,30 @@ def _fold_range(crc: int, views: Sequence[memoryview], start: int, stop: int) ->
         if at >= stop:
             break
     return crc
+
+
+def encode_plain_command(seq_id: int, cmd: int, follow_ups: Sequence[object]) -> array[int] | None:
+    """:func:`encode_command`'s message in one pass, when every follow-up is plain Python; else ``None``.
+
+    Plain: a word is an ``int`` in ``0 ..= 2**32 - 1``, a token array a ``list`` or
+    ``tuple`` of ``int`` in ``0 ..= 2**31 - 1``.  The items are laid out in one list
+    and converted once, in C; the tokens' check is one ``marshal`` pass per array.
+    ``None`` (nothing built) for a buffer, a ``bool``, an ``int`` subclass, a larger
+    token or a bad value: the caller's careful path converts those and names any bad
+    one.  ``seq_id`` and ``cmd`` must be checked already.
+    """
+    words: list[object] = [_COMMAND_KIND, cmd, seq_id]
+    for follow_up in follow_ups:
+        if type(follow_up) is int:
+            if follow_up >> 32:  # above 2**32 - 1, or negative
+                return None
+            words += (_WORD_KIND, follow_up)
+        elif (type(follow_up) is list or type(follow_up) is tuple) and plain_small_ints(follow_up):
+            words += (_TOKENS_KIND, len(follow_up))
+            words += follow_up
+        else:
+            return None
+    return array(U32_TYPECODE, words)  # type: ignore[arg-type]  # every item is an int, checked above
 
 
 def decode_header(words: memoryview, at: int) -> tuple[int, int, int, bool] | None:

@@ -72,7 +72,7 @@ def u32_values(name: str, values: Sequence[int]) -> Sequence[int]:
     Raises:
         TypeError, ValueError: as :func:`check_u32`, for the first bad item.
     """
-    if _plain_small_ints(values):
+    if plain_small_ints(values):
         return values
     try:
         array(U32_TYPECODE, values)
@@ -88,8 +88,12 @@ def u32_array(name: str, values: Sequence[int]) -> array[int]:
     return array(U32_TYPECODE, u32_values(name, values))
 
 
-def _plain_small_ints(values: Sequence[object]) -> bool:
-    """Whether every item is a plain ``int`` in ``0 ..= 2**31 - 1`` (one marshal pass, in C)."""
+def plain_small_ints(values: Sequence[object]) -> bool:
+    """Whether ``values`` is a list or tuple of plain ``int`` in ``0 ..= 2**31 - 1`` (one marshal pass, in C).
+
+    ``False`` for anything else (a ``bool``, an ``int`` subclass, a larger token):
+    the careful checks then decide, and word the error.
+    """
     if not isinstance(values, (list, tuple)):
         return False
     try:

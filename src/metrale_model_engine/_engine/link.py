@@ -8,7 +8,7 @@ from typing import Any
 
 from typing_extensions import Buffer, Self
 
-from .._core.codec import encode_command, encode_header, encode_tokens_prefix, encode_word
+from .._core.codec import encode_command, encode_header, encode_plain_command, encode_tokens_prefix, encode_word
 from .._core.errors import RunStopped
 from .._core.protocol import ProtocolVersion
 from .._core.tokens import ArrayInterface, TokenArray, as_u32_buffer, token_count
@@ -183,7 +183,9 @@ class EpLink:
             EpRoleError, EpSendError: see the class.
         """
         seq_id, cmd = checked_header(self._settings, seq_id, cmd)
-        self._sender.start(seq_id, cmd, encode_command(seq_id, cmd, checked_follow_ups(follow_ups)))
+        plain = encode_plain_command(seq_id, cmd, follow_ups)
+        message = encode_command(seq_id, cmd, checked_follow_ups(follow_ups)) if plain is None else (plain,)
+        self._sender.start(seq_id, cmd, message)
 
     def send_header(self, seq_id: int, cmd: int) -> None:
         """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
