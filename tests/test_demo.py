@@ -233,3 +233,14 @@ def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transpo
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {name for name in after - before if "metrale" in name}
+
+
+def test_missing_weights_end_the_demo_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from metrale_model_engine import demo, reference
+
+    monkeypatch.setattr(reference, "SHIPPED_WEIGHTS", tmp_path / "gone.bin")
+    assert demo.main(["--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gone.bin" in err and err.count("\n") == 1, err

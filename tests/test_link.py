@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 import time
-import zlib
 from array import array
 from collections.abc import MutableSequence, Sequence
 
@@ -30,7 +29,16 @@ from metrale_model_engine import (
 )
 from metrale_model_engine._host.liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
-from metrale_model_engine.wire import WIRE_VERSION, Ack, ItemKind, Report, encode_ack, encode_close, encode_report
+from metrale_model_engine.wire import (
+    WIRE_VERSION,
+    Ack,
+    ItemKind,
+    Report,
+    encode_ack,
+    encode_close,
+    encode_report,
+    fold_message,
+)
 
 from messages import header, sync, tokens, whole, word, words
 
@@ -96,7 +104,7 @@ class FakeTransport:
             return self.answers_of.pop(rank)
         crc = 0
         for message in self.sent:
-            crc = zlib.crc32(array("I", message).tobytes(), crc)
+            crc = fold_message(crc, [array("I", message)])
         commands = sum(1 for m in self.sent if m[0] == ItemKind.HEADER and m[1] != CMD_SHUTDOWN)
         return [encode_ack(Ack(self.sent[-1][1], crc, commands, 0, None))]
 

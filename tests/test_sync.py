@@ -21,7 +21,7 @@ from metrale_model_engine import (
 )
 from metrale_model_engine.testing import RecordingEp, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
-from metrale_model_engine.wire import Ack, Report, decode_answer, encode_ack, encode_report
+from metrale_model_engine.wire import Ack, Report, decode_answer, encode_ack, encode_report, fold_message
 
 from messages import header, sync, whole, word
 from test_link import FakeTransport, ignore, link, no_slots
@@ -92,12 +92,11 @@ def sync_head(acks: Sequence[Sequence[bytes]], world_size: int = 3) -> tuple[EpL
 
 def agreeing(transport: FakeTransport, compare_state: bool = False, **changes: int) -> bytes:
     """The acknowledgement of sync point 1 by a worker in step, with ``changes``."""
-    import zlib
     from array import array
 
     crc = 0
     for message in [*transport.sent, sync(1, compare_state)]:
-        crc = zlib.crc32(array("I", message).tobytes(), crc)
+        crc = fold_message(crc, [array("I", message)])
     return encode_ack(Ack(1, crc, 2, 0, None)._replace(**changes))
 
 
@@ -221,7 +220,7 @@ def test_a_worker_reports_each_failed_command_and_answers_a_sync_point() -> None
     # The worker's stream digest is the head's: every message up to the sync point's, in order.
     crc = 0
     for message in recorder.wire[:-1]:
-        crc = zlib.crc32(array("I", message).tobytes(), crc)
+        crc = fold_message(crc, [array("I", message)])
     assert ack.stream_crc == crc
 
 
@@ -253,7 +252,6 @@ def test_values_every_rank_must_agree_on() -> None:
 
 
 def test_a_disagreement_lists_every_value_that_differs_with_each_ranks() -> None:
-    import zlib
 
     names = zlib.crc32(b"chunk\0tokens")
     head = after_setup(FakeTransport(0, 3), [[names, 16, 40], [names, 32, 41]])

@@ -136,3 +136,11 @@ def test_replay_transport_past_the_end() -> None:
     worker = EchoWorker(1, ProtocolVersion.V1)
     with pytest.raises(EpReceiveError, match="the recording has no more messages"):
         worker.ep_worker_step([None])
+
+
+def test_the_recording_heads_workers_agree_after_a_long_message() -> None:
+    """The pretend workers digest each message as a real worker does (``fold_message``), long ones too."""
+    recorder: RecordingEp[SequenceState] = RecordingEp(num_slots=2)
+    recorder.ep_link.send_command(0, 5, list(range(2_100)))  # over 8 KiB: folded by its length and edges
+    recorder.ep_link.shutdown_workers()  # a sync point first: it raises unless the digests agree
+    assert len(recorder.wire) == 3

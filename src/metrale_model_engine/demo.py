@@ -90,7 +90,10 @@ def _unshared_world_size(world_size: int) -> str | None:
         from .reference import SHIPPED_WEIGHTS, read_config
     except ImportError:  # no torch: main says so, in its own line
         return None
-    config = read_config(SHIPPED_WEIGHTS)
+    try:
+        config = read_config(SHIPPED_WEIGHTS)
+    except (OSError, ValueError):  # a missing or damaged weights file: main says so, in its own line
+        return None
     heads, experts = config.n_heads, config.n_experts
     if not heads % world_size and not experts % world_size:
         return None

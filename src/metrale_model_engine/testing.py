@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import logging
-import zlib
 from array import array
 from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Literal
 
 from typing_extensions import Buffer
 
-from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header
+from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header, fold_message
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
 from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
@@ -77,7 +76,7 @@ class RecordingTransport(HeadEnd):
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Record the message."""
         message = b"".join(parts)
-        self._crc = zlib.crc32(message, self._crc)
+        self._crc = fold_message(self._crc, (message,))
         words = memoryview(message).cast(U32_TYPECODE)
         self.messages.append(tuple(words.tolist()))
         at = 0
