@@ -4,6 +4,8 @@ from array import array
 from collections.abc import MutableSequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from metrale_model_engine import (
     CMD_SHUTDOWN,
@@ -204,3 +206,29 @@ def test_a_refused_command_is_reported_then_ends_the_worker() -> None:
     assert type(worker.stopped) is EpCommandRefused and worker.stopped.__traceback__ is None  # a copy, kept bare
     with pytest.raises(RunStopped, match="the run stopped earlier"):  # the link runs no more commands
         worker.step(refuse, slots)
+
+
+def first_problem(ids: list[int], slots: Slots) -> str | None:
+    """What check_batch must say of ``ids``: the first bad id in order, as its contract words it."""
+    seen: set[int] = set()
+    for index, seq_id in enumerate(ids):
+        if not 0 <= seq_id < len(slots):
+            return f"slot_ids[{index}]={seq_id} is out of range for {len(slots)} slots"
+        if seq_id in seen:
+            return f"slot_ids[{index}]={seq_id} repeats: a batch names each slot once"
+        if slots[seq_id] is None:
+            return f"slot_ids[{index}]={seq_id}: the slot is free"
+        seen.add(seq_id)
+    return None
+
+
+@given(st.lists(st.integers(-2, 9), max_size=10), st.lists(st.booleans(), min_size=1, max_size=8))
+def test_the_fast_check_of_a_batch_says_what_the_careful_one_says(ids: list[int], live: list[bool]) -> None:
+    slots: Slots = [SequenceState(i) if alive else None for i, alive in enumerate(live)]
+    expected = first_problem(ids, slots)
+    if expected is None:
+        check_batch(ids, slots)
+        return
+    with pytest.raises((IndexError, ValueError, KeyError)) as info:
+        check_batch(ids, slots)
+    assert expected in str(info.value)

@@ -75,7 +75,18 @@ def check_batch(slot_ids: Sequence[int], slots: Sequence[object | None]) -> None
         ValueError: an id repeats.
         KeyError: an id's slot is free.
     """
-    seen: set[int] = set()
+    count = len(slots)
+    try:
+        distinct = len(set(slot_ids)) == len(slot_ids)  # one pass in C
+    except TypeError:  # an unhashable id: the careful loop names it
+        distinct = False
+    if distinct:
+        for value in slot_ids:
+            if type(value) is not int or not 0 <= value < count or slots[value] is None:
+                break
+        else:
+            return
+    seen: set[int] = set()  # the careful loop: it raises for the first bad id, in order (numpy's ints pass)
     for index, value in enumerate(slot_ids):
         seq_id = value if type(value) is int else _slot_id(index, value)
         if not 0 <= seq_id < len(slots):

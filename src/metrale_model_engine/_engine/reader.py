@@ -18,20 +18,22 @@ as a report that stops the run, and the link refuses every later step.
 
 The way back: every command that fails on a worker is also reported to the head
 (``EpTransport.answer``), and a sync item on the stream is answered with what the
-worker received (a count of commands and a CRC-32 of every message) and, when the
+worker received (a count of commands and a digest of every message) and, when the
 head asks, the digest of its state.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable, Container, MutableSequence
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 from typing_extensions import Buffer
 
 from .._core.checks import check_slot
 from .._core.codec import (
+    DIGEST_EDGE,
     Ack,
     Item,
     ItemKind,
@@ -77,6 +79,10 @@ _LOGGER = logging.getLogger("metrale_model_engine.link")
 _LEAVE_TIMEOUT = 1.0
 """Seconds a worker that stops the run waits to hand its last report over (best effort)."""
 _NO_COMMANDS: frozenset[int] = frozenset()
+
+
+_FOLDED_WHOLE: Final = 2 * DIGEST_EDGE
+"""Bytes up to which a message's digest is the CRC-32 of all of it (``fold_message``)."""
 
 
 class CommandReader:
@@ -428,5 +434,9 @@ class CommandReader:
             raise EpReceiveError(f"{self._settings.who}: receive from the head failed: {error}") from error
         if len(message) % 4:
             raise EpReceiveError(f"{self._settings.who}: a corrupt message of {len(message)} bytes from the head")
-        self._stream.crc = fold_message(self._stream.crc, (message,))
+        stream = self._stream
+        if len(message) <= _FOLDED_WHOLE:  # fold_message's own first step, without its call
+            stream.crc = zlib.crc32(message, stream.crc)
+        else:
+            stream.crc = fold_message(stream.crc, (message,))
         return message.cast(U32_TYPECODE)
