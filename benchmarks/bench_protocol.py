@@ -59,6 +59,7 @@ from metrale_model_engine.batching import recv_batch, send_batch
 from metrale_model_engine.shm import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, ShmTransport
 from metrale_model_engine.torch import TorchTransport, default_backend, open_transport, run_group
 from metrale_model_engine.wire import WIRE_VERSION
+from output import DEFAULT_OUT, plotting_available, say_written
 
 from harness import Case, Ready, Result, idle_probe, ready_page, results, run_rounds
 from peers import PickleRing, PickleRingHandle
@@ -401,14 +402,15 @@ def profile_main(rank: int, world_size: int, name: str, calls: int, peers: Peers
     Path(out, f"profile-rank{rank}.txt").write_text(f"== {role}: {name}, {calls} calls\n{text.getvalue()}")
 
 
-def report(found: list[Result], idle: list[dict[str, float]], meta: dict[str, object], out: Path) -> None:
+def report(found: list[Result], idle: list[dict[str, float]], meta: dict[str, object], out: Path, plots: bool) -> None:
     targets, table = print_report(found, idle, meta)
     cases = [{**r.__dict__, "median_us": r.median_us, "head_median_us": r.head_median_us, "p25_us": r.spread_us[0],
               "p75_us": r.spread_us[1]} for r in found]  # fmt: skip
     document = {"meta": meta, "table": table, "targets": targets, "idle": idle, "cases": cases}
     (out / "bench_protocol.json").write_text(json.dumps(document, indent=1))
-    plot(found, meta, out / "bench_protocol.png")
-    print(f"wrote {out / 'bench_protocol.json'} and {out / 'bench_protocol.png'}")
+    if plots:
+        plot(found, meta, out / "bench_protocol.png")
+    say_written(out / "bench_protocol.json", *([out / "bench_protocol.png"] if plots else []))
 
 
 def make_peers(world_size: int, out: Path) -> tuple[Peers, PickleRing]:
@@ -429,9 +431,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a couple of minutes on 2 cores")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 40, quick 4)")
     parser.add_argument("--calls", type=int, default=None, help="calls per case and round (default 30, quick 8)")
-    parser.add_argument("--out", default="benchmarks/out", help="folder for the JSON and the PNG")
+    parser.add_argument(
+        "--out", default=str(DEFAULT_OUT), help=f"folder for the JSON and the PNG (default {DEFAULT_OUT})"
+    )
     parser.add_argument("--profile", metavar="CASE", help="instead: profile one case by name on every rank")
     args = parser.parse_args()
+    plots = plotting_available()
     rounds = args.rounds or (4 if args.quick else 40)
     calls = args.calls or (8 if args.quick else 30)
     warmup = 2
@@ -474,7 +479,7 @@ def main() -> None:
         "seconds": round(time.monotonic() - started, 1),
         "argv": sys.argv[1:],
     }
-    report([Result(**r) for r in raw["results"]], raw["idle"], meta, out)
+    report([Result(**r) for r in raw["results"]], raw["idle"], meta, out, plots)
     print(f"took {meta['seconds']} s")
 
 

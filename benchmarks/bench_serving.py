@@ -58,6 +58,8 @@ from metrale_model_engine.torch import open_link, run_group
 from metrale_model_engine.transport import SoloTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from output import DEFAULT_OUT, plotting_available, say_written
+
 from peers import ShmEventChannel, ShmEventHandle
 
 PATHS: Final = ("world 1", "ours shm", "ours gloo", "peer pickle", "peer shm+event")
@@ -325,7 +327,7 @@ def analyse(samples: dict[str, list[RoundResult]], work: Workload) -> Findings:
     return Findings(table, ratios, targets, same)
 
 
-def report(found: Findings, work: Workload, out: Path) -> None:
+def report(found: Findings, work: Workload, out: Path, plots: bool) -> None:
     table = found.paths
     shape = f"{work.requests} requests, {work.prompt_tokens}-token prompts, {work.new_tokens} new tokens"
     print(f"\nworkload: {shape}, {work.slots} slots, prefill chunks of {work.prefill_chunk}; at batch {work.slots}:")
@@ -340,7 +342,8 @@ def report(found: Findings, work: Workload, out: Path) -> None:
     print(f"outputs identical on every path and round: {found.outputs_identical}")
     for name, (value, met) in found.targets.items():
         print(f"target: {name}: {value:.4g} ({'met' if met else 'MISSED'})")
-    plot(table, work, out / "bench_serving.png")
+    if plots:
+        plot(table, work, out / "bench_serving.png")
 
 
 def plot(table: dict[str, dict[str, float]], work: Workload, path: Path) -> None:
@@ -373,8 +376,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of a small workload")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5; a warm-up round first)")
-    parser.add_argument("--out", type=Path, default=Path("docs"), help="where the JSON and PNG go (default docs)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
+    )
     args = parser.parse_args()
+    plots = plotting_available()
     work = Workload(32, 64, 64, 16, 16) if not args.quick else Workload(8, 32, 8, 4, 16)
     rounds = 1 if args.quick else args.rounds
     args.out.mkdir(parents=True, exist_ok=True)
@@ -391,7 +397,7 @@ def main() -> None:
     samples = json.loads(samples_path.read_text())
     samples_path.unlink()
     found = analyse(samples, work)
-    report(found, work, args.out)
+    report(found, work, args.out, plots)
     meta: dict[str, object] = {
         "argv": sys.argv[1:],
         "workload": work.__dict__,
@@ -405,7 +411,7 @@ def main() -> None:
     document = {"paths": found.paths, "ratios": found.ratios, "targets": targets,
                 "outputs_identical": found.outputs_identical, "meta": meta}  # fmt: skip
     (args.out / "bench_serving.json").write_text(json.dumps(document, indent=1) + "\n")
-    print(f"wrote {args.out / 'bench_serving.json'} and {args.out / 'bench_serving.png'}")
+    say_written(args.out / "bench_serving.json", *([args.out / "bench_serving.png"] if plots else []))
     print(f"took {meta['took_s']} s")
     if not found.outputs_identical:
         raise SystemExit("the paths generated different tokens: the benchmark is invalid")
