@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: ruff lint and format, pytest, mypy --strict and basedpyright
 # --verifytypes (100% required; without torch, 100% outside the torch-only reference
-# package: scripts/verify_types.py), in the environment .venv-X.Y.
+# package: scripts/verify_types.py), then, where the docs extra is installed (with
+# torch), `mkdocs build --strict`, in the environment .venv-X.Y.
 #
 #   ./scripts/test.sh                    # everything, with the default python3
 #   ./scripts/test.sh --quick            # everything but the tests that start processes (marker `ranks`)
@@ -74,7 +75,7 @@ if [ "$with_torch" = 1 ]; then
     [ ${#torch_source[@]} = 0 ] && torch_source=(torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)
 fi
 extras=test
-[ "$with_torch" = 1 ] && extras=test,torch,bench
+[ "$with_torch" = 1 ] && extras=test,torch,bench,docs
 inputs=$(
     {
         "$python" -c 'import sys; print(sys.executable, sys.version)'
@@ -132,4 +133,8 @@ else
 fi
 echo "== basedpyright --verifytypes (type completeness of the public API must be 100%)"
 "$venv/bin/python" scripts/verify_types.py
+if [ -x "$venv/bin/mkdocs" ]; then  # the docs extra: installed with torch (on 3.11 by default)
+    echo "== mkdocs build --strict (docs/ and the API reference from the docstrings; warnings fail)"
+    NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$venv/site"
+fi
 echo "== Python $version: all checks passed"

@@ -124,10 +124,10 @@ class ShmTransport:
             chunk_bytes: payload bytes per record at most, a positive multiple of
                 64: longer messages are cut into records of this size, which the
                 workers copy out while the head writes the next.
-            spin_time, max_spin_time: seconds a waiting rank spins before sleeping:
-                at least ``spin_time`` (``>= 0``), and a worker up to
-                ``max_spin_time`` when its messages come that often (see
-                ``_waiting.SpinBudget``; equal values turn the learning off).
+            spin_time: seconds a waiting rank spins at least before it sleeps (``>= 0``).
+            max_spin_time: seconds a worker spins at most, when its messages come that
+                often (see ``_waiting.SpinBudget``; equal to ``spin_time``, the
+                learning is off).
             setup_timeout: seconds a gather waits for every rank (``> 0``).
 
         Raises:

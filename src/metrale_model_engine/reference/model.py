@@ -82,8 +82,9 @@ class ShardedLm(nn.Module):
     Args:
         config: the model's shape.
         num_slots: the number of sequences the cache holds.
-        rank, world_size: this rank and the group size; ``world_size`` must divide
-            ``n_heads`` and ``n_experts``.  One rank is the plain model.
+        rank: this rank, in ``0 ..= world_size - 1``.
+        world_size: the group size; it must divide ``n_heads`` and ``n_experts``.  One
+            rank is the plain model.
         all_reduce: in-place sum over the group; required when ``world_size > 1``.
             With one rank it may be given (it is then called as above) or not.
         dtype: of the weights, cache and activations (norms, rotations and routing
@@ -203,7 +204,9 @@ class ShardedLm(nn.Module):
         positions ``0 ..= positions[i]`` of that slot only; rows do not influence each other.
 
         Args:
-            slots, tokens, positions: 1-D int64 tensors of one length ``B``; the slots distinct.
+            slots: 1-D int64 tensor of ``B`` distinct slot indices.
+            tokens: 1-D int64 tensor of ``B`` tokens, one per slot.
+            positions: 1-D int64 tensor of ``B`` positions, one per slot.
 
         Returns:
             The logits ``[B, vocab]``.

@@ -123,8 +123,9 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         link: this rank's link; its slot count is the model's.
         weights: a weights file (:func:`~metrale_model_engine.reference.save_weights`);
             default the shipped one.  Every rank loads it and keeps its shard.
-        dtype, device: of the weights, KV cache and activations; the device
-            defaults to the current CUDA device under NCCL, else torch's default.
+        dtype: of the weights, KV cache and activations.
+        device: where they live; by default the current CUDA device under NCCL, else
+            torch's default.
         group: the process group of the all-reduces.
         all_reduce: the in-place sum over the ranks; default
             :meth:`Collectives.all_reduce <metrale_model_engine.torch.Collectives.all_reduce>`
