@@ -152,7 +152,10 @@ def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[tuple
     folder = tmp_path_factory.mktemp("typing_cases")
     for name, source in CASES.items():
         (folder / f"{name}.py").write_text(source.lstrip("\n"))
-    command = [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--config-file", os.devnull]
+    # Incremental, with a cache of its own beside mypy's usual one (ignored by git): the
+    # standard library's stubs are checked once, not on every run (10 s -> about 2 s).
+    cache = SRC.parent / ".mypy_cache" / "typing_cases"
+    command = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), "--config-file", os.devnull]
     command += ["--python-version", "3.10"]  # the oldest Python the package supports
     result = subprocess.run(
         [*command, *sorted(str(p) for p in folder.glob("*.py"))],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Callable
 from contextlib import suppress
 from multiprocessing.connection import Connection
@@ -10,7 +9,7 @@ from typing import Final
 
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
-from .._host.launch import SETUP_FAILED, check_launch, launch
+from .._host.launch import SETUP_FAILED, check_launch, launch, rank_context
 from .segment import MAX_WORLD_SIZE
 from .transport import (
     DEFAULT_SETUP_TIMEOUT,
@@ -63,7 +62,7 @@ def run_ring(
     """
     limit = check_launch(world_size, timeout, max_world_size=MAX_WORLD_SIZE)
     spins = (spin_time, max_spin_time)
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     pipes = [context.Pipe() for _ in range(world_size - 1)]
     ends: list[list[Connection]] = [[head for head, _ in pipes]] + [[worker] for _, worker in pipes]
     rank_args = [(target, rank, ends[rank], spins, args) for rank in range(world_size)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import multiprocessing
 import os
 import socket
 from collections.abc import Callable
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
-from .._host.launch import check_launch, launch
+from .._host.launch import check_launch, launch, rank_context
 from .transport import _OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
@@ -139,7 +138,7 @@ def run_group(
             and the message names them.
     """
     limit = check_launch(world_size, timeout)
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     port = free_port()
     rank_args = [(target, rank, world_size, port, backend, args) for rank in range(world_size)]
     return launch(context, _local_rank_main, rank_args, limit)

@@ -1,0 +1,18 @@
+"""What every test module shares: rank processes start from one server that imported torch once.
+
+``run_group`` and ``run_ring`` spawn a fresh interpreter per rank by default, and each
+imports torch (about a second on this project's 2-core machine).  In this process the
+test suite has them fork from a start server instead (``start_ranks_from_a_server``):
+about 0.05 s a group.  Programs the tests run as a user runs them (the demo, the
+examples) are other processes and keep the default.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from metrale_model_engine._host.launch import start_ranks_from_a_server
+
+start_ranks_from_a_server(
+    ["metrale_model_engine.torch"] if importlib.util.find_spec("torch") is not None else ["metrale_model_engine.shm"]
+)
