@@ -25,15 +25,13 @@ head asks, the digest of its state.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Container, MutableSequence
-from typing import Any, Final, NoReturn
+from typing import Any, NoReturn
 
 from typing_extensions import Buffer
 
 from .._core.checks import check_slot
 from .._core.codec import (
-    DIGEST_EDGE,
     Ack,
     Item,
     ItemKind,
@@ -79,10 +77,6 @@ _LOGGER = logging.getLogger("metrale_model_engine.link")
 _LEAVE_TIMEOUT = 1.0
 """Seconds a worker that stops the run waits to hand its last report over (best effort)."""
 _NO_COMMANDS: frozenset[int] = frozenset()
-
-
-_FOLDED_WHOLE: Final = 2 * DIGEST_EDGE
-"""Bytes up to which a message's digest is the CRC-32 of all of it (``fold_message``)."""
 
 
 class CommandReader:
@@ -434,9 +428,5 @@ class CommandReader:
             raise EpReceiveError(f"{self._settings.who}: receive from the head failed: {error}") from error
         if len(message) % 4:
             raise EpReceiveError(f"{self._settings.who}: a corrupt message of {len(message)} bytes from the head")
-        stream = self._stream
-        if len(message) <= _FOLDED_WHOLE:  # fold_message's own first step, without its call
-            stream.crc = zlib.crc32(message, stream.crc)
-        else:
-            stream.crc = fold_message(stream.crc, (message,))
+        self._stream.crc = fold_message(self._stream.crc, (message,))
         return message.cast(U32_TYPECODE)
