@@ -17,8 +17,11 @@ the paths in a fresh order each round, every rank in one process group:
 Everything but the command path is shared: the model, the checks, the forward, its
 all-reduces (on one gloo group), the server.  The head times each batched decode,
 split into protocol (sending the command), collectives (inside the all-reduces) and
-compute (the rest).  Prints a table and the targets (met or missed), and writes
-``bench_serving.json`` and ``bench_serving.png`` to ``--out``.
+compute (the rest).  Beside the paths it reports the model's own decode step at one
+rank on ``--device`` (``model_step.py``): the ops it launches and the host waits per
+step, on CUDA its times eager and graphed and the GPU's busy time.  Prints a table
+and the targets (met or missed), and writes ``bench_serving.json`` and
+``bench_serving.png`` to ``--out``.
 
 Run: ``python benchmarks/bench_serving.py`` (about 2 minutes on 2 cores);
 ``--quick`` for a smoke run (about 20 s).
@@ -58,6 +61,7 @@ from metrale_model_engine.torch import open_link, run_group
 from metrale_model_engine.transport import SoloTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model_step
 from output import DEFAULT_OUT, plotting_available, say_written
 
 from peers import ShmEventChannel, ShmEventHandle
@@ -379,7 +383,12 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
     )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the model's own step is measured (default cpu)"
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
     plots = plotting_available()
     work = Workload(32, 64, 64, 16, 16) if not args.quick else Workload(8, 32, 8, 4, 16)
     rounds = 1 if args.quick else args.rounds
@@ -397,6 +406,12 @@ def main() -> None:
     samples = json.loads(samples_path.read_text())
     samples_path.unlink()
     found = analyse(samples, work)
+    torch.set_num_threads(1)
+    step = model_step.measure(args.device, work.slots, 50 if args.quick else 300)
+    found.targets.update(model_step.targets(step))
+    print(f"\nthe model's decode step at one rank, batch {work.slots}, on {args.device}:")
+    for name, value in step.items():
+        print(f"  {name}: {value:.4g}")
     report(found, work, args.out, plots)
     meta: dict[str, object] = {
         "argv": sys.argv[1:],
@@ -405,10 +420,11 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "took_s": round(time.monotonic() - started, 1),
     }
     targets = {name: {"value": value, "met": met} for name, (value, met) in found.targets.items()}
-    document = {"paths": found.paths, "ratios": found.ratios, "targets": targets,
+    document = {"paths": found.paths, "ratios": found.ratios, "model_step": step, "targets": targets,
                 "outputs_identical": found.outputs_identical, "meta": meta}  # fmt: skip
     (args.out / "bench_serving.json").write_text(json.dumps(document, indent=1) + "\n")
     say_written(args.out / "bench_serving.json", *([args.out / "bench_serving.png"] if plots else []))

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-from metrale_model_engine.demo import PROMPTS, parse_args
+from metrale_model_engine.demo import PROMPTS, main, parse_args
 from metrale_model_engine.torch import free_port
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks]
@@ -143,8 +143,71 @@ def test_demo_refuses_a_bad_protocol_variable_in_one_line() -> None:
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_demo_refuses_nccl_without_cuda() -> None:
     result = demo("--backend", "nccl")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "error: --backend nccl needs a CUDA device, and this machine has none" in result.stderr
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        "error: --backend nccl needs a CUDA device per local rank: 2 rank(s), 0 CUDA devices on this machine; "
+        "use --backend gloo"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("devices", "args", "message"),
+    [
+        (
+            1,
+            ("--backend", "nccl"),
+            "--backend nccl needs a CUDA device per local rank: 2 rank(s), 1 CUDA device on "
+            "this machine; use --world-size 1 or --backend gloo",
+        ),
+        (
+            1,
+            ("--device", "cuda", "--world-size", "4"),
+            "--device cuda needs a CUDA device per local rank: 4 rank(s), "
+            "1 CUDA device on this machine; use --world-size 1 or --device cpu",
+        ),
+        (
+            0,
+            ("--world-size", "1", "--device", "cuda"),
+            "--device cuda needs a CUDA device per local rank: 1 rank(s), "
+            "0 CUDA devices on this machine; use --device cpu",
+        ),
+        (
+            2,
+            ("--device", "cpu", "--backend", "nccl"),
+            "--backend nccl all-reduces CUDA tensors: it needs --device cuda; use --backend gloo",
+        ),
+        (
+            0,
+            ("--cuda-graphs",),
+            "--cuda-graphs needs --device cuda (the model is on the CPU here, with 0 CUDA devices)",
+        ),
+        (4, ("--cuda-graphs", "--world-size", "2", "--device", "cpu"), "--cuda-graphs needs --device cuda"),
+    ],
+)
+def test_demo_refuses_a_device_it_lacks_before_any_rank_starts(
+    devices: int,
+    args: tuple[str, ...],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(list(args)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
+    from metrale_model_engine.demo import _device_and_backend
+
+    for devices, ranks, expected in ((0, 1, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")):
+        args = parse_args(["--world-size", str(ranks)])
+        assert _device_and_backend(args, ranks, devices) == (expected, "nccl" if expected == "cuda" else "gloo")
+    assert _device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2) == ("cuda", "gloo")
 
 
 def test_protocol_flag() -> None:

@@ -135,7 +135,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--prefill-chunk", type=lambda t: _whole(t, 1), default=16, help="most prompt tokens per prefill (default 16)")
     add("--sync-every", type=lambda t: _whole(t, 1), default=16, help="steps between sync points (default 16)")
     add(
-        "--backend", choices=["gloo", "nccl"], default=None, help="default: nccl with a CUDA device per rank, else gloo"
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where each rank keeps its shard (default: cuda with a CUDA device per local rank, else cpu)",
+    )
+    add(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="what carries the all-reduces (default: nccl on --device cuda, else gloo)",
+    )
+    add("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (needs --device cuda)")
+    add(
+        "--threads",
+        type=lambda t: _whole(t, 1),
+        default=None,
+        help="torch threads per rank (default: 1 per rank with several ranks, 2 with one; see the README)",
     )
     add(
         "--transport",
@@ -173,6 +189,9 @@ class Work:
     sync_every: int
     json_path: Path | None
     check_kv: bool = False
+    device: str = "cpu"
+    cuda_graphs: bool = False
+    threads: int = 1
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -211,9 +230,18 @@ def serve(rank: int, world_size: int, work: Work) -> None:
 
     from .reference import LmState, ReferenceLm
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the ranks share this host's cores
+    torch.set_num_threads(work.threads)
+    device = None
+    if work.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     try:
-        model = ReferenceLm(_open_link(world_size, work), check_kv_values=work.check_kv)
+        model = ReferenceLm(
+            _open_link(world_size, work),
+            check_kv_values=work.check_kv,
+            device=device,
+            cuda_graphs=work.cuda_graphs,
+        )
         pids = model.ep_link.gather_u32(os.getpid())
     except EpSetupError:
         raise
@@ -257,7 +285,8 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
     ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
     _say(
         f"[head] the reference MoE transformer ({sum(p.numel() for p in model.lm.parameters()):,} parameters on "
-        f"this rank), {ranks}, protocol {link.protocol.value}; {work.slots} slots, prefill chunks of "
+        f"this rank, on {model.lm.embed.device}{', CUDA graphs' if work.cuda_graphs else ''}), {ranks}, protocol "
+        f"{link.protocol.value}; {work.slots} slots, prefill chunks of "
         f"{work.prefill_chunk}; pids {' '.join(map(str, pids))}"
     )
 
@@ -304,15 +333,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns its exit status (see the module)."""
     args = parse_args(argv)
     try:
-        from . import torch as ep_torch
+        from . import torch as ep_torch  # first: without torch, its ImportError says what to install
 
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
-        if args.backend == "nccl" and not ep_torch.cuda_available():
-            raise ValueError("--backend nccl needs a CUDA device, and this machine has none; use --backend gloo")
         torchrun = all(name in os.environ for name in _TORCHRUN_VARS)
         world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-        _check_memory(args.slots, world_size, local_ranks)
+        device, backend = _device_and_backend(args, local_ranks, _cuda_devices())
+        if device == "cpu":
+            _check_memory(args.slots, world_size, local_ranks)
     except (ImportError, ValueError, OSError) as error:
         return _cannot_start(error)
     work = Work(
@@ -324,13 +353,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.sync_every,
         args.json,
         args.check_kv,
+        device,
+        args.cuda_graphs,
+        args.threads or _default_threads(local_ranks),
     )
     try:
         if torchrun:
-            return _under_torchrun(args.backend, work)
+            return _under_torchrun(backend, work)
         if args.world_size == 1:
             return _exit_code(lambda: serve(0, 1, work))
-        codes = ep_torch.run_group(serve, args.world_size, work, backend=args.backend)
+        codes = ep_torch.run_group(serve, args.world_size, work, backend=backend)
     except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
         return _cannot_start(error)
     except KeyboardInterrupt:  # Ctrl-C: every rank has gone (run_group ended them), one line says so
@@ -340,6 +372,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
         print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
     return 1 if any(codes) else 0
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _device_and_backend(args: argparse.Namespace, local_ranks: int, devices: int) -> tuple[str, str]:
+    """The device and the backend the ranks use, from ``--device`` and ``--backend`` and ``devices`` CUDA devices.
+
+    Raises:
+        ValueError: the choice cannot run here: CUDA with fewer devices than local
+            ranks (two ranks on one device is refused by NCCL, and would share its
+            memory otherwise), NCCL for a model on the CPU, CUDA graphs off CUDA.
+    """
+    have = f"{devices} CUDA device{'s' if devices != 1 else ''}"
+    device = args.device or ("cuda" if 0 < local_ranks <= devices else "cpu")
+    wanted = "--device cuda" if device == "cuda" else "--backend nccl" if args.backend == "nccl" else None
+    if wanted is not None and devices < local_ranks:
+        fewer = f"--world-size {devices}" if devices else None
+        on_cpu = "--device cpu" if wanted == "--device cuda" else "--backend gloo"
+        instead = " or ".join(option for option in (fewer, on_cpu) if option)
+        raise ValueError(
+            f"{wanted} needs a CUDA device per local rank: {local_ranks} rank(s), {have} on this machine; use {instead}"
+        )
+    if args.backend == "nccl" and device == "cpu":
+        raise ValueError("--backend nccl all-reduces CUDA tensors: it needs --device cuda; use --backend gloo")
+    if args.cuda_graphs and device != "cuda":
+        raise ValueError(f"--cuda-graphs needs --device cuda (the model is on the CPU here, with {have})")
+    return device, args.backend or ("nccl" if device == "cuda" else "gloo")
+
+
+def _default_threads(local_ranks: int) -> int:
+    """Torch threads per rank: this model's ops are too small to share among many threads.
+
+    Measured (docs/reference.md): on a 16-core machine 2 ranks of 8 threads each took
+    10.8 ms per decode step where ranks of 1 thread (the serving benchmark's) took
+    3.75 ms, their threads spinning against each other's all-reduces; one rank alone
+    gains a little from a second thread (1.06 against 1.14-1.24 ms at batch 4 here).
+    """
+    return min(2, os.cpu_count() or 1) if local_ranks == 1 else 1
 
 
 def _check_memory(slots: int, world_size: int, local_ranks: int) -> None:

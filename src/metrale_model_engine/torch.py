@@ -12,6 +12,8 @@
   bounded, and a failure stops the run on every rank with a
   :class:`~metrale_model_engine.RunStopped` that names what the link knows.
 * :func:`tensor_tokens` turns a 1-D integer tensor into a token array.
+* :func:`count_ops` counts the aten ops of one call (:class:`OpCount`): the launches,
+  and the ops that would make the host wait for a GPU, on any device.
 
 Why shared memory by default: each gloo broadcast between two ranks of one host
 is a loopback TCP round trip of 150-300 µs, against a few microseconds for the
@@ -59,6 +61,7 @@ from ._torch.groups import (
     run_group,
 )
 from ._torch.groups import run_local as run_local  # deprecated: kept importable, not in __all__
+from ._torch.op_count import WAITING_OPS, OpCount, count_ops
 from ._torch.tokens import tensor_tokens
 from ._torch.transport import TorchTransport
 
@@ -67,9 +70,12 @@ __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
     "EXIT_GRACE",
     "TRANSPORT_KINDS",
+    "WAITING_OPS",
     "Collectives",
+    "OpCount",
     "TorchTransport",
     "TransportKind",
+    "count_ops",
     "cuda_available",
     "default_backend",
     "free_port",

@@ -43,7 +43,8 @@ The tokenizer (:mod:`.tokenizer`) maps each UTF-8 byte to one token.  This
 package imports torch; the root package never imports it.
 
 Its modules, one job each: :mod:`.config` (the shape and the sharding rule),
-:mod:`.layers` and :mod:`.model` (the network), :mod:`.state` (a slot's state and
+:mod:`.layers` and :mod:`.model` (the network), :mod:`.graphs` (decode steps
+replayed from CUDA graphs), :mod:`.state` (a slot's state and
 the checks every rank makes of a command), :mod:`.serving` (:class:`ReferenceLm`,
 the network served over the protocol), :mod:`.scheduler` (:class:`Server`,
 continuous batching on the head), :mod:`.kv_check`, :mod:`.summary`,
@@ -62,6 +63,7 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
 
 from .._core.namespace import PublicDir, public_dir
 from .config import LmConfig, Shard, check_world, init_full_state, shard_state, state_shapes
+from .graphs import DecodeGraphs
 from .layers import AllReduce
 from .model import ShardedLm
 from .scheduler import Completion, DecodeStep, FinishReason, Request, ServedLm, Server
@@ -95,6 +97,7 @@ __all__ = [
     "VOCAB_SIZE",
     "AllReduce",
     "Completion",
+    "DecodeGraphs",
     "DecodeStep",
     "FinishReason",
     "LmConfig",

@@ -4,14 +4,22 @@ A block's ``forward`` returns this rank's *partial* output; the model sums the
 partials over the ranks with one all-reduce per block and adds the sum to the
 replicated residual stream.  With one rank the partial is the whole output.
 
-Shapes: ``B`` batch rows, ``T`` positions per row, ``D`` the model width, ``h`` this
-rank's heads, ``d`` the head width, ``E`` this rank's experts, ``F`` an expert's
-hidden width.
+Every op here has a shape fixed by the call's shape alone and reads no value back
+to the host, so a decode step launches the same kernels every time, never waits
+for the device, and a CUDA graph can hold it (see :mod:`.graphs`).  Hence the
+fused weights: one matrix for the queries, keys and values, one for every local
+expert's gate and up projections, one for their down projections; the experts run
+on every token, weighted by a gate that is zero where the router did not pick them.
+
+Shapes: ``N`` tokens (the leading dims of the input, ``B`` rows or ``B x T``),
+``D`` the model width, ``h`` this rank's heads, ``d`` the head width, ``E`` this
+rank's experts, ``F`` an expert's hidden width, ``S`` ``max_seq_len``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +40,6 @@ __all__ = [
     "attend_prefill",
     "compute_dtype",
     "rms_norm",
-    "scaled_dot_product",
 ]
 
 
@@ -41,7 +48,7 @@ __dir__: PublicDir = public_dir(globals(), __all__)
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype for norms, rotations and routing weights: ``dtype``, at least float32."""
-    return torch.promote_types(dtype, torch.float32)
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,15 +59,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryTables(nn.Module):
-    """The cosines and sines of rotary position embedding (RoPE), for positions ``0 .. max_seq_len - 1``.
+    """Rotary position embedding (RoPE) for positions ``0 .. max_seq_len - 1``, as one lookup table.
 
     The head's dimensions are rotated in pairs ``(i, i + d/2)`` by the angle
-    ``position * base ** (-2i / d)``.  Tables are non-persistent buffers in
-    :func:`compute_dtype` of ``dtype``.
+    ``position * base ** (-2i / d)``.  ``table[p]`` (``[2, 3, 1, d]``, a
+    non-persistent buffer in :func:`compute_dtype` of ``dtype``) holds position
+    ``p``'s factors for the fused ``[q, k, v]`` of :func:`rotate`: ``table[p, 0]``
+    multiplies a head, ``table[p, 1]`` its halves swapped.  For ``q`` and ``k`` they
+    are ``[cos, cos]`` and ``[-sin, sin]``; for ``v``, which is not rotated, ``1``
+    and ``0``, so one rotation of the fused tensor leaves ``v`` as it was.
     """
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    table: torch.Tensor
 
     def __init__(
         self, head_dim: int, max_seq_len: int, base: float, *, dtype: torch.dtype, device: torch.device | None
@@ -69,44 +79,71 @@ class RotaryTables(nn.Module):
         half = head_dim // 2
         inverse_frequencies = base ** (-torch.arange(half, dtype=torch.float64) / half)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inverse_frequencies)
-        table_dtype = compute_dtype(dtype)
-        self.register_buffer("cos", angles.cos().to(device=device, dtype=table_dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(device=device, dtype=table_dtype), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        table = torch.zeros(max_seq_len, 2, 3, 1, head_dim, dtype=torch.float64)
+        table[:, 0, :2, 0] = torch.cat((cos, cos), dim=-1)[:, None]
+        table[:, 1, :2, 0] = torch.cat((-sin, sin), dim=-1)[:, None]
+        table[:, 0, 2] = 1.0
+        self.register_buffer("table", table.to(device=device, dtype=compute_dtype(dtype)), persistent=False)
 
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables at ``positions`` (any shape ``P``): cosines and sines shaped ``[*P, d/2]``."""
-        return self.cos[positions], self.sin[positions]
 
+def rotate(qkv: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``qkv`` ``[*N, 3, h, d]`` with ``q`` and ``k`` rotated by ``factors`` (rows of :class:`RotaryTables`).
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[B, T, h, d]`` rotated by tables ``[B or 1, T, d/2]``."""
-    first, second = x.to(cos.dtype).chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+    Each half of a head is ``x * cos - other_half * sin`` resp. ``x * cos + other_half
+    * sin``, as :class:`RotaryTables` says; ``v`` comes back unchanged.
+    """
+    work = qkv.to(factors.dtype)
+    swapped = torch.cat(work.chunk(2, dim=-1)[::-1], dim=-1)
+    return (work * factors.select(-4, 0) + swapped * factors.select(-4, 1)).to(qkv.dtype)
 
 
 AllReduce = Callable[[torch.Tensor], None]
 """Sums a tensor in place over the ranks of the group (e.g. ``torch.distributed.all_reduce``)."""
 
-Attend = Callable[["ShardedAttention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""How a layer's queries meet keys: ``attend(layer, q, k, v) -> out``, all ``[B, T, h, d]``.
+Attend = Callable[["ShardedAttention", torch.Tensor], torch.Tensor]
+"""How a layer's queries meet keys: ``attend(layer, qkv) -> out``, ``qkv`` ``[*N, 3, h, d]``, out ``[*N, h, d]``.
 
 The model passes one per call path: causal attention within the call (training),
 or writes into the layer's KV cache and attends to it (prefill, decode).
 """
 
 
+Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+Join = Callable[..., torch.Tensor]
+
+
+def _store_fused(module: nn.Module, fused: str, parts: tuple[str, ...], split: Split, join: Join) -> None:
+    """Let ``module``'s parameter ``fused`` appear in state dicts as its ``parts``, the weights file's names.
+
+    ``state_dict()`` gives ``split(fused)`` (views) under the parts' names, and
+    ``load_state_dict()`` takes the parts and loads ``join(*parts)``.  A state
+    that lacks a part is passed on as it is, for ``load_state_dict`` to report.
+    """
+
+    def show_parts(_: nn.Module, state: dict[str, Any], prefix: str, __: object) -> None:
+        pieces = split(state.pop(prefix + fused))
+        state.update({prefix + name: piece for name, piece in zip(parts, pieces, strict=True)})
+
+    def take_parts(_: nn.Module, state: dict[str, Any], prefix: str, *__: object) -> None:
+        if all(prefix + name in state for name in parts):
+            state[prefix + fused] = join(*(state.pop(prefix + name) for name in parts))
+
+    module.register_state_dict_post_hook(show_parts)  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_pre_hook(take_parts)  # type: ignore[no-untyped-call]
+
+
 class ShardedAttention(nn.Module):
     """Heads ``first_head .. first_head + local_heads - 1`` of a causal multi-head self-attention.
 
-    Column-parallel projections ``wq``, ``wk``, ``wv`` (this rank's heads' rows,
-    ``[h*d, D]``) and a row-parallel output projection ``wo`` (the matching
-    columns, ``[D, h*d]``).  No biases.  The KV cache of these heads is
-    ``k_cache`` / ``v_cache``, ``[num_slots, max_seq_len, h, d]``, non-persistent.
+    Column-parallel projections of this rank's heads (``wq``, ``wk``, ``wv`` in the
+    state dict, ``[h*d, D]`` each; held as one parameter ``wqkv`` ``[3, h*d, D]``)
+    and a row-parallel output projection ``wo`` (the matching columns, ``[D, h*d]``).
+    No biases.  The KV cache of these heads is ``kv_cache`` ``[num_slots, S, 2, h, d]``
+    (keys at ``[:, :, 0]``, values at ``[:, :, 1]``), non-persistent.
     """
 
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    kv_cache: torch.Tensor
 
     def __init__(
         self,
@@ -123,40 +160,32 @@ class ShardedAttention(nn.Module):
         self.local_heads = local_heads
         self.head_dim = head_dim
         width = local_heads * head_dim
-        self.wq: nn.Parameter = nn.Parameter(torch.zeros(width, d_model, dtype=dtype, device=device))
-        self.wk: nn.Parameter = nn.Parameter(torch.zeros(width, d_model, dtype=dtype, device=device))
-        self.wv: nn.Parameter = nn.Parameter(torch.zeros(width, d_model, dtype=dtype, device=device))
+        self.wqkv: nn.Parameter = nn.Parameter(torch.zeros(3, width, d_model, dtype=dtype, device=device))
         self.wo: nn.Parameter = nn.Parameter(torch.zeros(d_model, width, dtype=dtype, device=device))
-        cache_shape = (num_slots, max_seq_len, local_heads, head_dim)
-        self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=dtype, device=device), persistent=False)
+        cache_shape = (num_slots, max_seq_len, 2, local_heads, head_dim)
+        self.register_buffer("kv_cache", torch.zeros(cache_shape, dtype=dtype, device=device), persistent=False)
+        _store_fused(self, "wqkv", ("wq", "wk", "wv"), torch.unbind, lambda *parts: torch.stack(parts))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """This rank's partial attention output ``[B, T, D]`` for normed input ``x`` ``[B, T, D]``.
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """The keys of the cache, ``[num_slots, S, h, d]`` (a view)."""
+        return self.kv_cache[:, :, 0]
 
-        ``cos`` and ``sin`` are the rotary tables at the rows' positions (``[B or 1, T, d/2]``).
+    @property
+    def v_cache(self) -> torch.Tensor:
+        """The values of the cache, ``[num_slots, S, h, d]`` (a view)."""
+        return self.kv_cache[:, :, 1]
+
+    def forward(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """This rank's partial attention output ``[*N, D]`` for normed input ``x`` ``[*N, D]``.
+
+        ``factors``: the rows of :class:`RotaryTables` at the tokens' positions (``[*N, 2, 3, 1, d]``,
+        broadcast over leading dims).
         """
-        rows, length, _ = x.shape
-        split = (rows, length, self.local_heads, self.head_dim)
-        q = _rotate(F.linear(x, self.wq).view(split), cos, sin)
-        k = _rotate(F.linear(x, self.wk).view(split), cos, sin)
-        v = F.linear(x, self.wv).view(split)
-        out = attend(self, q, k, v)
-        return F.linear(out.reshape(rows, length, -1), self.wo)
-
-
-def scaled_dot_product(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None, causal: bool = False
-) -> torch.Tensor:
-    """Softmax attention of ``q`` ``[B, Tq, h, d]`` over ``k``, ``v`` ``[B, Tk, h, d]``; returns ``[B, Tq, h, d]``.
-
-    ``mask`` (boolean, broadcast to ``[B, h, Tq, Tk]``) is true where a query may see a key;
-    ``causal`` instead lets query ``i`` see keys ``0 ..= i``.
-    """
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
-    )
-    return out.transpose(1, 2)
+        lead = x.shape[:-1]
+        qkv = F.linear(x, self.wqkv.flatten(0, 1)).view(*lead, 3, self.local_heads, self.head_dim)
+        out = attend(self, rotate(qkv, factors))
+        return F.linear(out.flatten(-2), self.wo)
 
 
 class ShardedMoe(nn.Module):
@@ -165,9 +194,14 @@ class ShardedMoe(nn.Module):
     The router ``[n_experts, D]`` is replicated, so every rank routes every token
     the same way: the ``top_k`` largest router logits pick the experts and a
     softmax over those ``top_k`` logits weighs them.  Each rank adds the weighted
-    outputs of the picked experts it holds (none for the others).  Expert ``e``
-    computes ``w_down[e] @ (silu(w_gate[e] @ x) * (w_up[e] @ x))``; the weights are
-    stacked by expert: ``w_gate``, ``w_up`` ``[E, F, D]``, ``w_down`` ``[E, D, F]``.
+    outputs of the experts it holds.  Expert ``e`` computes
+    ``w_down[e] @ (silu(w_gate[e] @ x) * (w_up[e] @ x))``.
+
+    In the state dict the weights are stacked by expert: ``w_gate``, ``w_up``
+    ``[E, F, D]``, ``w_down`` ``[E, D, F]``.  They are held fused for two matrix
+    products over every local expert at once: ``w_in`` ``[E, 2, F, D]`` (gate and
+    up) and ``w_out`` ``[D, E, F]`` (the down projections side by side, so that one
+    product of the gated hidden states also sums the experts).
     """
 
     def __init__(
@@ -185,15 +219,19 @@ class ShardedMoe(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.first_expert = first_expert
+        self.local_experts = local_experts
         self.router: nn.Parameter = nn.Parameter(torch.zeros(n_experts, d_model, dtype=dtype, device=device))
-        self.w_gate: nn.Parameter = nn.Parameter(
-            torch.zeros(local_experts, d_expert, d_model, dtype=dtype, device=device)
+        self.w_in: nn.Parameter = nn.Parameter(
+            torch.zeros(local_experts, 2, d_expert, d_model, dtype=dtype, device=device)
         )
-        self.w_up: nn.Parameter = nn.Parameter(
-            torch.zeros(local_experts, d_expert, d_model, dtype=dtype, device=device)
+        self.w_out: nn.Parameter = nn.Parameter(
+            torch.zeros(d_model, local_experts, d_expert, dtype=dtype, device=device)
         )
-        self.w_down: nn.Parameter = nn.Parameter(
-            torch.zeros(local_experts, d_model, d_expert, dtype=dtype, device=device)
+        _store_fused(
+            self, "w_in", ("w_gate", "w_up"), lambda w: w.unbind(1), lambda gate, up: torch.stack((gate, up), 1)
+        )
+        _store_fused(
+            self, "w_out", ("w_down",), lambda w: (w.transpose(0, 1),), lambda down: down.transpose(0, 1).contiguous()
         )
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,27 +246,22 @@ class ShardedMoe(nn.Module):
     def local_gates(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, E]``: the weight of each of this rank's experts for each token (0 where it was not picked)."""
         experts, weights = self.routing(x)
-        local_ids = torch.arange(self.first_expert, self.first_expert + self.w_gate.shape[0], device=x.device)
-        picked = experts.unsqueeze(-1) == local_ids  # [N, top_k, E]; an expert is picked at most once per token
-        return (weights.unsqueeze(-1) * picked).sum(dim=1).to(x.dtype)
+        gates = weights.new_zeros(x.shape[0], self.router.shape[0]).scatter_(1, experts, weights)
+        return gates[:, self.first_expert : self.first_expert + self.local_experts].to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial output, ``x``'s shape ``[..., D]``.
+        """This rank's partial output, ``x``'s shape ``[*N, D]``.
 
-        Each local expert runs on the tokens that picked it, gathered (a host sync
-        on CUDA, for ``nonzero``); on this model's sizes that trains about 1.4x
-        faster on a CPU than running every expert on every token.
+        Every local expert runs on every token, and its output is weighed by its gate:
+        a fixed shape, no host sync.  At ``top_k / n_experts`` of the experts picked
+        per token this computes ``n_experts / top_k`` times the products that routing
+        token by token would, and saves the gather, one kernel per expert and the sync.
         """
         flat = x.reshape(-1, x.shape[-1])
         gates = self.local_gates(flat)
-        out = torch.zeros_like(flat)
-        for expert in range(gates.shape[1]):
-            rows = gates[:, expert].nonzero().squeeze(-1)
-            picked = flat[rows]
-            hidden = F.silu(F.linear(picked, self.w_gate[expert])) * F.linear(picked, self.w_up[expert])
-            outputs = F.linear(hidden, self.w_down[expert]) * gates[rows, expert, None]
-            out = out.index_add(0, rows, outputs)
-        return out.view_as(x)
+        hidden = F.linear(flat, self.w_in.flatten(0, 2)).view(flat.shape[0], self.local_experts, 2, -1)
+        gated = F.silu(hidden[:, :, 0]) * hidden[:, :, 1] * gates[..., None]  # [N, E, F]
+        return F.linear(gated.flatten(1), self.w_out.flatten(1)).view_as(x)
 
 
 class ShardedBlock(nn.Module):
@@ -280,14 +313,12 @@ class ShardedBlock(nn.Module):
         )
         return cls(attn, moe, eps=config.norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], attend: Attend, all_reduce: AllReduce
-    ) -> torch.Tensor:
-        """The residual stream ``x`` ``[B, T, D]`` after this layer; calls ``all_reduce`` twice.
+    def forward(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend, all_reduce: AllReduce) -> torch.Tensor:
+        """The residual stream ``x`` ``[*N, D]`` after this layer; calls ``all_reduce`` twice.
 
-        ``tables``: the rotary cosines and sines at the rows' positions.
+        ``factors``: the rows of :class:`RotaryTables` at the tokens' positions.
         """
-        partial: torch.Tensor = self.attn(rms_norm(x, self.attn_norm, self.eps), *tables, attend)
+        partial: torch.Tensor = self.attn(rms_norm(x, self.attn_norm, self.eps), factors, attend)
         all_reduce(partial)
         x = x + partial
         partial = self.moe(rms_norm(x, self.moe_norm, self.eps))
@@ -295,45 +326,44 @@ class ShardedBlock(nn.Module):
         return x + partial
 
 
-def attend_causal(_: ShardedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The training path's :data:`Attend`: causal attention within the call, no cache."""
-    return scaled_dot_product(q, k, v, causal=True)
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[..., T, h, d]`` as ``[..., h, T, d]``, the layout of ``scaled_dot_product_attention``."""
+    return x.transpose(-3, -2)
+
+
+def attend_causal(_: ShardedAttention, qkv: torch.Tensor) -> torch.Tensor:
+    """The training path's :data:`Attend` (``qkv`` ``[B, T, 3, h, d]``): causal attention within the call, no cache."""
+    q, k, v = (_heads_first(part) for part in qkv.unbind(-3))
+    return _heads_first(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 def attend_prefill(
-    slot: int, start: int, layer: ShardedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    slot: int, start: int, causal_bias: torch.Tensor, layer: ShardedAttention, qkv: torch.Tensor
 ) -> torch.Tensor:
-    """Prefill's :data:`Attend` (bind ``slot`` and ``start``): one row of ``L`` tokens, ``[1, L, h, d]``.
+    """Prefill's :data:`Attend` (bind ``slot``, ``start``, ``causal_bias``): a chunk of ``L`` tokens, ``[L, 3, h, d]``.
 
-    Writes ``k`` and ``v`` at positions ``start .. start + L - 1`` of ``slot``'s cache,
-    then lets position ``p`` attend to the slot's positions ``0 ..= p``.
+    Writes the chunk's keys and values at positions ``start .. start + L - 1`` of
+    ``slot``'s cache, then lets position ``p`` attend to the slot's positions
+    ``0 ..= p``.  ``causal_bias`` is the model's ``[S, S]`` additive causal mask.
     """
-    end = start + q.shape[1]
-    layer.k_cache[slot, start:end] = k[0]
-    layer.v_cache[slot, start:end] = v[0]
-    key_positions = torch.arange(end, device=q.device)
-    visible = key_positions <= key_positions[start:, None]  # [L, end]
-    keys, values = layer.k_cache[slot, :end].unsqueeze(0), layer.v_cache[slot, :end].unsqueeze(0)
-    return scaled_dot_product(q, keys, values, mask=visible)
+    end = start + qkv.shape[0]
+    layer.kv_cache[slot, start:end] = qkv[:, 1:]
+    keys, values = (_heads_first(part) for part in layer.kv_cache[slot, :end].unbind(1))
+    out = F.scaled_dot_product_attention(_heads_first(qkv[:, 0]), keys, values, attn_mask=causal_bias[start:end, :end])
+    return _heads_first(out)
 
 
 def attend_decode(
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    layer: ShardedAttention,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    slots: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, layer: ShardedAttention, qkv: torch.Tensor
 ) -> torch.Tensor:
-    """Decode's :data:`Attend` (bind ``slots`` and ``positions``): ``B`` rows of one token, ``[B, 1, h, d]``.
+    """Decode's :data:`Attend` (bind ``slots``, ``positions``, ``bias``): ``B`` rows of one token, ``[B, 3, h, d]``.
 
     Row ``i`` writes its key and value at ``positions[i]`` of ``slots[i]`` and
-    attends to that slot's positions ``0 ..= positions[i]``.
-
-    Each row attends over its slot's whole cache with the positions past its own
-    masked out: one shape for every batch, and no host sync.
+    attends to that slot's positions ``0 ..= positions[i]``: over the slot's whole
+    cache, the positions past its own masked out by ``bias`` (``[B, 1, 1, S]``, 0 or ``-inf``),
+    so every batch has one shape.
     """
-    layer.k_cache[slots, positions] = k[:, 0]
-    layer.v_cache[slots, positions] = v[:, 0]
-    visible = torch.arange(layer.k_cache.shape[1], device=q.device) <= positions[:, None]  # [B, max_seq_len]
-    return scaled_dot_product(q, layer.k_cache[slots], layer.v_cache[slots], mask=visible[:, None, None, :])
+    layer.kv_cache[slots, positions] = qkv[:, 1:]
+    keys, values = (_heads_first(part) for part in layer.kv_cache[slots].unbind(2))  # [B, h, S, d]
+    out = F.scaled_dot_product_attention(qkv[:, 0, :, None], keys, values, attn_mask=bias)  # [B, h, 1, d]
+    return out[:, :, 0]

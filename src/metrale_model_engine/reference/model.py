@@ -36,14 +36,6 @@ def _no_reduce(_: torch.Tensor) -> None:
     """The all-reduce of a one-rank group: nothing to add."""
 
 
-def _check_in_range(name: str, values: torch.Tensor, end: int) -> None:
-    """Raise ValueError naming the first value of the 1-D ``values`` outside ``0 ..= end - 1`` (a host sync)."""
-    bad = ((values < 0) | (values >= end)).nonzero()
-    if bad.numel():
-        index = int(bad[0, 0])
-        raise ValueError(f"{name}[{index}]={int(values[index])} is out of range (0 ..= {end - 1})")
-
-
 def _check_int_tensor(name: str, value: object, dim: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != dim:
         if isinstance(value, torch.Tensor):
@@ -54,6 +46,18 @@ def _check_int_tensor(name: str, value: object, dim: int) -> torch.Tensor:
     if value.numel() == 0:
         raise ValueError(f"{name} must not be empty")
     return value
+
+
+def _host_values(values: torch.Tensor) -> list[int] | None:
+    """The values of a host tensor, flattened; None for one on a device (reading it would wait for the device)."""
+    return values.flatten().tolist() if values.device.type == "cpu" else None
+
+
+def _check_in_range(name: str, values: list[int] | None, end: int) -> None:
+    """Raise ValueError naming the first of ``values`` outside ``0 ..= end - 1`` (None: not checked)."""
+    for index, value in enumerate(values or ()):
+        if not 0 <= value < end:
+            raise ValueError(f"{name}[{index}]={value} is out of range (0 ..= {end - 1})")
 
 
 def _check_int(name: str, value: object, end: int) -> int:
@@ -74,10 +78,18 @@ class ShardedLm(nn.Module):
     must make the same calls with the same arguments.  Parameters start as zeros
     (norm gains as ones): load weights with :meth:`load_full_state`.
 
-    The KV cache holds, per layer, ``k_cache`` and ``v_cache`` of shape
-    ``[num_slots, max_seq_len, local_heads, head_dim]`` (non-persistent buffers, so
-    ``state_dict()`` is the weights alone).  It knows no sequence lengths: callers
-    pass positions, and a slot's entries past the position attended to are ignored.
+    The KV cache holds, per layer, ``kv_cache`` of shape
+    ``[num_slots, max_seq_len, 2, local_heads, head_dim]`` (keys, then values; a
+    non-persistent buffer, so ``state_dict()`` is the weights alone).  It knows no
+    sequence lengths: callers pass positions, and a slot's entries past the
+    position attended to are ignored.
+
+    No call reads a value of the device back to the host: index arguments are
+    checked when they are host (CPU) tensors, and trusted when they already live
+    on an accelerator (an index out of range there is a device-side assert).
+    :meth:`decode_step` is the decode without any check, for callers that checked
+    the host values they built the tensors from (:class:`ReferenceLm` does), and for
+    CUDA graphs (:mod:`.graphs`).
 
     Args:
         config: the model's shape.
@@ -139,6 +151,11 @@ class ShardedLm(nn.Module):
         self.rotary: RotaryTables = RotaryTables(
             config.head_dim, config.max_seq_len, config.rope_base, dtype=dtype, device=device
         )
+        self.causal_bias: torch.Tensor
+        """``[S, S]``, non-persistent: added to the attention scores of position ``p`` for key position ``q``,
+        0 where ``q <= p``, ``-inf`` past it (a boolean mask would be turned into this on every call)."""
+        bias = torch.full((config.max_seq_len,) * 2, float("-inf"), dtype=dtype, device=device).triu(1)
+        self.register_buffer("causal_bias", bias, persistent=False)
 
     def load_full_state(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load this rank's shard (:func:`shard_state`) of the unsharded ``full``, converted to the model's dtype.
@@ -158,13 +175,12 @@ class ShardedLm(nn.Module):
             TypeError: ``tokens`` is not a 2-D int64 tensor.
             ValueError: ``tokens`` is empty, longer than ``max_seq_len``, or holds a token outside the vocabulary.
         """
-        tokens = _check_int_tensor("tokens", tokens, 2).to(self.embed.device)
+        tokens = _check_int_tensor("tokens", tokens, 2)
         length = tokens.shape[1]
         if length > self.config.max_seq_len:
             raise ValueError(f"tokens has {length} positions, more than max_seq_len={self.config.max_seq_len}")
-        _check_in_range("tokens.flatten()", tokens.flatten(), self.config.vocab_size)
-        positions = torch.arange(length, device=tokens.device)
-        hidden = self._layers(F.embedding(tokens, self.embed), self.rotary.at(positions), attend_causal)
+        _check_in_range("tokens.flatten()", _host_values(tokens), self.config.vocab_size)
+        hidden = self._layers(self._embed(tokens), self.rotary.table[:length], attend_causal)
         return self._head(hidden)
 
     @torch.no_grad()
@@ -179,22 +195,21 @@ class ShardedLm(nn.Module):
 
         Raises:
             TypeError: a wrong argument type.
-            ValueError: ``slot`` out of range, ``tokens`` empty or outside the vocabulary,
-                ``start < 0`` or ``start + len(tokens) > max_seq_len``.
+            ValueError: ``slot`` out of range, ``tokens`` empty or (a host tensor) outside
+                the vocabulary, ``start < 0`` or ``start + len(tokens) > max_seq_len``.
         """
         _check_int("slot", slot, self.num_slots)
-        tokens = _check_int_tensor("tokens", tokens, 1).to(self.embed.device)
+        tokens = _check_int_tensor("tokens", tokens, 1)
         _check_int("start", start, self.config.max_seq_len)
         end = start + tokens.shape[0]
         if end > self.config.max_seq_len:
             raise ValueError(
                 f"start={start} + {tokens.shape[0]} tokens = {end} passes max_seq_len={self.config.max_seq_len}"
             )
-        _check_in_range("tokens", tokens, self.config.vocab_size)
-        positions = torch.arange(start, end, device=tokens.device)
-        attend = functools.partial(attend_prefill, slot, start)
-        hidden = self._layers(F.embedding(tokens, self.embed).unsqueeze(0), self.rotary.at(positions), attend)
-        return self._head(hidden[0, -1])
+        _check_in_range("tokens", _host_values(tokens), self.config.vocab_size)
+        attend = functools.partial(attend_prefill, slot, start, self.causal_bias)
+        hidden = self._layers(self._embed(tokens), self.rotary.table[start:end], attend)
+        return self._head(hidden[-1])
 
     @torch.no_grad()
     def decode(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -202,6 +217,7 @@ class ShardedLm(nn.Module):
 
         Each row writes its keys and values into its slot's cache and attends to
         positions ``0 ..= positions[i]`` of that slot only; rows do not influence each other.
+        Host tensors have their values checked, then go to the model's device (see the class).
 
         Args:
             slots: 1-D int64 tensor of ``B`` distinct slot indices.
@@ -213,40 +229,49 @@ class ShardedLm(nn.Module):
 
         Raises:
             TypeError: an argument is not a 1-D int64 tensor.
-            ValueError: empty or unequal lengths, a repeated slot, or a slot, token or
-                position out of range.
+            ValueError: empty or unequal lengths, or in a host tensor a repeated slot, or a
+                slot, token or position out of range.
         """
-        device = self.embed.device
-        slots = _check_int_tensor("slots", slots, 1).to(device)
-        tokens = _check_int_tensor("tokens", tokens, 1).to(device)
-        positions = _check_int_tensor("positions", positions, 1).to(device)
+        slots = _check_int_tensor("slots", slots, 1)
+        tokens = _check_int_tensor("tokens", tokens, 1)
+        positions = _check_int_tensor("positions", positions, 1)
         if not slots.shape == tokens.shape == positions.shape:
             raise ValueError(
                 f"slots, tokens and positions must have one length, got {slots.numel()}, "
                 f"{tokens.numel()} and {positions.numel()}"
             )
-        _check_in_range("slots", slots, self.num_slots)
-        _check_in_range("tokens", tokens, self.config.vocab_size)
-        _check_in_range("positions", positions, self.config.max_seq_len)
-        if torch.unique(slots).numel() != slots.numel():
-            raise ValueError(f"slots must be distinct, got {slots.tolist()}")
-        attend = functools.partial(attend_decode, slots, positions)
-        hidden = self._layers(F.embedding(tokens, self.embed).unsqueeze(1), self.rotary.at(positions[:, None]), attend)
-        return self._head(hidden[:, 0])
+        slot_values = _host_values(slots)
+        _check_in_range("slots", slot_values, self.num_slots)
+        _check_in_range("tokens", _host_values(tokens), self.config.vocab_size)
+        _check_in_range("positions", _host_values(positions), self.config.max_seq_len)
+        if slot_values is not None and len(set(slot_values)) != len(slot_values):
+            raise ValueError(f"slots must be distinct, got {slot_values}")
+        device = self.embed.device
+        moved = (t.to(device, non_blocking=True) for t in (slots, tokens, positions))
+        return self.decode_step(*moved)
+
+    @torch.no_grad()
+    def decode_step(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` without its checks: the arguments on the model's device, their values trusted.
+
+        Launches a fixed sequence of kernels for a given batch size, reads nothing back
+        to the host and allocates only its own intermediates: a CUDA graph can hold it.
+        """
+        attend = functools.partial(attend_decode, slots, positions, self.causal_bias[positions][:, None, None, :])
+        hidden = self._layers(self._embed(tokens), self.rotary.table[positions], attend)
+        return self._head(hidden)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.to(self.embed.device, non_blocking=True), self.embed)
 
     def _blocks(self) -> Iterator[ShardedBlock]:
         for block in self.layers:
             assert isinstance(block, ShardedBlock)
             yield block
 
-    def _layers(
-        self,
-        x: torch.Tensor,
-        tables: tuple[torch.Tensor, torch.Tensor],
-        attend: Attend,
-    ) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend) -> torch.Tensor:
         for block in self._blocks():
-            x = block(x, tables, attend, self._all_reduce)
+            x = block(x, factors, attend, self._all_reduce)
         return x
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

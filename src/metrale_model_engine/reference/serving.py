@@ -58,6 +58,7 @@ from .._core.namespace import PublicDir, public_dir
 from ..batching import recv_batch, send_batch
 from ..torch import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
 from .config import LmConfig
+from .graphs import DecodeGraphs
 from .kv_check import KvLedger
 from .layers import AllReduce
 from .model import ShardedLm
@@ -137,6 +138,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             KV cache still holds what its forwards wrote (:class:`~.kv_check.KvLedger`;
             a digest per write, a reduction of the cache at each sync point), and a
             rank whose cache was altered reports another state digest.  Default off.
+        cuda_graphs: replay decode steps from CUDA graphs (:class:`~.graphs.DecodeGraphs`):
+            one launch per step instead of one per kernel.  Needs the model on a CUDA device.
 
     Attributes:
         lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
@@ -148,6 +151,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             not the link's group.
         RuntimeError: several ranks, no ``all_reduce`` and torch.distributed is not initialised.
         OSError: the weights file cannot be read.
+        ValueError: ``cuda_graphs`` and the model is not on a CUDA device.
     """
 
     ep_collective_commands: ClassVar[frozenset[int]] = frozenset({CMD_PREFILL, CMD_DECODE})
@@ -164,6 +168,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         all_reduce: AllReduce | None = None,
         collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
         check_kv_values: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         self.ep_link = link
@@ -185,6 +190,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             device=device,
         )
         self.lm.load_full_state(full)
+        self._device = self.lm.embed.device
+        self._graphs = DecodeGraphs(self.lm) if cuda_graphs else None
         self.spent: TimeSpent = TimeSpent()
         self._sends = world_size > 1  # one rank is the single-GPU model: no command to send, nothing to pay
         self.kv_ledger: KvLedger | None = KvLedger(self.lm) if check_kv_values else None
@@ -288,13 +295,16 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         worker after reading it.  The states record their tokens once the forward
         has written their keys and values.
         """
-        as_tensor = torch.tensor
-        seq_ids = as_tensor([state.seq_id for state in states], dtype=torch.int64)
-        positions = as_tensor([state.length for state in states], dtype=torch.int64)
-        logits = self.lm.decode(seq_ids, as_tensor(tokens, dtype=torch.int64), positions)
+        rows = ([state.seq_id for state in states], list(tokens), [state.length for state in states])
+        # one copy to the device, from pinned memory so that it does not make the host wait
+        host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._device.type == "cuda")
+        inputs = host.to(self._device, non_blocking=True)
+        if self._graphs is not None:
+            logits = self._graphs(inputs)
+        else:
+            logits = self.lm.decode_step(inputs[0], inputs[1], inputs[2])
         if self.kv_ledger is not None:
-            device = self.kv_ledger.written.device
-            self.kv_ledger.wrote_rows(seq_ids.to(device), positions.to(device))
+            self.kv_ledger.wrote_rows(inputs[0], inputs[2])
         for state, token in zip(states, tokens, strict=True):
             state.append(token)
         return logits

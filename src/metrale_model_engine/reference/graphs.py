@@ -1,0 +1,93 @@
+"""Decode steps replayed from CUDA graphs: :class:`DecodeGraphs`.
+
+A decode step of :class:`~.model.ShardedLm` (:meth:`~.model.ShardedLm.decode_step`)
+launches a fixed sequence of kernels for a given batch size and reads nothing back,
+so it can be recorded once in a CUDA graph and replayed with one launch.  The graph
+reads its inputs from a static buffer and writes its logits to a static tensor; the
+KV cache is the model's own buffer, which every replay updates in place.
+
+One graph per batch size, recorded at the first step of that size (continuous
+batching visits the sizes ``1 ..= num_slots``); all of them share one memory pool.
+Before it records, a size runs once eagerly on a side stream (as CUDA graph capture
+asks: allocator and library warm-up).  That run writes the step's keys and values,
+which the replay then writes again, equal: the step is done once as far as the
+cache is concerned.  On every rank of a group the same steps come in the same
+order, so the ranks record together and their all-reduces pair up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .._core.namespace import PublicDir, public_dir
+from .model import ShardedLm
+
+__all__ = ["DecodeGraphs"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
+
+@dataclass
+class _Recorded:
+    inputs: torch.Tensor
+    """``[3, B]`` int64 on the device: slots, tokens, positions."""
+    logits: torch.Tensor
+    replay: Callable[[], None]
+
+
+class DecodeGraphs:
+    """``lm``'s decode steps, each batch size recorded once in a CUDA graph and replayed after.
+
+    Args:
+        lm: a model whose weights and cache are on a CUDA device.
+
+    Raises:
+        ValueError: ``lm`` is not on a CUDA device.
+    """
+
+    def __init__(self, lm: ShardedLm) -> None:
+        device = lm.embed.device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
+        self._lm = lm
+        self._device = device
+        self._recorded: dict[int, _Recorded] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes recorded so far, ascending."""
+        return sorted(self._recorded)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        """One decode step of ``inputs`` ``[3, B]`` (int64: slots, tokens, positions; checked by the caller).
+
+        Returns:
+            The logits ``[B, vocab]``, a tensor of the caller's own (the graph's output is copied).
+        """
+        batch = inputs.shape[1]
+        recorded = self._recorded.get(batch)
+        if recorded is None:
+            recorded = self._recorded[batch] = self._record(inputs)
+        else:
+            recorded.inputs.copy_(inputs, non_blocking=True)
+            recorded.replay()
+        return recorded.logits.clone()
+
+    def _record(self, inputs: torch.Tensor) -> _Recorded:
+        """Record the step for ``inputs``' batch size; the step itself runs (eagerly, then replayed)."""
+        static = inputs.to(self._device, non_blocking=True)
+        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            self._lm.decode_step(static[0], static[1], static[2])
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._lm.decode_step(static[0], static[1], static[2])
+        graph.replay()
+        return _Recorded(static, logits, graph.replay)
