@@ -71,7 +71,8 @@ def _gpu_busy_ms(step: Callable[[], None]) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return float(sum(event.self_device_time_total for event in prof.key_averages())) / 1e3
+    kernels = [event for event in prof.key_averages() if event.device_type.name == "CUDA"]  # not the CPU ops
+    return float(sum(event.self_device_time_total for event in kernels)) / 1e3
 
 
 def measure(device_name: str, batch: int, steps: int) -> dict[str, float]:

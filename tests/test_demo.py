@@ -182,6 +182,12 @@ def test_demo_refuses_nccl_without_cuda() -> None:
             "--cuda-graphs needs --device cuda (the model is on the CPU here, with 0 CUDA devices)",
         ),
         (4, ("--cuda-graphs", "--world-size", "2", "--device", "cpu"), "--cuda-graphs needs --device cuda"),
+        (
+            4,
+            ("--cuda-graphs", "--world-size", "2"),
+            "--cuda-graphs is for one rank (a replayed all-reduce could not be bounded by the collective timeout); "
+            "use --world-size 1",
+        ),
     ],
 )
 def test_demo_refuses_a_device_it_lacks_before_any_rank_starts(
@@ -208,6 +214,7 @@ def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
         args = parse_args(["--world-size", str(ranks)])
         assert _device_and_backend(args, ranks, devices) == (expected, "nccl" if expected == "cuda" else "gloo")
     assert _device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2) == ("cuda", "gloo")
+    assert _device_and_backend(parse_args(["--backend", "gloo"]), 2, 2) == ("cpu", "gloo")  # gloo: a CPU model
 
 
 def test_protocol_flag() -> None:

@@ -9,6 +9,8 @@ index, or a copy to the host) makes the host wait for the device.
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from collections.abc import Iterator
 
 import pytest
@@ -120,7 +122,10 @@ def test_the_state_dict_keeps_the_weights_file_names(shipped: tuple[LmConfig, di
     config, full = shipped
     model = model_on(shipped)
     state = model.state_dict()
-    assert state.keys() == full.keys()
+    assert sorted(state) == sorted(full)
+    attention = [name for name in state if name.startswith("layers.0.attn.")]
+    assert attention == [f"layers.0.attn.{name}" for name in ("wq", "wk", "wv", "wo")]  # where wqkv stood
+    assert model.state_dict(keep_vars=True)["layers.0.attn.wq"].grad_fn is None  # a view, not a step of autograd
     assert all(torch.equal(state[name], full[name].float()) for name in full)
     again = ShardedLm(config, num_slots=1)
     again.load_state_dict(state)
@@ -131,18 +136,29 @@ def test_the_state_dict_keeps_the_weights_file_names(shipped: tuple[LmConfig, di
         again.load_state_dict({name: t for name, t in state.items() if name != "layers.0.attn.wk"})
 
 
-def test_graphs_refuse_a_model_off_cuda(shipped: tuple[LmConfig, dict[str, torch.Tensor]]) -> None:
+def test_the_model_pickles(shipped: tuple[LmConfig, dict[str, torch.Tensor]]) -> None:
+    model = model_on(shipped)
+    copy = pickle.loads(pickle.dumps(model))
+    inputs = decode_inputs(4)
+    assert torch.equal(copy.decode(*inputs), model.decode(*inputs))
+
+
+def test_graphs_refuse_a_model_off_cuda_or_of_several_ranks(shipped: tuple[LmConfig, dict[str, torch.Tensor]]) -> None:
     with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device, it is on cpu"):
         DecodeGraphs(model_on(shipped))
     with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
         ReferenceLm(EpLink(SoloTransport(), num_slots=2), cuda_graphs=True)
+    sharded = ShardedLm(shipped[0], num_slots=2, rank=1, world_size=2, all_reduce=lambda tensor: None)
+    with pytest.raises(ValueError, match=r"CUDA graphs are for one rank, this model is rank 1 of 2: a replayed"):
+        DecodeGraphs(sharded)
 
 
 # On CUDA itself
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def no_sync() -> Iterator[None]:
+    """Make any operation that synchronizes the host with the device raise."""
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
@@ -152,15 +168,18 @@ def no_sync() -> Iterator[None]:
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("batch", [1, 16])
-def test_on_cuda_decode_and_prefill_never_sync(
-    shipped: tuple[LmConfig, dict[str, torch.Tensor]], batch: int, no_sync: None
-) -> None:
-    model = model_on(shipped, "cuda")
-    model.prefill(0, torch.arange(30, device="cuda"), 0)
-    logits = model.decode(*decode_inputs(batch, "cuda"))
-    torch.cuda.set_sync_debug_mode("default")
-    cpu_logits = model_on(shipped).decode(*decode_inputs(batch))
-    torch.testing.assert_close(logits.cpu(), cpu_logits, atol=1e-3, rtol=0)
+def test_on_cuda_decode_and_prefill_never_sync(shipped: tuple[LmConfig, dict[str, torch.Tensor]], batch: int) -> None:
+    on_cuda, on_cpu = model_on(shipped, "cuda"), model_on(shipped)  # loading copies and waits: outside the check
+    prompt, inputs = torch.arange(30), decode_inputs(batch)
+    on_cuda_inputs = tuple(tensor.cuda() for tensor in inputs)
+    torch.cuda.synchronize()
+    with no_sync():
+        on_cuda.prefill(0, prompt.cuda(non_blocking=True), 0)
+        logits = on_cuda.decode(*on_cuda_inputs)
+        on_cuda.prefill(1, prompt, 0)  # host tensors: checked on the host, copied without a wait
+        on_cuda.decode(*inputs)
+    on_cpu.prefill(0, prompt, 0)
+    torch.testing.assert_close(logits.cpu(), on_cpu.decode(*inputs), atol=1e-3, rtol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

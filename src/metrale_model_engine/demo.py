@@ -84,22 +84,34 @@ def _world_size(text: str) -> int:
     return value
 
 
-def _unshared_world_size(world_size: int) -> str | None:
-    """Why the shipped model cannot be split over ``world_size`` ranks (read from its weights' header), or ``None``."""
+def _model_shape() -> tuple[int, int] | None:
+    """The shipped model's attention heads and experts, read from its weights' header.
+
+    ``None`` without torch or a readable weights file: ``main`` says so, in its own line.
+    """
     try:
         from .reference import SHIPPED_WEIGHTS, read_config
-    except ImportError:  # no torch: main says so, in its own line
+    except ImportError:
         return None
     try:
         config = read_config(SHIPPED_WEIGHTS)
-    except (OSError, ValueError):  # a missing or damaged weights file: main says so, in its own line
+    except (OSError, ValueError):
         return None
-    heads, experts = config.n_heads, config.n_experts
-    if not heads % world_size and not experts % world_size:
+    return config.n_heads, config.n_experts
+
+
+def _shared_world_sizes(heads: int, experts: int) -> list[int]:
+    """The world sizes that can share ``heads`` attention heads and ``experts`` experts, ascending."""
+    return [size for size in range(1, min(heads, experts) + 1) if not heads % size and not experts % size]
+
+
+def _unshared_world_size(world_size: int) -> str | None:
+    """Why the shipped model cannot be split over ``world_size`` ranks, or ``None``."""
+    shape = _model_shape()
+    if shape is None or world_size in _shared_world_sizes(*shape):
         return None
-    sizes = [size for size in range(1, min(heads, experts) + 1) if not heads % size and not experts % size]
-    listed = ", ".join(map(str, sizes))
-    return f"must divide the model's {heads} attention heads and {experts} experts ({listed}), got {world_size}"
+    listed = ", ".join(map(str, _shared_world_sizes(*shape)))
+    return f"must divide the model's {shape[0]} attention heads and {shape[1]} experts ({listed}), got {world_size}"
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -146,7 +158,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="what carries the all-reduces (default: nccl on --device cuda, else gloo)",
     )
-    add("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (needs --device cuda)")
+    add(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode steps from CUDA graphs (one rank, --device cuda)",
+    )
     add(
         "--threads",
         type=lambda t: _whole(t, 1),
@@ -233,7 +249,8 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     torch.set_num_threads(work.threads)
     device = None
     if work.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        local_rank = int(os.environ["LOCAL_RANK"]) if _under_torchrun_env() else rank
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     try:
         model = ReferenceLm(
@@ -336,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import torch as ep_torch  # first: without torch, its ImportError says what to install
 
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
-        torchrun = all(name in os.environ for name in _TORCHRUN_VARS)
+        torchrun = _under_torchrun_env()
         world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
         device, backend = _device_and_backend(args, local_ranks, _cuda_devices())
@@ -374,6 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(codes) else 0
 
 
+def _under_torchrun_env() -> bool:
+    return all(name in os.environ for name in _TORCHRUN_VARS)
+
+
 def _cuda_devices() -> int:
     import torch
 
@@ -389,10 +410,13 @@ def _device_and_backend(args: argparse.Namespace, local_ranks: int, devices: int
             memory otherwise), NCCL for a model on the CPU, CUDA graphs off CUDA.
     """
     have = f"{devices} CUDA device{'s' if devices != 1 else ''}"
-    device = args.device or ("cuda" if 0 < local_ranks <= devices else "cpu")
+    on_gpus = 0 < local_ranks <= devices and args.backend != "gloo"  # gloo asked for: all-reduces on the host
+    device = args.device or ("cuda" if on_gpus else "cpu")
     wanted = "--device cuda" if device == "cuda" else "--backend nccl" if args.backend == "nccl" else None
     if wanted is not None and devices < local_ranks:
-        fewer = f"--world-size {devices}" if devices else None
+        shape = _model_shape()
+        fits = [size for size in _shared_world_sizes(*shape) if size <= devices] if shape else []
+        fewer = f"--world-size {fits[-1]}" if fits and not _under_torchrun_env() else None
         on_cpu = "--device cpu" if wanted == "--device cuda" else "--backend gloo"
         instead = " or ".join(option for option in (fewer, on_cpu) if option)
         raise ValueError(
@@ -402,6 +426,11 @@ def _device_and_backend(args: argparse.Namespace, local_ranks: int, devices: int
         raise ValueError("--backend nccl all-reduces CUDA tensors: it needs --device cuda; use --backend gloo")
     if args.cuda_graphs and device != "cuda":
         raise ValueError(f"--cuda-graphs needs --device cuda (the model is on the CPU here, with {have})")
+    if args.cuda_graphs and local_ranks > 1:
+        raise ValueError(
+            "--cuda-graphs is for one rank (a replayed all-reduce could not be bounded by the collective "
+            "timeout); use --world-size 1"
+        )
     return device, args.backend or ("nccl" if device == "cuda" else "gloo")
 
 

@@ -5,8 +5,10 @@ it dispatches into views (a new header over the same memory: nothing launched),
 launches (everything else: on CUDA each is at least one kernel or copy), and waits:
 the ops whose result the host must read back before it can go on (``nonzero``,
 ``item``, ``unique``, boolean indexing, a copy from the device to the host, ...).
-It counts on any device, so a CPU run can prove that a GPU step has no host sync and
-few launches; ``torch.cuda.set_sync_debug_mode("error")`` is the check on CUDA itself.
+It counts on any device, so a CPU run finds every op of a step that reads device values
+back, and every launch.  What it cannot see from the CPU: a blocking copy from the host
+to a GPU (``.to("cuda")`` without ``non_blocking``) and the kernels CUDA picks inside an
+op; ``torch.cuda.set_sync_debug_mode("error")`` is the check on CUDA itself.
 """
 
 from __future__ import annotations

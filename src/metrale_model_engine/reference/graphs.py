@@ -11,8 +11,13 @@ batching visits the sizes ``1 ..= num_slots``); all of them share one memory poo
 Before it records, a size runs once eagerly on a side stream (as CUDA graph capture
 asks: allocator and library warm-up).  That run writes the step's keys and values,
 which the replay then writes again, equal: the step is done once as far as the
-cache is concerned.  On every rank of a group the same steps come in the same
-order, so the ranks record together and their all-reduces pair up.
+cache is concerned.
+
+One rank only.  A replayed all-reduce is no longer a call that
+:class:`~metrale_model_engine.torch.Collectives` can bound: NCCL's watchdog sees no
+work for it, so a dead or stalled peer would hang the replay on the device and the
+host in its next read, breaking the contract for failures inside a forward; and a
+gloo all-reduce (a host copy and a host wait) cannot be captured at all.
 """
 
 from __future__ import annotations
@@ -43,20 +48,26 @@ class DecodeGraphs:
     """``lm``'s decode steps, each batch size recorded once in a CUDA graph and replayed after.
 
     Args:
-        lm: a model whose weights and cache are on a CUDA device.
+        lm: a one-rank model whose weights and cache are on a CUDA device.
 
     Raises:
-        ValueError: ``lm`` is not on a CUDA device.
+        ValueError: ``lm`` is not on a CUDA device, or is one of several ranks (see the module).
     """
 
     def __init__(self, lm: ShardedLm) -> None:
         device = lm.embed.device
+        if lm.world_size > 1:
+            raise ValueError(
+                f"CUDA graphs are for one rank, this model is rank {lm.rank} of {lm.world_size}: a replayed "
+                "all-reduce could not be bounded by the collective timeout"
+            )
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
         self._lm = lm
         self._device = device
         self._recorded: dict[int, _Recorded] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(device):
+            self._pool = torch.cuda.graph_pool_handle()
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -70,24 +81,27 @@ class DecodeGraphs:
             The logits ``[B, vocab]``, a tensor of the caller's own (the graph's output is copied).
         """
         batch = inputs.shape[1]
-        recorded = self._recorded.get(batch)
-        if recorded is None:
-            recorded = self._recorded[batch] = self._record(inputs)
-        else:
-            recorded.inputs.copy_(inputs, non_blocking=True)
-            recorded.replay()
-        return recorded.logits.clone()
+        with torch.cuda.device(self._device):
+            recorded = self._recorded.get(batch)
+            if recorded is None:
+                recorded = self._recorded[batch] = self._record(inputs)
+            else:
+                recorded.inputs.copy_(inputs, non_blocking=True)
+                recorded.replay()
+            return recorded.logits.clone()
 
     def _record(self, inputs: torch.Tensor) -> _Recorded:
         """Record the step for ``inputs``' batch size; the step itself runs (eagerly, then replayed)."""
-        static = inputs.to(self._device, non_blocking=True)
+        static = torch.empty_like(inputs, device=self._device)  # the graph's own input buffer
+        static.copy_(inputs, non_blocking=True)
         side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
             self._lm.decode_step(static[0], static[1], static[2])
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        capture = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        with torch.cuda.graph(graph, pool=self._pool, stream=capture):
             logits = self._lm.decode_step(static[0], static[1], static[2])
         graph.replay()
         return _Recorded(static, logits, graph.replay)

@@ -18,6 +18,7 @@ rank's experts, ``F`` an expert's hidden width, ``S`` ``max_seq_len``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -113,24 +114,61 @@ Split = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 Join = Callable[..., torch.Tensor]
 
 
+def _show_parts(
+    fused: str, parts: tuple[str, ...], split: Split, _: nn.Module, state: dict[str, Any], prefix: str, __: object
+) -> None:
+    """State-dict hook: ``prefix + fused`` becomes its ``parts`` (views, detached), in its place in the order."""
+    entries = list(state.items())
+    state.clear()
+    for name, tensor in entries:
+        if name == prefix + fused:
+            with torch.no_grad():
+                state.update((prefix + part, piece) for part, piece in zip(parts, split(tensor), strict=True))
+        else:
+            state[name] = tensor
+
+
+def _take_parts(
+    fused: str, parts: tuple[str, ...], join: Join, _: nn.Module, state: dict[str, Any], prefix: str, *__: object
+) -> None:
+    """Load pre-hook: a state with every one of ``parts`` loads them as ``prefix + fused``; any other as it is."""
+    if all(prefix + name in state for name in parts):
+        state[prefix + fused] = join(*(state.pop(prefix + name) for name in parts))
+
+
 def _store_fused(module: nn.Module, fused: str, parts: tuple[str, ...], split: Split, join: Join) -> None:
     """Let ``module``'s parameter ``fused`` appear in state dicts as its ``parts``, the weights file's names.
 
     ``state_dict()`` gives ``split(fused)`` (views) under the parts' names, and
     ``load_state_dict()`` takes the parts and loads ``join(*parts)``.  A state
-    that lacks a part is passed on as it is, for ``load_state_dict`` to report.
+    that lacks a part is passed on as it is, for ``load_state_dict`` to report (as
+    the fused name missing and the other parts unexpected).  The hooks are partials of
+    module-level functions, so the module still pickles (``torch.save(model)``).
     """
+    show = functools.partial(_show_parts, fused, parts, split)
+    take = functools.partial(_take_parts, fused, parts, join)
+    module.register_state_dict_post_hook(show)  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_pre_hook(take)  # type: ignore[no-untyped-call]
 
-    def show_parts(_: nn.Module, state: dict[str, Any], prefix: str, __: object) -> None:
-        pieces = split(state.pop(prefix + fused))
-        state.update({prefix + name: piece for name, piece in zip(parts, pieces, strict=True)})
 
-    def take_parts(_: nn.Module, state: dict[str, Any], prefix: str, *__: object) -> None:
-        if all(prefix + name in state for name in parts):
-            state[prefix + fused] = join(*(state.pop(prefix + name) for name in parts))
+def _stack(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.stack(parts)
 
-    module.register_state_dict_post_hook(show_parts)  # type: ignore[no-untyped-call]
-    module.register_load_state_dict_pre_hook(take_parts)  # type: ignore[no-untyped-call]
+
+def _unbind_1(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return fused.unbind(1)
+
+
+def _stack_1(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.stack(parts, 1)
+
+
+def _swap_01(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (fused.transpose(0, 1),)
+
+
+def _swap_01_back(part: torch.Tensor) -> torch.Tensor:
+    return part.transpose(0, 1).contiguous()
 
 
 class ShardedAttention(nn.Module):
@@ -164,7 +202,7 @@ class ShardedAttention(nn.Module):
         self.wo: nn.Parameter = nn.Parameter(torch.zeros(d_model, width, dtype=dtype, device=device))
         cache_shape = (num_slots, max_seq_len, 2, local_heads, head_dim)
         self.register_buffer("kv_cache", torch.zeros(cache_shape, dtype=dtype, device=device), persistent=False)
-        _store_fused(self, "wqkv", ("wq", "wk", "wv"), torch.unbind, lambda *parts: torch.stack(parts))
+        _store_fused(self, "wqkv", ("wq", "wk", "wv"), torch.unbind, _stack)
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -227,12 +265,8 @@ class ShardedMoe(nn.Module):
         self.w_out: nn.Parameter = nn.Parameter(
             torch.zeros(d_model, local_experts, d_expert, dtype=dtype, device=device)
         )
-        _store_fused(
-            self, "w_in", ("w_gate", "w_up"), lambda w: w.unbind(1), lambda gate, up: torch.stack((gate, up), 1)
-        )
-        _store_fused(
-            self, "w_out", ("w_down",), lambda w: (w.transpose(0, 1),), lambda down: down.transpose(0, 1).contiguous()
-        )
+        _store_fused(self, "w_in", ("w_gate", "w_up"), _unbind_1, _stack_1)
+        _store_fused(self, "w_out", ("w_down",), _swap_01, _swap_01_back)
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts picked for each token of ``x`` ``[N, D]`` and their weights, both ``[N, top_k]``.
@@ -256,6 +290,9 @@ class ShardedMoe(nn.Module):
         a fixed shape, no host sync.  At ``top_k / n_experts`` of the experts picked
         per token this computes ``n_experts / top_k`` times the products that routing
         token by token would, and saves the gather, one kernel per expert and the sync.
+        An expert that was not picked still runs: in float16 an overflow there (inf)
+        times its zero gate would make the token's output NaN, where routing token by
+        token never ran it (not seen with the shipped weights, which are bfloat16).
         """
         flat = x.reshape(-1, x.shape[-1])
         gates = self.local_gates(flat)
@@ -348,9 +385,10 @@ def attend_prefill(
     """
     end = start + qkv.shape[0]
     layer.kv_cache[slot, start:end] = qkv[:, 1:]
-    keys, values = (_heads_first(part) for part in layer.kv_cache[slot, :end].unbind(1))
-    out = F.scaled_dot_product_attention(_heads_first(qkv[:, 0]), keys, values, attn_mask=causal_bias[start:end, :end])
-    return _heads_first(out)
+    keys, values = (_heads_first(part)[None] for part in layer.kv_cache[slot, :end].unbind(1))
+    query = _heads_first(qkv[:, 0])[None]  # a batch of one: the fused attention kernels want 4-D inputs
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_bias[start:end, :end])
+    return _heads_first(out[0])
 
 
 def attend_decode(

@@ -139,7 +139,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             a digest per write, a reduction of the cache at each sync point), and a
             rank whose cache was altered reports another state digest.  Default off.
         cuda_graphs: replay decode steps from CUDA graphs (:class:`~.graphs.DecodeGraphs`):
-            one launch per step instead of one per kernel.  Needs the model on a CUDA device.
+            one launch per step instead of one per kernel.  One rank, on a CUDA device.
 
     Attributes:
         lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
@@ -151,7 +151,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             not the link's group.
         RuntimeError: several ranks, no ``all_reduce`` and torch.distributed is not initialised.
         OSError: the weights file cannot be read.
-        ValueError: ``cuda_graphs`` and the model is not on a CUDA device.
+        ValueError: ``cuda_graphs`` with the model not on a CUDA device, or with several ranks.
     """
 
     ep_collective_commands: ClassVar[frozenset[int]] = frozenset({CMD_PREFILL, CMD_DECODE})
