@@ -39,7 +39,7 @@ def print_report(
               f"{result.head_median_us:>11.2f}{f'{delivery:.1f}' if delivery >= 0 else 'n/a':>10}")  # fmt: skip
     print(
         "delivery: from the end of the head's call to the slowest worker holding the message; n/a where the\n"
-        "head's call returns after the workers have it (a gloo broadcast waits for the transfer)"
+        "head's call returns only after the workers have it (a gloo broadcast, a ring that waits for its readers)"
     )
     table: list[dict[str, object]] = []
 
