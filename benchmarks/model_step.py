@@ -102,7 +102,7 @@ def targets(found: dict[str, float]) -> dict[str, tuple[float, bool]]:
         ),
         "model step: host waits per step, none": (found["host waits per step"], found["host waits per step"] == 0),
     }
-    for name, most in CUDA_TARGETS_MS.items():
-        if "GPU busy ms per step" in found:  # measured on CUDA
+    if "GPU busy ms per step" in found:  # measured on CUDA
+        for name, most in CUDA_TARGETS_MS.items():
             verdicts[f"model step on CUDA: {name}, at most {most}"] = (found[name], found[name] <= most)
     return verdicts

@@ -208,13 +208,13 @@ def test_demo_refuses_a_device_it_lacks_before_any_rank_starts(
 
 
 def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
-    from metrale_model_engine.demo import _device_and_backend
+    from metrale_model_engine._demo_choices import device_and_backend
 
     for devices, ranks, expected in ((0, 1, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")):
         args = parse_args(["--world-size", str(ranks)])
-        assert _device_and_backend(args, ranks, devices) == (expected, "nccl" if expected == "cuda" else "gloo")
-    assert _device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2) == ("cuda", "gloo")
-    assert _device_and_backend(parse_args(["--backend", "gloo"]), 2, 2) == ("cpu", "gloo")  # gloo: a CPU model
+        assert device_and_backend(args, ranks, devices) == (expected, "nccl" if expected == "cuda" else "gloo")
+    assert device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2) == ("cuda", "gloo")
+    assert device_and_backend(parse_args(["--backend", "gloo"]), 2, 2) == ("cpu", "gloo")  # gloo: a CPU model
 
 
 def test_protocol_flag() -> None:

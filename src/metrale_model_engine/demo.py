@@ -36,6 +36,14 @@ from ._core.errors import EpSetupError
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
 from ._core.words import U32_MAX
+from ._demo_choices import (
+    check_memory,
+    cuda_devices,
+    default_threads,
+    device_and_backend,
+    under_torchrun_env,
+    unshared_world_size,
+)
 from ._host.launch import INTERRUPTED
 from ._shm.segment import MAX_WORLD_SIZE
 
@@ -44,8 +52,6 @@ if TYPE_CHECKING:
     from .reference import Completion, ReferenceLm
 
 __all__ = ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"]
-
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 PROMPTS: Final[tuple[str, ...]] = (
     "Licensed under the",
@@ -82,36 +88,6 @@ def _world_size(text: str) -> int:
     if value > MAX_WORLD_SIZE:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE} (the most ranks one ring serves)")
     return value
-
-
-def _model_shape() -> tuple[int, int] | None:
-    """The shipped model's attention heads and experts, read from its weights' header.
-
-    ``None`` without torch or a readable weights file: ``main`` says so, in its own line.
-    """
-    try:
-        from .reference import SHIPPED_WEIGHTS, read_config
-    except ImportError:
-        return None
-    try:
-        config = read_config(SHIPPED_WEIGHTS)
-    except (OSError, ValueError):
-        return None
-    return config.n_heads, config.n_experts
-
-
-def _shared_world_sizes(heads: int, experts: int) -> list[int]:
-    """The world sizes that can share ``heads`` attention heads and ``experts`` experts, ascending."""
-    return [size for size in range(1, min(heads, experts) + 1) if not heads % size and not experts % size]
-
-
-def _unshared_world_size(world_size: int) -> str | None:
-    """Why the shipped model cannot be split over ``world_size`` ranks, or ``None``."""
-    shape = _model_shape()
-    if shape is None or world_size in _shared_world_sizes(*shape):
-        return None
-    listed = ", ".join(map(str, _shared_world_sizes(*shape)))
-    return f"must divide the model's {shape[0]} attention heads and {shape[1]} experts ({listed}), got {world_size}"
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -183,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote",
     )
     args = parser.parse_args(argv)
-    unshared = _unshared_world_size(args.world_size)
+    unshared = unshared_world_size(args.world_size)
     if unshared is not None:
         parser.error(f"argument --world-size: {unshared}")
     if args.json is not None and not args.json.resolve().parent.is_dir():
@@ -249,7 +225,7 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     torch.set_num_threads(work.threads)
     device = None
     if work.device == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"]) if _under_torchrun_env() else rank
+        local_rank = int(os.environ["LOCAL_RANK"]) if under_torchrun_env() else rank
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     try:
@@ -353,12 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import torch as ep_torch  # first: without torch, its ImportError says what to install
 
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
-        torchrun = _under_torchrun_env()
+        torchrun = under_torchrun_env()
         world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-        device, backend = _device_and_backend(args, local_ranks, _cuda_devices())
+        device, backend = device_and_backend(args, local_ranks, cuda_devices())
         if device == "cpu":
-            _check_memory(args.slots, world_size, local_ranks)
+            check_memory(args.slots, world_size, local_ranks)
     except (ImportError, ValueError, OSError) as error:
         return _cannot_start(error)
     work = Work(
@@ -372,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.check_kv,
         device,
         args.cuda_graphs,
-        args.threads or _default_threads(local_ranks),
+        args.threads or default_threads(local_ranks),
     )
     try:
         if torchrun:
@@ -389,76 +365,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
         print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
     return 1 if any(codes) else 0
-
-
-def _under_torchrun_env() -> bool:
-    return all(name in os.environ for name in _TORCHRUN_VARS)
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def _device_and_backend(args: argparse.Namespace, local_ranks: int, devices: int) -> tuple[str, str]:
-    """The device and the backend the ranks use, from ``--device`` and ``--backend`` and ``devices`` CUDA devices.
-
-    Raises:
-        ValueError: the choice cannot run here: CUDA with fewer devices than local
-            ranks (two ranks on one device is refused by NCCL, and would share its
-            memory otherwise), NCCL for a model on the CPU, CUDA graphs off CUDA.
-    """
-    have = f"{devices} CUDA device{'s' if devices != 1 else ''}"
-    on_gpus = 0 < local_ranks <= devices and args.backend != "gloo"  # gloo asked for: all-reduces on the host
-    device = args.device or ("cuda" if on_gpus else "cpu")
-    wanted = "--device cuda" if device == "cuda" else "--backend nccl" if args.backend == "nccl" else None
-    if wanted is not None and devices < local_ranks:
-        shape = _model_shape()
-        fits = [size for size in _shared_world_sizes(*shape) if size <= devices] if shape else []
-        fewer = f"--world-size {fits[-1]}" if fits and not _under_torchrun_env() else None
-        on_cpu = "--device cpu" if wanted == "--device cuda" else "--backend gloo"
-        instead = " or ".join(option for option in (fewer, on_cpu) if option)
-        raise ValueError(
-            f"{wanted} needs a CUDA device per local rank: {local_ranks} rank(s), {have} on this machine; use {instead}"
-        )
-    if args.backend == "nccl" and device == "cpu":
-        raise ValueError("--backend nccl all-reduces CUDA tensors: it needs --device cuda; use --backend gloo")
-    if args.cuda_graphs and device != "cuda":
-        raise ValueError(f"--cuda-graphs needs --device cuda (the model is on the CPU here, with {have})")
-    if args.cuda_graphs and local_ranks > 1:
-        raise ValueError(
-            "--cuda-graphs is for one rank (a replayed all-reduce could not be bounded by the collective "
-            "timeout); use --world-size 1"
-        )
-    return device, args.backend or ("nccl" if device == "cuda" else "gloo")
-
-
-def _default_threads(local_ranks: int) -> int:
-    """Torch threads per rank: this model's ops are too small to share among many threads.
-
-    Measured (docs/reference.md): on a 16-core machine 2 ranks of 8 threads each took
-    10.8 ms per decode step where ranks of 1 thread (the serving benchmark's) took
-    3.75 ms, their threads spinning against each other's all-reduces; one rank alone
-    gains a little from a second thread (1.06 against 1.14-1.24 ms at batch 4 here).
-    """
-    return min(2, os.cpu_count() or 1) if local_ranks == 1 else 1
-
-
-def _check_memory(slots: int, world_size: int, local_ranks: int) -> None:
-    """Refuse (``ValueError``) a slot count whose KV caches would not fit this machine's memory."""
-    from .reference import SHIPPED_WEIGHTS, read_config
-
-    needed = read_config(SHIPPED_WEIGHTS).kv_cache_bytes(slots, world_size, 4) * local_ranks  # float32
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # a platform that does not say
-        return
-    if needed > memory:
-        raise ValueError(
-            f"--slots {slots}: the KV caches of {local_ranks} rank(s) would take {needed / 2**30:,.1f} GiB, "
-            f"more than this machine's {memory / 2**30:,.1f} GiB of memory"
-        )
 
 
 def _interrupted() -> int:
