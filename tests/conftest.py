@@ -1,5 +1,11 @@
 """What every test module shares: rank processes start from one server that imported torch once;
-the shipped weights of the reference model, read once per module (``shipped``).
+the shipped weights of the reference model, read once per module (``shipped``); the tiers.
+
+Tiers, by marker: *programs* (``programs``: the demo, the examples and torchrun run as a
+user runs them, fresh interpreters that import torch: the slow tier), *ranks*
+(``ranks``: rank processes from the start server) and *in-process* (the rest).  A
+``programs`` test is a ``ranks`` test too, so ``--quick`` (``-m "not ranks"``) leaves
+both out.  The run ends with each tier's time.
 
 ``run_group`` and ``run_ring`` spawn a fresh interpreter per rank by default, and each
 imports torch (about a second on this project's 2-core machine).  In this process the
@@ -11,6 +17,7 @@ examples) are other processes and keep the default.
 from __future__ import annotations
 
 import importlib.util
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import pytest
@@ -19,6 +26,7 @@ from metrale_model_engine._host.launch import start_ranks_from_a_server
 
 if TYPE_CHECKING:
     import torch
+    from _pytest.terminal import TerminalReporter
 
     from metrale_model_engine.reference import LmConfig
 
@@ -33,3 +41,33 @@ def shipped() -> tuple[LmConfig, dict[str, torch.Tensor]]:
     from metrale_model_engine.reference import load_weights
 
     return load_weights()
+
+
+TIERS = ("in-process", "ranks", "programs")
+
+
+def _tier(keywords: object) -> str:
+    names = set(keywords)  # type: ignore[call-overload]
+    return "programs" if "programs" in names else "ranks" if "ranks" in names else "in-process"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: a programs test is a ranks test
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("programs") is not None:
+            item.add_marker(pytest.mark.ranks)
+
+
+def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
+    """Each tier's time (setup, call and teardown of its tests) and count, after the run."""
+    seconds: defaultdict[str, float] = defaultdict(float)
+    tests: defaultdict[str, set[str]] = defaultdict(set)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                tier = _tier(report.keywords)
+                seconds[tier] += report.duration
+                tests[tier].add(report.nodeid)
+    if tests:
+        parts = [f"{tier} {seconds[tier]:.1f} s ({len(tests[tier])} tests)" for tier in TIERS if tier in tests]
+        terminalreporter.write_line("tiers: " + ", ".join(parts))

@@ -25,7 +25,7 @@ from metrale_model_engine.testing import RecordingEp, RecordingTransport, Replay
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.wire import Report, decode_answer
 
-from messages import header, tokens, whole, word
+from helpers.messages import header, tokens, whole, word
 
 Slots = MutableSequence[SequenceState | None]
 

@@ -17,7 +17,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 from metrale_model_engine.demo import PROMPTS, main, parse_args
 from metrale_model_engine.torch import free_port
 
-pytestmark = [pytest.mark.torch, pytest.mark.ranks]
+pytestmark = [pytest.mark.torch, pytest.mark.programs]
 
 
 def run_bounded(command: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:

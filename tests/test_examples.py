@@ -76,7 +76,7 @@ def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
     assert f"protocol {protocol}: the worker's slots equal the head's" in done.stdout
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 def test_shm_example_runs_without_torch_and_every_rank_agrees() -> None:
     done = run_example("shm_local.py")
     digests = [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if ": slot digest " in line]
@@ -87,7 +87,7 @@ def slot_lines(output: str) -> list[str]:
     return [line.split(": ", 1)[1] for line in output.splitlines() if re.match(r"rank \d+ of \d+: slots", line)]
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 @pytest.mark.torch
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
 def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
@@ -98,7 +98,7 @@ def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
     assert lines[0].startswith("slots {0: [65, 97, 66, 97, 67, 97], 2: [65, 99, 66, 99, 67, 99]}, last output ")
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 @pytest.mark.torch
 @pytest.mark.parametrize("transport", ["shm", "torch"])
 def test_ep_example_with_a_worker_bug_stops_every_rank_at_once_and_the_head_names_it(transport: str) -> None:
@@ -156,11 +156,11 @@ def launch(script: Path, world_size: int, protocol: str) -> list[tuple[int, str]
     return results
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 @pytest.mark.torch
 @pytest.mark.parametrize(
     "script",
-    [EXAMPLES / "ep_model.py", ROOT / "tests" / "exit_without_teardown.py"],
+    [EXAMPLES / "ep_model.py", ROOT / "tests" / "helpers" / "exit_without_teardown.py"],
     ids=["readme-example", "no-teardown"],
 )
 def test_ranks_exit_cleanly_ten_times(script: Path) -> None:
@@ -173,7 +173,7 @@ def test_ranks_exit_cleanly_ten_times(script: Path) -> None:
             assert lines[0] == lines[1] and len(lines[0]) == 1
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 @pytest.mark.torch
 def test_ctrl_c_ends_the_ep_example_with_one_line() -> None:
     pytest.importorskip("torch")

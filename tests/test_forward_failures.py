@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-import forward_sessions as sessions
 from metrale_model_engine.torch import run_group
 
-from rank_results import load, read_note
+from helpers import forward_sessions as sessions
+from helpers.rank_results import load, read_note
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 

@@ -6,10 +6,9 @@ import subprocess
 import sys
 import time
 from array import array
-from collections.abc import MutableSequence, Sequence
+from collections.abc import MutableSequence
 
 import pytest
-from typing_extensions import Buffer
 
 from metrale_model_engine import (
     CMD_SHUTDOWN,
@@ -31,97 +30,14 @@ from metrale_model_engine._host.liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
 from metrale_model_engine.wire import (
     WIRE_VERSION,
-    Ack,
     ItemKind,
     Report,
-    encode_ack,
     encode_close,
     encode_report,
-    fold_message,
 )
 
-from messages import header, sync, tokens, whole, word, words
-
-
-class FakeTransport:
-    """One rank of a pretend group; ``peers`` are the other ranks' setup words."""
-
-    def __init__(self, rank: int, world_size: int, peers: Sequence[list[int]] | None = None) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self._peers = peers
-        self.fail_with: Exception | None = None
-        self.sent: list[tuple[int, ...]] = []
-        self.timeouts: list[float | None] = []
-        self.incoming: list[tuple[int, ...]] = []
-        """What a worker rank receives, one message each, in order."""
-        self.closed = False
-        self.answered: list[bytes] = []
-        """What a worker rank answered, in order."""
-        self.flushes = 0
-        self.waiting: list[tuple[int, bytes]] = []
-        """Answers a head finds when it polls (set by a test)."""
-        self.answers_fail_with: Exception | None = None
-        self.answers_of: dict[int, list[bytes]] = {}
-        """Answers a head receives from a rank at its next sync point (set by a test; else an agreeing ack)."""
-
-    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
-        if self.fail_with is not None:
-            raise self.fail_with
-        self.sent.append(words(*parts))
-        self.timeouts.append(timeout)
-
-    def receive(self, timeout: float | None) -> memoryview:
-        if self.fail_with is not None:
-            raise self.fail_with
-        return memoryview(array("I", self.incoming.pop(0)).tobytes())
-
-    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
-        if self.fail_with is not None:
-            raise self.fail_with
-        if self._peers is None:
-            return [list(words)] * self.world_size
-        return [list(words), *self._peers] if self.rank == 0 else [*self._peers, list(words)]
-
-    def answer(self, answer: Buffer, timeout: float | None) -> None:
-        self.answered.append(bytes(memoryview(answer).cast("B")))
-
-    def flush_answers(self, timeout: float | None) -> None:
-        self.flushes += 1
-
-    def answers_ready(self) -> bool:
-        return bool(self.waiting)
-
-    def poll_answers(self) -> list[tuple[int, bytes]]:
-        waiting, self.waiting = self.waiting, []
-        return waiting
-
-    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
-        """What a worker in step answers: the last sync's number, the stream's CRC and command count."""
-        if self.answers_fail_with is not None:
-            raise self.answers_fail_with
-        if rank in self.answers_of:
-            return self.answers_of.pop(rank)
-        crc = 0
-        for message in self.sent:
-            crc = fold_message(crc, [array("I", message)])
-        commands = sum(1 for m in self.sent if m[0] == ItemKind.HEADER and m[1] != CMD_SHUTDOWN)
-        return [encode_ack(Ack(self.sent[-1][1], crc, commands, 0, None))]
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def no_slots() -> list[SequenceState | None]:
-    return [None, None]
-
-
-def ignore(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
-    """A worker hook that runs nothing."""
-
-
-def link(transport: FakeTransport, **options: object) -> EpLink:
-    return EpLink(transport, **{"num_slots": 4, "protocol": ProtocolVersion.V2, **options})  # type: ignore[arg-type]
+from helpers.fakes import FakeTransport, ignore, link, no_slots
+from helpers.messages import header, sync, tokens, whole, word, words
 
 
 def test_world_size_and_protocol_come_through() -> None:

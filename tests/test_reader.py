@@ -24,7 +24,7 @@ from metrale_model_engine import (
 )
 from metrale_model_engine.testing import RecordingEp, RecordingTransport, ReplayTransport
 
-from messages import header, whole
+from helpers.messages import header, whole
 
 WORD, TOKENS, NOTHING, INTO = 1, 2, 3, 4
 LONG = list(range(100, 120))

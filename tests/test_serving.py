@@ -18,7 +18,6 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 
 import torch
 
-import serving_sessions as sessions
 from metrale_model_engine import (
     EpCommandRefused,
     EpDivergenceError,
@@ -50,7 +49,8 @@ from metrale_model_engine.torch import run_group
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
 
-from rank_results import load
+from helpers import serving_sessions as sessions
+from helpers.rank_results import load
 
 pytestmark = pytest.mark.torch
 
@@ -229,7 +229,7 @@ def test_several_ranks_need_torch_distributed() -> None:
 
 
 def _a_group_of_another_size(rank: int, world_size: int, out: str) -> None:
-    from rank_results import save
+    from helpers.rank_results import save
 
     try:
         ReferenceLm(EpLink(RecordingTransport(2), num_slots=2))

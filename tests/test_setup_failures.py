@@ -32,7 +32,7 @@ from metrale_model_engine._shm.run import _set_up_head, _set_up_worker
 from metrale_model_engine._shm.transport import ring_setup_failed
 from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
 
-import shm_programs as programs
+from helpers import shm_programs as programs
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
 
@@ -81,20 +81,20 @@ def with_tiny_dev_shm(*command: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 def test_the_shm_example_without_room_says_why_in_one_line() -> None:
     done = with_tiny_dev_shm(sys.executable, "examples/shm_local.py")
     assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 def test_the_demo_over_shm_without_room_says_why_in_one_line() -> None:
     pytest.importorskip("torch", reason="the demo needs the torch extra")
     done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--transport", "shm")
     assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 def test_the_demo_under_torchrun_without_room_says_why_once() -> None:
     pytest.importorskip("torch", reason="the demo needs the torch extra")
     from metrale_model_engine.torch import free_port
@@ -107,7 +107,7 @@ def test_the_demo_under_torchrun_without_room_says_why_once() -> None:
     assert "metrale_model_engine/" not in done.stderr  # no traceback from the ranks
 
 
-@pytest.mark.ranks
+@pytest.mark.programs
 def test_the_demo_by_default_without_room_serves_over_gloo() -> None:
     """``--transport auto`` (the default) without room for a ring serves over gloo instead."""
     pytest.importorskip("torch", reason="the demo needs the torch extra")
@@ -128,7 +128,7 @@ def test_run_group_raises_a_setup_failure_of_the_ranks_once(capfd: pytest.Captur
     pytest.importorskip("torch", reason="the torch extra is not installed")
     from metrale_model_engine.torch import run_group
 
-    import torch_sessions
+    from helpers import torch_sessions
 
     with pytest.raises(EpSetupError, match=r"^rank 0: the ranks disagree on the slot count \(rank 0: 4, rank 1: 5\)"):
         run_group(torch_sessions.disagree_on_slots, 2, backend="gloo", timeout=60.0)

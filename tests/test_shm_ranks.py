@@ -22,8 +22,8 @@ from metrale_model_engine import EpLink, EpSendError, ProtocolVersion, WorkerSum
 from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
-import shm_programs as programs
-from rank_results import load
+from helpers import shm_programs as programs
+from helpers.rank_results import load
 
 pytestmark = [
     pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64"),

@@ -23,8 +23,8 @@ from metrale_model_engine.testing import RecordingEp, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Ack, Report, decode_answer, encode_ack, encode_report, fold_message
 
-from messages import header, sync, whole, word
-from test_link import FakeTransport, ignore, link, no_slots
+from helpers.fakes import FakeTransport, ignore, link, no_slots
+from helpers.messages import header, sync, whole, word
 
 Slots = MutableSequence[SequenceState | None]
 

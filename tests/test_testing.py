@@ -17,7 +17,7 @@ from metrale_model_engine import (
 )
 from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
 
-from messages import header, sync, tokens, whole, word
+from helpers.messages import header, sync, tokens, whole, word
 
 
 def schedule_step(model: RecordingEp[SequenceState], seq_id: int, prompt: list[int]) -> None:

@@ -15,8 +15,8 @@ from metrale_model_engine import WorkerSummary  # noqa: E402
 from metrale_model_engine.torch import run_group  # noqa: E402
 from metrale_model_engine.toy import ToyState  # noqa: E402
 
-import torch_sessions as sessions  # noqa: E402
-from rank_results import load  # noqa: E402
+from helpers import torch_sessions as sessions  # noqa: E402
+from helpers.rank_results import load  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 

@@ -18,7 +18,7 @@ from metrale_model_engine import U32_MAX, as_u32_buffer  # noqa: E402
 from metrale_model_engine import torch as ep_torch  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
 
-import torch_sessions as sessions  # noqa: E402
+from helpers import torch_sessions as sessions  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

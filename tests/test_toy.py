@@ -8,7 +8,7 @@ from metrale_model_engine import EpCommandFailed, EpLink, ProtocolVersion, Worke
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
-from messages import header, tokens, whole, word
+from helpers.messages import header, tokens, whole, word
 
 
 def head_on(recording: RecordingTransport, num_slots: int, protocol: ProtocolVersion) -> ToyModel:

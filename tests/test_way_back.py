@@ -11,8 +11,8 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 from metrale_model_engine import WorkerSummary
 from metrale_model_engine.torch import run_group
 
-import way_back_sessions as sessions
-from rank_results import load
+from helpers import way_back_sessions as sessions
+from helpers.rank_results import load
 
 pytestmark = [pytest.mark.torch, pytest.mark.ranks]
 

@@ -34,7 +34,7 @@ from metrale_model_engine.wire import (
     frame_message,
 )
 
-from messages import words
+from helpers.messages import words
 
 u32 = st.integers(min_value=0, max_value=0xFFFFFFFF)
 

@@ -24,7 +24,7 @@ from metrale_model_engine import (
 )
 from metrale_model_engine.torch import open_link
 
-from rank_results import save, wait_until_dead
+from helpers.rank_results import save, wait_until_dead
 
 SLOTS = 4
 APPLY, FEWER, MORE, KIND, SKIP, FAIL, DIE, RESET = 1, 2, 3, 4, 5, 6, 7, 8

@@ -22,7 +22,7 @@ import torch
 from metrale_model_engine import EpLink, LinkedEp, RunStopped, SequenceState, run_worker
 from metrale_model_engine.torch import Collectives, open_link
 
-from rank_results import note, save
+from helpers.rank_results import note, save
 
 FORWARD = 7
 STEPS = 4

@@ -29,7 +29,7 @@ from metrale_model_engine.reference import (
 from metrale_model_engine.reference.layers import ShardedBlock
 from metrale_model_engine.torch import open_link
 
-from rank_results import save
+from helpers.rank_results import save
 
 SLOTS = 3
 PREFILL_CHUNK = 8

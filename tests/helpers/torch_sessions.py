@@ -20,40 +20,15 @@ from metrale_model_engine import EpCommandFailed, EpLink, EpWorkerFailed, Linked
 from metrale_model_engine.torch import TorchTransport, open_link, tensor_tokens
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
-from rank_results import save, wait_until_dead
-from shm_programs import serve_until_error, stall_inside_a_command
+from helpers.faulty_toy import CMD_CHECK, CMD_DIE, CMD_PLACEHOLDER, FaultyToy
+from helpers.rank_results import save, wait_until_dead
+from helpers.shm_programs import serve_until_error, stall_inside_a_command
 
 SLOTS = 4
-CMD_CHECK = 50
-"""A test-only command: one follow-up word; fails on workers whose rank is listed in it."""
-CMD_DIE = 51
-"""A test-only command: the worker kills itself with SIGKILL."""
-CMD_PLACEHOLDER = 52
-"""A test-only command: a follow-up word n, then tokens received into an n-token placeholder."""
 
 
 def summary_fields(slots: list[ToyState | None]) -> dict[str, object]:
     return {"slots": slots, "digest": slots_digest(slots)}
-
-
-class FaultyToy(ToyModel):
-    """The toy model plus the test-only commands."""
-
-    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
-        if cmd == CMD_CHECK:
-            failing_rank = self.ep_link.recv_word()
-            if failing_rank == self.ep_link.rank:
-                raise RuntimeError(f"injected failure on rank {self.ep_link.rank}")
-            return
-        if cmd == CMD_DIE:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if cmd == CMD_PLACEHOLDER:
-            placeholder = range(self.ep_link.recv_word())
-            state = slots[seq_id] or ToyState(seq_id)
-            state.consume(self.ep_broadcast_tokens(placeholder))
-            slots[seq_id] = state
-            return
-        super().ep_run_command(seq_id, cmd, slots)
 
 
 def full_session(rank: int, world_size: int, protocol_name: str, out: str) -> None:
@@ -167,6 +142,7 @@ def worker_dies(rank: int, world_size: int, out: str) -> None:
         return
     model.alloc(slots, 0)
     model.ep_broadcast_cmd_for_seq(0, CMD_DIE)
+    model.ep_broadcast_cmd(1)
     wait_until_dead(int(str(pids[1])), timeout=30.0)
     started = time.time()
     try:
@@ -302,8 +278,8 @@ def soak_session(rank: int, world_size: int, kind: str, commands: int, seed: int
     """The shared-memory soak's random command stream, over the transport ``kind`` picks."""
     from metrale_model_engine.torch import open_transport
 
-    from shm_programs import SLOTS as SOAK_SLOTS
-    from shm_programs import drive_random
+    from helpers.shm_programs import SLOTS as SOAK_SLOTS
+    from helpers.shm_programs import drive_random
 
     transport = open_transport(kind)
     model = ToyModel(EpLink(transport, num_slots=SOAK_SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))

@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from array import array
-from collections.abc import MutableSequence
 from multiprocessing.connection import Connection
 
 from metrale_model_engine import EpLink, EpSetupError, ProtocolVersion, run_worker
@@ -21,31 +20,12 @@ from metrale_model_engine._shm import waiting as _waiting
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
-from rank_results import save, wait_until_dead
+from helpers.faulty_toy import CMD_CHECK, CMD_DIE, FaultyToy
+from helpers.rank_results import save, wait_until_dead
 
 SLOTS = 8
-CMD_CHECK = 50
-"""A test-only command with one follow-up word."""
-CMD_DIE = 51
-"""A test-only command with one follow-up word: the worker of that rank kills itself with SIGKILL."""
 GIANT_PROMPT = 1_048_576
 PROMPT_LENGTHS = (0, 1, 13, 14, 15, 40, 300, 4_096)
-
-
-class FaultyToy(ToyModel):
-    """The toy model plus the test-only commands."""
-
-    __slots__ = ()
-
-    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[ToyState | None]) -> None:
-        if cmd == CMD_CHECK:
-            self.ep_link.recv_word()
-            return
-        if cmd == CMD_DIE:
-            if self.ep_link.recv_word() == self.ep_link.rank:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return
-        super().ep_run_command(seq_id, cmd, slots)
 
 
 def drive_random(model: ToyModel, slots: list[ToyState | None], commands: int, seed: int) -> None:

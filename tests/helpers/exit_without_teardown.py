@@ -1,6 +1,6 @@
 """A rank program that never calls destroy_process_group: its exit must still be clean.
 
-Run as ``python tests/exit_without_teardown.py`` with torchrun's env:// variables set.
+Run as ``python tests/helpers/exit_without_teardown.py`` with torchrun's env:// variables set.
 """
 
 import torch.distributed as dist
