@@ -126,9 +126,9 @@ else
         grep -qE "^(import torch|from torch)|^    import torch|^from \.+(_torch|torch)(\.[a-z_]+)? import" \
             "$file" || torch_free+=("$file")
     done < <(find src/metrale_model_engine -name '*.py' -not -path '*/reference/*' | sort)
-    for file in tests/*.py examples/*.py; do
+    while IFS= read -r file; do
         grep -qE "^(import torch|from metrale_model_engine.torch|    import torch)|importorskip\(\"torch\"" "$file" || torch_free+=("$file")
-    done
+    done < <(find tests examples -name '*.py' | sort)
     "$venv/bin/python" -m mypy --strict --follow-imports=silent "${torch_free[@]}"
 fi
 echo "== basedpyright --verifytypes (type completeness of the public API must be 100%)"

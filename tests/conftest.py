@@ -1,11 +1,12 @@
 """What every test module shares: rank processes start from one server that imported torch once;
 the shipped weights of the reference model, read once per module (``shipped``); the tiers.
 
-Tiers, by marker: *programs* (``programs``: the demo, the examples and torchrun run as a
-user runs them, fresh interpreters that import torch: the slow tier), *ranks*
-(``ranks``: rank processes from the start server) and *in-process* (the rest).  A
-``programs`` test is a ``ranks`` test too, so ``--quick`` (``-m "not ranks"``) leaves
-both out.  The run ends with each tier's time.
+Tiers, one folder each: ``in_process/`` (no process of its own beyond a short helper),
+``ranks/`` (rank processes from the start server) and ``programs/`` (the demo, the
+examples and torchrun run as a user runs them: fresh interpreters that import torch,
+the slow tier).  The folder gives each test its tier's marker, ``ranks`` or
+``programs``; a ``programs`` test is a ``ranks`` test too, so ``--quick``
+(``-m "not ranks"``) runs ``in_process/`` alone.  The run ends with each tier's time.
 
 ``run_group`` and ``run_ring`` spawn a fresh interpreter per rank by default, and each
 imports torch (about a second on this project's 2-core machine).  In this process the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import defaultdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -43,19 +45,27 @@ def shipped() -> tuple[LmConfig, dict[str, torch.Tensor]]:
     return load_weights()
 
 
-TIERS = ("in-process", "ranks", "programs")
+TIERS = ("in_process", "ranks", "programs")
+"""The tiers, fastest first: one folder of ``tests/`` each."""
+HERE = Path(__file__).parent
 
 
-def _tier(keywords: object) -> str:
-    names = set(keywords)  # type: ignore[call-overload]
-    return "programs" if "programs" in names else "ranks" if "ranks" in names else "in-process"
+def _tier(path: Path) -> str:
+    """The tier of the test module at ``path``: its folder under ``tests/``."""
+    tier = path.relative_to(HERE).parts[0]
+    if tier not in TIERS:
+        raise pytest.UsageError(f"{path}: a test module belongs in one of the tiers' folders, {', '.join(TIERS)}")
+    return tier
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects: a programs test is a ranks test
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("programs") is not None:
+        tier = _tier(item.path)
+        if tier != "in_process":
             item.add_marker(pytest.mark.ranks)
+        if tier == "programs":
+            item.add_marker(pytest.mark.programs)
 
 
 def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
@@ -65,7 +75,7 @@ def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
-                tier = _tier(report.keywords)
+                tier = _tier(terminalreporter.config.rootpath / report.location[0])
                 seconds[tier] += report.duration
                 tests[tier].add(report.nodeid)
     if tests:

@@ -9,9 +9,9 @@ from typing import Final
 from typing_extensions import Buffer
 
 from .._core.codec import encode_close
-from .._core.errors import EpRoleError, EpSendError, RunStopped
+from .._core.errors import EpError, EpRoleError, EpSendError, RunStopped
 from .._core.tokens import as_u32_buffer
-from .._core.transport import EpTransport
+from .._core.transport import EpTransport, TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
 from .reports import WorkerReports
 from .run_state import RunState
@@ -21,6 +21,11 @@ from .stream import CommandStream
 _CLOSE_TIMEOUT: Final[float] = 1.0
 """Seconds the head's close waits to tell the workers it closed (best effort)."""
 _LOGGER = logging.getLogger("metrale_model_engine.link")
+
+_DEATH_GRACE: Final = 0.2
+"""Seconds a send that the backend failed (its own error, not a refusal of ours) looks for the worker
+that caused it.  A killed worker's sockets close a moment before its process shows as exited (the
+kernel closes its files first), so a broadcast that failed on its death would miss its name."""
 
 
 class HeadSender:
@@ -103,7 +108,8 @@ class HeadSender:
         """
         reports = self._reports
         assert reports is not None
-        failures, exited = reports.stopped_workers(0.0)
+        ours = isinstance(error, (EpError, TransportClosed, TransportTimeout, TransportCorrupt))
+        failures, exited = reports.stopped_workers(0.0 if ours else _DEATH_GRACE)
         why = reports.why(failures, exited)
         if any(failure.stopped for failure in failures):
             return reports.stop(why, failures, exited, note="; the send failed")

@@ -14,7 +14,7 @@ from metrale_model_engine.torch import run_group
 from helpers import way_back_sessions as sessions
 from helpers.rank_results import load
 
-pytestmark = [pytest.mark.torch, pytest.mark.ranks]
+pytestmark = pytest.mark.torch
 
 KINDS = ["shm", "torch"]
 
@@ -72,7 +72,9 @@ def test_a_worker_that_dies_fails_the_heads_sync_point_within_its_bound(kind: st
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_burst_of_failures_reaches_the_head_every_one_once(kind: str, tmp_path: Path) -> None:
-    commands = 10_000
+    # Over shared memory, 10,000 overrun each worker's 16-answer ring many times over; over gloo a
+    # worker holds its answers for the sync point, where 2,000 arrive in one message as 10,000 would.
+    commands = 10_000 if kind == "shm" else 2_000
     codes = run_group(sessions.burst, 3, kind, commands, str(tmp_path), backend="gloo", timeout=300)
     results = load(tmp_path, 3)
     assert codes == [0, 0, 0]

@@ -44,14 +44,13 @@ from metrale_model_engine.reference import (
     shard_state,
     state_shapes,
 )
-from metrale_model_engine.torch import run_group
+
+from helpers.greedy import greedy_session, ints, shipped_model
 
 pytestmark = pytest.mark.torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
-PROMPTS = ("Licensed under the", "Permission is hereby")
-GREEDY_STEPS = 24
 DECODE_TEXTS = ("Licensed under the", "Permission is hereby granted", "THE SOFTWARE IS")
 SMALL = LmConfig(d_model=16, n_layers=1, n_heads=2, n_experts=2, top_k=1, d_expert=8, max_seq_len=16)
 """A config whose files are small enough to corrupt by hand."""
@@ -60,17 +59,6 @@ SMALL = LmConfig(d_model=16, n_layers=1, n_heads=2, n_experts=2, top_k=1, d_expe
 @pytest.fixture(autouse=True)
 def _one_thread() -> None:
     torch.set_num_threads(1)
-
-
-def shipped_model(shipped: tuple[LmConfig, dict[str, torch.Tensor]], num_slots: int = 4) -> ShardedLm:
-    config, full = shipped
-    model = ShardedLm(config, num_slots=num_slots)
-    model.load_full_state(full)
-    return model
-
-
-def ints(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
 
 
 # The weights file
@@ -348,56 +336,10 @@ def test_batched_decode_rows_are_independent(shipped: tuple[LmConfig, dict[str, 
 # Sharded against one rank, in real processes over gloo
 
 
-def greedy_session(model: ShardedLm) -> dict[str, list[list[float]] | list[list[int]]]:
-    """Prefill both prompts (the first in two chunks, in slot 2; the second in slot 0), then greedy-decode
-    both in one batch; every step's logits and the tokens."""
-    first, second = (encode(prompt) for prompt in PROMPTS)
-    model.prefill(2, ints(first[:7]), 0)
-    rows = [model.prefill(2, ints(first[7:]), 7), model.prefill(0, ints(second), 0)]
-    positions = [len(first), len(second)]
-    logits: list[list[float]] = []
-    tokens: list[list[int]] = [[], []]
-    for _ in range(GREEDY_STEPS):
-        logits.extend(row.tolist() for row in rows)
-        for row, generated in zip(rows, tokens, strict=True):
-            generated.append(int(row.argmax()))
-        out = model.decode(ints([2, 0]), ints([generated[-1] for generated in tokens]), ints(positions))
-        rows = [out[0], out[1]]
-        positions = [position + 1 for position in positions]
-    return {"logits": logits, "tokens": tokens}
-
-
-def sharded_session(rank: int, world_size: int, out: str) -> None:
-    """A rank of :func:`test_sharded_equals_one_rank` (module level, for ``spawn``)."""
-    torch.set_num_threads(1)
-
-    def all_reduce(tensor: torch.Tensor) -> None:
-        torch.distributed.all_reduce(tensor)
-
-    config, full = load_weights()
-    model = ShardedLm(config, num_slots=3, rank=rank, world_size=world_size, all_reduce=all_reduce)
-    model.load_full_state(full)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(greedy_session(model)))
-
-
 @pytest.fixture(scope="module")
 def one_rank(shipped: tuple[LmConfig, dict[str, torch.Tensor]]) -> dict[str, list[list[float]] | list[list[int]]]:
     torch.set_num_threads(1)
     return greedy_session(shipped_model(shipped))
-
-
-@pytest.mark.ranks
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_equals_one_rank(
-    world_size: int, tmp_path: Path, one_rank: dict[str, list[list[float]] | list[list[int]]]
-) -> None:
-    assert run_group(sharded_session, world_size, str(tmp_path), backend="gloo", timeout=120.0) == [0] * world_size
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world_size)]
-    for result in results:
-        assert result == results[0]  # bit for bit: every rank gets the same sums
-    expected = torch.tensor(one_rank["logits"])
-    torch.testing.assert_close(torch.tensor(results[0]["logits"]), expected, atol=ATOL, rtol=0)
-    assert results[0]["tokens"] == one_rank["tokens"]
 
 
 def test_greedy_text_is_license_english(one_rank: dict[str, list[list[float]] | list[list[int]]]) -> None:

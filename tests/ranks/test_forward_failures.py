@@ -21,7 +21,7 @@ from metrale_model_engine.torch import run_group
 from helpers import forward_sessions as sessions
 from helpers.rank_results import load, read_note
 
-pytestmark = [pytest.mark.torch, pytest.mark.ranks]
+pytestmark = pytest.mark.torch
 
 BOUND = 10.0
 """Seconds from the fault to the error on every rank (measured: well under one; see the README)."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -17,8 +15,6 @@ numpy = pytest.importorskip("numpy", reason="numpy is needed by torch's tensor.n
 from metrale_model_engine import U32_MAX, as_u32_buffer  # noqa: E402
 from metrale_model_engine import torch as ep_torch  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
-
-from helpers import torch_sessions as sessions  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -87,30 +83,6 @@ def test_out_of_range_tokens_are_always_refused(tokens: list[int]) -> None:
             tensor_tokens(torch.tensor(tokens, dtype=torch.int64))
     else:
         assert memoryview(as_u32_buffer("tokens", tokens)).tolist() == tokens
-
-
-def _session_digests(backend: str, device: str | None, out: Path) -> list[object]:
-    codes = run_group(sessions.full_session_on, 2, "v2", device, str(out), backend=backend, timeout=300)
-    assert codes == [0, 0]
-    return [pickle.loads((out / f"rank{r}.pkl").read_bytes())["digest"] for r in range(2)]
-
-
-@pytest.mark.gpu
-@pytest.mark.ranks
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none on this machine")
-def test_cuda_tensors_over_gloo(tmp_path: Path) -> None:
-    digests = _session_digests("gloo", "cuda:0", tmp_path)
-    assert digests[0] == digests[1]
-
-
-@pytest.mark.gpu
-@pytest.mark.ranks
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="NCCL needs 2 CUDA devices for 2 ranks; this machine has fewer"
-)
-def test_nccl_full_session(tmp_path: Path) -> None:
-    digests = _session_digests("nccl", None, tmp_path)
-    assert digests[0] == digests[1]
 
 
 def test_composes_with_nn_module() -> None:

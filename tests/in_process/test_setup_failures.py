@@ -9,13 +9,10 @@ process may make one (root, ``unshare``), and is skipped with the reason otherwi
 from __future__ import annotations
 
 import errno
-import functools
 import importlib
 import multiprocessing
 import os
 import runpy
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,109 +27,17 @@ from metrale_model_engine._host.launch import launch
 from metrale_model_engine._shm import run as shm_run
 from metrale_model_engine._shm.run import _set_up_head, _set_up_worker
 from metrale_model_engine._shm.transport import ring_setup_failed
-from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
-
-from helpers import shm_programs as programs
+from metrale_model_engine.shm import ShmTransport, shm_supported
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPINS = (0.0, 0.0)
-TINY_SHM = "mount -t tmpfs -o size=64k tmpfs /dev/shm"
 NO_ROOM = (
     "error: the shared-memory ring could not be set up (rank 0: /dev/shm has 0.1 MiB free, too little for the "
     "ring's 1.0 MiB: give the machine a larger /dev/shm (a container: docker run --shm-size), use the transport "
     "'torch' ('auto' falls back to it by itself), or create the ring with a smaller ring_bytes (ShmTransport.create))"
 )
-
-
-@functools.cache
-def private_mounts() -> str | None:
-    """``None`` when this process can run a command in a mount namespace of its own, else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1) on this machine"
-    if os.geteuid() != 0:
-        return "a private mount namespace with its own /dev/shm needs root"
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", TINY_SHM],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return None if probe.returncode == 0 else f"unshare --mount failed here: {probe.stderr.strip()}"
-
-
-def with_tiny_dev_shm(*command: str) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` where ``/dev/shm`` is a 64 KiB tmpfs of its own (skip if this process cannot)."""
-    reason = private_mounts()
-    if reason is not None:
-        pytest.skip(reason)
-    script = f'{TINY_SHM} && exec "$@"'
-    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
-    return subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *command],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-        cwd=ROOT,
-    )
-
-
-@pytest.mark.programs
-def test_the_shm_example_without_room_says_why_in_one_line() -> None:
-    done = with_tiny_dev_shm(sys.executable, "examples/shm_local.py")
-    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
-
-
-@pytest.mark.programs
-def test_the_demo_over_shm_without_room_says_why_in_one_line() -> None:
-    pytest.importorskip("torch", reason="the demo needs the torch extra")
-    done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--transport", "shm")
-    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
-
-
-@pytest.mark.programs
-def test_the_demo_under_torchrun_without_room_says_why_once() -> None:
-    pytest.importorskip("torch", reason="the demo needs the torch extra")
-    from metrale_model_engine.torch import free_port
-
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    done = with_tiny_dev_shm(*run, "-m", "metrale_model_engine.demo", "--transport", "shm")
-    assert done.returncode != 0  # torchrun reports its ranks' exit code 2 as a failure of its own
-    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == [NO_ROOM]
-    assert "metrale_model_engine/" not in done.stderr  # no traceback from the ranks
-
-
-@pytest.mark.programs
-def test_the_demo_by_default_without_room_serves_over_gloo() -> None:
-    """``--transport auto`` (the default) without room for a ring serves over gloo instead."""
-    pytest.importorskip("torch", reason="the demo needs the torch extra")
-    done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "2")
-    assert done.returncode == 0, done.stderr
-    assert "2 ranks over TorchTransport" in done.stdout
-
-
-@pytest.mark.ranks
-def test_run_ring_raises_a_setup_failure_of_the_ranks_once(capfd: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(EpSetupError, match=r"^rank 0: the ranks disagree on the slot count \(rank 0: 8, rank 1: 9, "):
-        run_ring(programs.disagree_on_slots, 3, timeout=60.0)
-    assert "Traceback" not in capfd.readouterr().err
-
-
-@pytest.mark.ranks
-def test_run_group_raises_a_setup_failure_of_the_ranks_once(capfd: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("torch", reason="the torch extra is not installed")
-    from metrale_model_engine.torch import run_group
-
-    from helpers import torch_sessions
-
-    with pytest.raises(EpSetupError, match=r"^rank 0: the ranks disagree on the slot count \(rank 0: 4, rank 1: 5\)"):
-        run_group(torch_sessions.disagree_on_slots, 2, backend="gloo", timeout=60.0)
-    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_head_that_cannot_create_the_ring_tells_every_worker_and_raises() -> None:
@@ -242,13 +147,6 @@ def test_a_head_without_room_in_dev_shm_names_it(monkeypatch: pytest.MonkeyPatch
         _set_up_head([head_end], SPINS)
     assert f"error: {raised.value}" == NO_ROOM
     assert worker_end.recv() is None and worker_end.recv() is False
-
-
-@pytest.mark.ranks
-def test_a_setup_failure_longer_than_a_pipe_holds_is_cut_not_stuck() -> None:
-    with pytest.raises(EpSetupError) as raised:
-        run_ring(programs.refuse_at_length, 2, 1_000_000, timeout=60.0)
-    assert str(raised.value) == "x" * 16_384
 
 
 def test_ranks_that_cannot_all_start_are_ended_and_the_error_raised() -> None:

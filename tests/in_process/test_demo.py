@@ -1,0 +1,152 @@
+"""The demo's refusals before any rank starts, and its choices, in this process (``demo.main``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+from metrale_model_engine.demo import main, parse_args
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(autouse=True)
+def not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo as started by hand: none of torchrun's variables (the test process may run under it)."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--world-size", "0"), "argument --world-size: must be at least 1, got 0"),
+        (("--slots", "many"), "argument --slots: must be a whole number, got 'many'"),
+        (("--world-size", "3"), "argument --world-size: must divide the model's 4 attention heads and 4 experts"),
+        (("--world-size", "65"), "argument --world-size: must be at most 64 (the most ranks one ring serves)"),
+        (("--transport", "tcp"), "argument --transport: invalid choice: 'tcp'"),
+        (("--json", "/nonexistent/x.json"), "argument --json: '/nonexistent/x.json' is in a directory that does not"),
+        (("--json", "/tmp"), "argument --json: '/tmp' is a directory; name a file to write"),
+        (("--slots", "4294967296"), "argument --slots: must be at most 4294967295, got 4294967296"),
+    ],
+)
+def test_demo_refuses_bad_arguments(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """(``tests/programs/test_demo.py`` runs one of these as ``python -m``: the same line, exit 2.)"""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    out, err = capsys.readouterr()
+    assert (exit_.value.code, out) == (2, "")
+    (line,) = err.splitlines()  # one line, no usage block, no traceback
+    assert line.startswith(f"error: {message}") and line.endswith(" (--help lists the options)")
+
+
+def test_demo_refuses_a_bad_protocol_variable_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("METRALE_EP_PROTOCOL", "garbage")
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "error: METRALE_EP_PROTOCOL='garbage' is not a protocol version; accepted: 'v1', 'v2' (or unset/empty for 'v1')"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("devices", "args", "message"),
+    [
+        (
+            0,
+            ("--backend", "nccl"),
+            "--backend nccl needs a CUDA device per local rank: 2 rank(s), 0 CUDA devices on this machine; "
+            "use --backend gloo",
+        ),
+        (
+            1,
+            ("--backend", "nccl"),
+            "--backend nccl needs a CUDA device per local rank: 2 rank(s), 1 CUDA device on "
+            "this machine; use --world-size 1 or --backend gloo",
+        ),
+        (
+            1,
+            ("--device", "cuda", "--world-size", "4"),
+            "--device cuda needs a CUDA device per local rank: 4 rank(s), "
+            "1 CUDA device on this machine; use --world-size 1 or --device cpu",
+        ),
+        (
+            0,
+            ("--world-size", "1", "--device", "cuda"),
+            "--device cuda needs a CUDA device per local rank: 1 rank(s), "
+            "0 CUDA devices on this machine; use --device cpu",
+        ),
+        (
+            2,
+            ("--device", "cpu", "--backend", "nccl"),
+            "--backend nccl all-reduces CUDA tensors: it needs --device cuda; use --backend gloo",
+        ),
+        (
+            0,
+            ("--cuda-graphs",),
+            "--cuda-graphs needs --device cuda (the model is on the CPU here, with 0 CUDA devices)",
+        ),
+        (4, ("--cuda-graphs", "--world-size", "2", "--device", "cpu"), "--cuda-graphs needs --device cuda"),
+        (
+            4,
+            ("--cuda-graphs", "--world-size", "2"),
+            "--cuda-graphs is for one rank (a replayed all-reduce could not be bounded by the collective timeout); "
+            "use --world-size 1",
+        ),
+    ],
+)
+def test_demo_refuses_a_device_it_lacks_before_any_rank_starts(
+    devices: int,
+    args: tuple[str, ...],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    assert main(list(args)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
+    from metrale_model_engine._demo_choices import device_and_backend
+
+    for devices, ranks, expected in ((0, 1, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")):
+        args = parse_args(["--world-size", str(ranks)])
+        assert device_and_backend(args, ranks, devices) == (expected, "nccl" if expected == "cuda" else "gloo")
+    assert device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2) == ("cuda", "gloo")
+    assert device_and_backend(parse_args(["--backend", "gloo"]), 2, 2) == ("cpu", "gloo")  # gloo: a CPU model
+
+
+def test_protocol_flag() -> None:
+    assert parse_args(["--protocol", "v2"]).protocol == "v2"
+    with pytest.raises(SystemExit):
+        parse_args(["--protocol", "v3"])
+
+
+def test_demo_refuses_slots_whose_caches_would_not_fit_before_any_rank_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--slots", "4294967295"]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    assert out == "" and line.startswith("error: --slots 4294967295: the KV caches of 2 rank(s) would take "), line
+    assert "GiB of memory" in line
+
+
+def test_missing_weights_end_the_demo_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from metrale_model_engine import demo, reference
+
+    monkeypatch.setattr(reference, "SHIPPED_WEIGHTS", tmp_path / "gone.bin")
+    assert demo.main(["--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gone.bin" in err and err.count("\n") == 1, err

@@ -1,0 +1,157 @@
+"""The main job, ``python -m metrale_model_engine.demo``, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+from metrale_model_engine.demo import PROMPTS
+from metrale_model_engine.torch import free_port
+
+pytestmark = pytest.mark.torch
+
+
+def run_bounded(command: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own session; on timeout kill the whole session (its ranks too)."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_bounded([sys.executable, "-m", "metrale_model_engine.demo", *args])
+
+
+def test_the_demo_serves_license_text_on_two_ranks_and_every_rank_agrees(tmp_path: Path) -> None:
+    result = demo("--json", str(tmp_path / "two.json"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    served = [line for line in lines if line.startswith("[request ")]
+    assert len(served) == len(PROMPTS) == 6
+    assert "[request 0] 'Licensed under the' -> ' Apache License, Version 2.0" in result.stdout
+    assert sum(", arrived after step 6]" in line for line in served) == 2  # the late ones
+    assert any(line.startswith("[head] 6 requests, 288 tokens in ") and line.endswith(" tokens/s") for line in lines)
+    step = next(line for line in lines if line.startswith("[head] a decode step"))
+    assert "compute " in step and "collectives " in step and "protocol " in step
+    assert "[head] all 2 ranks agree: KV bookkeeping compared at" in result.stdout
+    assert any(line.startswith("[worker 1] served ") and line.endswith(" 0 failed") for line in lines)
+    summary = json.loads((tmp_path / "two.json").read_text())
+    assert (summary["ranks"], summary["transport"], summary["backend"]) == (2, "ShmTransport", "gloo")
+    assert [r["id"] for r in summary["requests"]] == list(range(6))
+    for request, prompt in zip(summary["requests"], PROMPTS, strict=True):
+        assert request["prompt"] == prompt and len(request["tokens"]) == 48
+        assert request["text"] == bytes(request["tokens"]).decode("utf-8", errors="replace")
+    shares = summary["decode_step"]
+    assert abs(shares["compute_share"] + shares["collectives_share"] + shares["protocol_share"] - 1) < 1e-3
+
+
+def test_a_bad_argument_ends_the_program_with_one_line_and_exit_2() -> None:
+    """The refusals themselves are checked in this process (``tests/in_process/test_demo.py``)."""
+    result = demo("--world-size", "3")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        "error: argument --world-size: must divide the model's 4 attention heads and 4 experts (1, 2, 4), "
+        "got 3 (--help lists the options)"
+    ]
+
+
+def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "200"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        worker = int(first.rsplit("pids ", 1)[1].split()[1])
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert time.monotonic() - killed < 30.0
+    assert process.returncode == 1
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("error: ") and "rank(s) [1]" in line, line
+    assert "[head] 6 requests" not in stdout
+
+
+def test_demo_runs_under_torchrun() -> None:
+    result = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "metrale_model_engine.demo",
+            "--protocol",
+            "v2",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[head] all 2 ranks agree: KV bookkeeping compared at" in result.stdout
+
+
+def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> None:
+    env = {**os.environ, "METRALE_EP_PROTOCOL": "garbage"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "metrale_model_engine.demo"]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=150)
+    assert result.returncode != 0  # torchrun reports the ranks' exit code 2 as a failure of its own
+    ours = [line for line in result.stderr.splitlines() if "METRALE_EP_PROTOCOL" in line]
+    assert ours == [
+        "error: METRALE_EP_PROTOCOL='garbage' is not a protocol version; accepted: 'v1', 'v2' (or unset/empty for 'v1')"
+    ]
+    assert "metrale_model_engine/" not in result.stderr  # no traceback from the ranks themselves
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transport: str) -> None:
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "5000", "--transport", transport],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        pids = [int(pid) for pid in first.rsplit("pids ", 1)[1].split()]
+        time.sleep(0.5)  # well inside the run
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        interrupted = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130
+    assert stderr.strip().splitlines() == ["interrupted"], stderr
+    assert time.monotonic() - interrupted < 15.0
+    for pid in pids:  # every rank is gone
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    by_its_ranks = tuple(f"metrale-ep-{pid}-" for pid in pids)  # a segment is named by its creator's pid
+    assert not {name for name in after - before if name.startswith(by_its_ranks)}

@@ -1,0 +1,110 @@
+"""A setup that fails is one ``error: ...`` line with its root cause, from one rank, and exit code 2.
+
+The launchers raise a rank's ``EpSetupError`` once, in the launching process; the
+demo and the examples print it.  The real case, a ``/dev/shm`` too small for the
+ring, runs in a private mount namespace with a 64 KiB ``/dev/shm`` where this
+process may make one (root, ``unshare``), and is skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from multiprocessing.context import SpawnProcess
+from pathlib import Path
+
+import pytest
+
+from metrale_model_engine.shm import shm_supported
+
+pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_SHM = "mount -t tmpfs -o size=64k tmpfs /dev/shm"
+NO_ROOM = (
+    "error: the shared-memory ring could not be set up (rank 0: /dev/shm has 0.1 MiB free, too little for the "
+    "ring's 1.0 MiB: give the machine a larger /dev/shm (a container: docker run --shm-size), use the transport "
+    "'torch' ('auto' falls back to it by itself), or create the ring with a smaller ring_bytes (ShmTransport.create))"
+)
+
+
+@functools.cache
+def private_mounts() -> str | None:
+    """``None`` when this process can run a command in a mount namespace of its own, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    if os.geteuid() != 0:
+        return "a private mount namespace with its own /dev/shm needs root"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", TINY_SHM],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return None if probe.returncode == 0 else f"unshare --mount failed here: {probe.stderr.strip()}"
+
+
+def with_tiny_dev_shm(*command: str) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` where ``/dev/shm`` is a 64 KiB tmpfs of its own (skip if this process cannot)."""
+    reason = private_mounts()
+    if reason is not None:
+        pytest.skip(reason)
+    script = f'{TINY_SHM} && exec "$@"'
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *command],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_the_shm_example_without_room_says_why_in_one_line() -> None:
+    done = with_tiny_dev_shm(sys.executable, "examples/shm_local.py")
+    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
+
+
+def test_the_demo_over_shm_without_room_says_why_in_one_line() -> None:
+    pytest.importorskip("torch", reason="the demo needs the torch extra")
+    done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--transport", "shm")
+    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
+
+
+def test_the_demo_under_torchrun_without_room_says_why_once() -> None:
+    pytest.importorskip("torch", reason="the demo needs the torch extra")
+    from metrale_model_engine.torch import free_port
+
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    done = with_tiny_dev_shm(*run, "-m", "metrale_model_engine.demo", "--transport", "shm")
+    assert done.returncode != 0  # torchrun reports its ranks' exit code 2 as a failure of its own
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == [NO_ROOM]
+    assert "metrale_model_engine/" not in done.stderr  # no traceback from the ranks
+
+
+def test_the_demo_by_default_without_room_serves_over_gloo() -> None:
+    """``--transport auto`` (the default) without room for a ring serves over gloo instead."""
+    pytest.importorskip("torch", reason="the demo needs the torch extra")
+    done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "2")
+    assert done.returncode == 0, done.stderr
+    assert "2 ranks over TorchTransport" in done.stdout
+
+
+class _OneStartProcess(SpawnProcess):
+    """A process class of which one starts; the next start finds no more processes."""
+
+    starts = 0
+
+    def start(self) -> None:
+        if _OneStartProcess.starts:
+            raise OSError(errno.EAGAIN, "no more processes")
+        _OneStartProcess.starts += 1
+        super().start()
