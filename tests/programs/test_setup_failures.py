@@ -1,20 +1,14 @@
-"""A setup that fails is one ``error: ...`` line with its root cause, from one rank, and exit code 2.
-
-The launchers raise a rank's ``EpSetupError`` once, in the launching process; the
-demo and the examples print it.  The real case, a ``/dev/shm`` too small for the
-ring, runs in a private mount namespace with a 64 KiB ``/dev/shm`` where this
-process may make one (root, ``unshare``), and is skipped with the reason otherwise.
-"""
+"""A ``/dev/shm`` too small for the ring, for real: the demo and the shm example, run as a user runs them in a
+private mount namespace with a 64 KiB ``/dev/shm`` (root and ``unshare``; skipped with the reason otherwise),
+say why in one ``error:`` line and exit 2, or serve over gloo where ``auto`` falls back."""
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 import shutil
 import subprocess
 import sys
-from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
 import pytest
@@ -96,15 +90,3 @@ def test_the_demo_by_default_without_room_serves_over_gloo() -> None:
     done = with_tiny_dev_shm(sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "2")
     assert done.returncode == 0, done.stderr
     assert "2 ranks over TorchTransport" in done.stdout
-
-
-class _OneStartProcess(SpawnProcess):
-    """A process class of which one starts; the next start finds no more processes."""
-
-    starts = 0
-
-    def start(self) -> None:
-        if _OneStartProcess.starts:
-            raise OSError(errno.EAGAIN, "no more processes")
-        _OneStartProcess.starts += 1
-        super().start()

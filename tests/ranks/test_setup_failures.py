@@ -1,15 +1,7 @@
-"""A setup that fails is one ``error: ...`` line with its root cause, from one rank, and exit code 2.
-
-The launchers raise a rank's ``EpSetupError`` once, in the launching process; the
-demo and the examples print it.  The real case, a ``/dev/shm`` too small for the
-ring, runs in a private mount namespace with a 64 KiB ``/dev/shm`` where this
-process may make one (root, ``unshare``), and is skipped with the reason otherwise.
-"""
+"""A rank's setup failure is raised once by its launcher, ``run_group`` and ``run_ring``, in real rank processes
+(the one-line messages and the in-process cases: ``tests/in_process/test_setup_failures.py``)."""
 
 from __future__ import annotations
-
-import errno
-from multiprocessing.context import SpawnProcess
 
 import pytest
 
@@ -42,15 +34,3 @@ def test_a_setup_failure_longer_than_a_pipe_holds_is_cut_not_stuck() -> None:
     with pytest.raises(EpSetupError) as raised:
         run_ring(programs.refuse_at_length, 2, 1_000_000, timeout=60.0)
     assert str(raised.value) == "x" * 16_384
-
-
-class _OneStartProcess(SpawnProcess):
-    """A process class of which one starts; the next start finds no more processes."""
-
-    starts = 0
-
-    def start(self) -> None:
-        if _OneStartProcess.starts:
-            raise OSError(errno.EAGAIN, "no more processes")
-        _OneStartProcess.starts += 1
-        super().start()
