@@ -6,5 +6,8 @@
 * :mod:`.rank_results`: what a rank process hands back to its test;
 * ``*_sessions`` and :mod:`.shm_programs`: the bodies of rank processes (module-level
   functions, so that the start server can run them by name);
-* ``exit_without_teardown.py``: a program run as a user runs it.
+* :mod:`.demo_env`: the demo started by hand in the test process;
+* :mod:`.greedy`: the reference model's greedy run that one rank and a sharded group compare;
+* ``exit_without_teardown.py``: a program run as a user runs it; ``run_repeatedly.py``: a
+  torchrun-style program run several times from one import of torch.
 """

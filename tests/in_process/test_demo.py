@@ -10,14 +10,15 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 
 from metrale_model_engine.demo import main, parse_args
 
+from helpers.demo_env import leave_torchrun
+
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture(autouse=True)
 def not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     """The demo as started by hand: none of torchrun's variables (the test process may run under it)."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    leave_torchrun(monkeypatch)
 
 
 @pytest.mark.parametrize(

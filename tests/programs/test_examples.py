@@ -1,10 +1,12 @@
-"""The programs under examples/ run as written, and every README code block is one of them."""
+"""The programs under examples/ run as a user runs them, and end cleanly (ten times over); the README's
+blocks that are part of them are checked in ``tests/in_process/test_docs.py``."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,8 +100,6 @@ def run_repeatedly(script: Path, world_size: int, attempts: int) -> list[str]:
     script per attempt (``tests/helpers/run_repeatedly.py``): the runs exit as
     programs do, without a second's import each.
     """
-    import socket
-
     probes = [socket.create_server(("127.0.0.1", 0)) for _ in range(attempts)]  # held open: distinct ports
     ports = ",".join(str(probe.getsockname()[1]) for probe in probes)
     for probe in probes:

@@ -16,6 +16,8 @@ import torch
 
 from metrale_model_engine.demo import main
 
+from helpers.demo_env import leave_torchrun
+
 pytestmark = pytest.mark.torch
 
 SHORT = ("--max-new-tokens", "12")
@@ -24,8 +26,7 @@ SHORT = ("--max-new-tokens", "12")
 @pytest.fixture(autouse=True)
 def as_started_by_hand(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Not under torchrun; this process's torch threads as they were (a one-rank demo sets them)."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    leave_torchrun(monkeypatch)
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -43,8 +44,7 @@ def served(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The default run (2 ranks over shared memory), short: what every other world size must generate."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            monkeypatch.delenv(name, raising=False)
+        leave_torchrun(monkeypatch)
         return served(tmp_path_factory.mktemp("demo"), "two", *SHORT)
 
 
