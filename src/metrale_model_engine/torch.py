@@ -26,6 +26,15 @@ sets to :data:`DEFAULT_IDLE_TIMEOUT` (pass ``timeout=`` to ``init_process_group`
 under torchrun).  A command's follow-ups are bounded by the link's
 ``command_timeout``.  A dead peer closes its sockets, which gloo reports at once: the
 other ranks' next receive or send fails with an ``EpLinkError``.
+
+Across hosts.  A cut cable closes nothing: the head's next send waits out its
+``command_timeout``, and an idle worker would wait out the idle limit.  So the
+workers of a :class:`TorchTransport` beat in the group's store every
+:data:`DEFAULT_HEARTBEAT` seconds: a failed send or sync point names the workers
+whose beat stopped ("no heartbeat from worker rank(s) [...]"), and a worker that
+cannot reach the store (on the head's host) for :data:`DEFAULT_HEAD_LOST_AFTER`
+seconds logs why and exits with :data:`HEAD_LOST_EXIT_CODE`.  Both are arguments of
+:func:`open_link`, :func:`open_transport` and :class:`TorchTransport`.
 """
 
 from __future__ import annotations
@@ -61,14 +70,18 @@ from ._torch.groups import (
     run_group,
 )
 from ._torch.groups import run_local as run_local  # deprecated: kept importable, not in __all__
+from ._torch.heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from ._torch.op_count import WAITING_OPS, OpCount, count_ops
 from ._torch.tokens import tensor_tokens
 from ._torch.transport import TorchTransport
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_HEAD_LOST_AFTER",
+    "DEFAULT_HEARTBEAT",
     "DEFAULT_IDLE_TIMEOUT",
     "EXIT_GRACE",
+    "HEAD_LOST_EXIT_CODE",
     "TRANSPORT_KINDS",
     "WAITING_OPS",
     "Collectives",

@@ -16,7 +16,9 @@ both, as ``EpLink`` takes it.  Implementations:
 :class:`metrale_model_engine.torch.TorchTransport` (any torch.distributed group)
 serve every rank; :class:`SoloTransport` (one rank) and the in-memory doubles of
 :mod:`metrale_model_engine.testing` play one role, on :class:`HeadEnd` or
-:class:`WorkerEnd`, whose calls of the other role refuse.
+:class:`WorkerEnd`, whose calls of the other role refuse.  A head transport that
+can tell which workers went silent (ranks on other hosts) also gives
+:class:`NamesSilentRanks`, and the link's errors name them.
 """
 
 from ._core.namespace import PublicDir, public_dir
@@ -24,6 +26,7 @@ from ._core.transport import (
     EpTransport,
     HeadEnd,
     HeadTransport,
+    NamesSilentRanks,
     PeerLost,
     SoloTransport,
     TransportClosed,
@@ -37,6 +40,7 @@ __all__ = [
     "EpTransport",
     "HeadEnd",
     "HeadTransport",
+    "NamesSilentRanks",
     "PeerLost",
     "SoloTransport",
     "TransportClosed",

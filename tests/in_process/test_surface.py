@@ -80,6 +80,7 @@ SURFACES = {
         "EpTransport",
         "HeadEnd",
         "HeadTransport",
+        "NamesSilentRanks",
         "PeerLost",
         "SoloTransport",
         "TransportClosed",
@@ -106,8 +107,11 @@ SURFACES = {
 }
 TORCH_SURFACE = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_HEAD_LOST_AFTER",
+    "DEFAULT_HEARTBEAT",
     "DEFAULT_IDLE_TIMEOUT",
     "EXIT_GRACE",
+    "HEAD_LOST_EXIT_CODE",
     "TRANSPORT_KINDS",
     "WAITING_OPS",
     "Collectives",

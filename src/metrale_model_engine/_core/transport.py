@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from typing_extensions import Buffer
 
@@ -143,6 +143,21 @@ class HeadEnd:
 
     def close(self) -> None:
         """Nothing is held."""
+
+
+@runtime_checkable
+class NamesSilentRanks(Protocol):
+    """A head transport that can tell which workers went silent: for ranks its host cannot watch.
+
+    Optional.  When a send or a sync point fails and nothing else explains it, the
+    link asks, and names those ranks in its error
+    (:class:`~metrale_model_engine.torch.TorchTransport` reads its workers'
+    heartbeats).
+    """
+
+    def silent_ranks(self) -> list[int]:
+        """The worker ranks that no longer show a sign of life; may wait a moment (bounded) to tell."""
+        ...
 
 
 class WorkerEnd:

@@ -9,7 +9,7 @@ from typing import Final
 from .._core.checks import check_seconds
 from .._core.codec import WireError
 from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
-from .._core.transport import EpTransport
+from .._core.transport import EpTransport, NamesSilentRanks
 from .._host.liveness import ProcessWatch
 from .agreement import read_answers
 from .run_state import RunState
@@ -142,6 +142,21 @@ class WorkerReports:
             reasons.append(f"rank(s) {silent} said nothing (they stall, skipped their forward, or left)")
         return "; ".join(reasons)
 
+    def silent(self) -> list[int]:
+        """The worker ranks whose transport says they went silent (see :class:`NamesSilentRanks`); waits a moment."""
+        transport = self._transport
+        return transport.silent_ranks() if isinstance(transport, NamesSilentRanks) else []
+
+    def silence(self) -> str:
+        """:meth:`silent` as the clause an error ends with (those of the head's host that exited, as such).
+
+        Empty when none went silent.
+        """
+        ranks = self.silent()
+        exited = [rank for rank in self.exited() if rank in ranks]
+        quiet = [rank for rank in ranks if rank not in exited]
+        return "; ".join(filter(None, [self.why((), exited), silent_text(quiet) if quiet else ""]))
+
     def exited(self) -> list[int]:
         """The worker ranks of the head's host whose process has exited."""
         if self._watch is None:
@@ -167,8 +182,12 @@ class WorkerReports:
         assert limit is not None
         halted = self.halted()  # a worker that cannot run will not report or exit: no grace to wait
         failures, exited = self.stopped_workers(0.0 if halted else limit)
+        silent = [] if failures or exited or halted else self.silent()
         if failures or exited:
             why = self.why(failures, exited)
+        elif silent:
+            exited = silent
+            why = f"{what} failed ({error_text(error)}): {silent_text(silent)}"
         elif halted:
             exited = halted
             why = f"{what} failed ({error_text(error)}): worker rank(s) {halted} are stopped (a signal, a debugger)"
@@ -178,3 +197,8 @@ class WorkerReports:
                 "(a worker that stalls or skipped its forward, or one on another host)"
             )
         return self.stop(why, failures, exited, where=f" in {where}")
+
+
+def silent_text(ranks: Sequence[int]) -> str:
+    """What the head says of workers that went silent."""
+    return f"no heartbeat from worker rank(s) {list(ranks)} (their host is unreachable, or they died)"

@@ -110,7 +110,7 @@ class HeadSender:
         assert reports is not None
         ours = isinstance(error, (EpError, TransportClosed, TransportTimeout, TransportCorrupt))
         failures, exited = reports.stopped_workers(0.0 if ours else _DEATH_GRACE)
-        why = reports.why(failures, exited)
+        why = reports.why(failures, exited) or reports.silence()
         if any(failure.stopped for failure in failures):
             return reports.stop(why, failures, exited, note="; the send failed")
         return EpSendError(f"head: broadcast to the workers failed: {error}" + (f"; {why}" if why else ""))

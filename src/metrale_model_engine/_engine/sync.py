@@ -65,8 +65,10 @@ class SyncPoints:
                     raise EpLinkError(f"head: a corrupt answer at sync point {number}: {error}") from None
                 except Exception as error:
                     exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
+                    silent = "" if exited else reports.silence()
                     raise EpLinkError(
                         f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
+                        + (f"; {silent}" if silent else "")
                     ) from error
                 failures += reports.seen(found)
                 if any(failure.stopped for failure in found):  # that worker left: no acknowledgement will come

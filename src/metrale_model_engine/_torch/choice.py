@@ -18,6 +18,7 @@ from .._engine.settings import DEFAULT_COMMAND_TIMEOUT
 from .._host.liveness import host_fingerprint
 from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, ring_setup_failed, setup_reason, shm_supported
 from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
+from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT
 from .transport import TorchTransport
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
@@ -37,6 +38,8 @@ def open_transport(
     device: torch.device | None = None,
     spin_time: float = DEFAULT_SPIN_TIME,
     max_spin_time: float = DEFAULT_MAX_SPIN_TIME,
+    heartbeat: float | None = DEFAULT_HEARTBEAT,
+    head_lost_after: float | None = DEFAULT_HEAD_LOST_AFTER,
 ) -> TorchTransport | ShmTransport:
     """The transport for ``group`` (default: the world group), chosen by every rank together.
 
@@ -54,17 +57,31 @@ def open_transport(
 
     The head creates the ring, its name travels over the group, the workers
     attach; the ring's name is removed from ``/dev/shm`` at the link's setup
-    exchange.  ``device`` goes to :class:`TorchTransport`, ``spin_time`` and
+    exchange.  ``device``, ``heartbeat`` and ``head_lost_after`` go to
+    :class:`TorchTransport` (the liveness of ranks across hosts), ``spin_time`` and
     ``max_spin_time`` to :class:`~metrale_model_engine.shm.ShmTransport`.
 
     Raises:
-        TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`
-            (checked before the group is touched).
+        TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`, or
+            ``heartbeat`` or ``head_lost_after`` is not a positive number of seconds
+            or ``None`` (checked before the group is touched).
         EpSetupError: the ranks asked for different kinds, or ``"shm"`` cannot be had.
         EpLinkError: the exchange over the group failed.
     """
     chosen = check_choice("transport", kind, TRANSPORT_KINDS)
-    base = TorchTransport(group, device=device)
+    base = TorchTransport(group, device=device, heartbeat=heartbeat, head_lost_after=head_lost_after)
+    try:
+        transport = _choose(base, chosen, (spin_time, max_spin_time))
+    except BaseException:
+        base.close()
+        raise
+    if transport is not base:
+        base.close()  # its heartbeat too: the ranks of one host watch each other through pidfds
+    return transport
+
+
+def _choose(base: TorchTransport, chosen: TransportKind, spins: tuple[float, float]) -> TorchTransport | ShmTransport:
+    """:func:`open_transport` past its checks: every rank's kind and host over ``base``, then the choice."""
     try:
         everyone = base.gather([TRANSPORT_KINDS.index(chosen), *_host_words()])
     except Exception as error:
@@ -80,7 +97,7 @@ def open_transport(
             f"transport='shm' needs every rank on one Linux host with /dev/shm, but rank(s) "
             f"{elsewhere} are not on rank 0's host, or cannot run it; use transport='auto' or 'torch'"
         )
-    return _rendezvous(base, chosen, (spin_time, max_spin_time))
+    return _rendezvous(base, chosen, spins)
 
 
 def open_link(
@@ -94,6 +111,8 @@ def open_link(
     device: torch.device | None = None,
     spin_time: float = DEFAULT_SPIN_TIME,
     max_spin_time: float = DEFAULT_MAX_SPIN_TIME,
+    heartbeat: float | None = DEFAULT_HEARTBEAT,
+    head_lost_after: float | None = DEFAULT_HEAD_LOST_AFTER,
 ) -> EpLink:
     """An :class:`~metrale_model_engine.EpLink` over the transport :func:`open_transport` chooses.
 
@@ -102,7 +121,15 @@ def open_link(
     propagates.  Arguments as :func:`open_transport` and
     :class:`~metrale_model_engine.EpLink`.
     """
-    transport = open_transport(kind, group, device=device, spin_time=spin_time, max_spin_time=max_spin_time)
+    transport = open_transport(
+        kind,
+        group,
+        device=device,
+        spin_time=spin_time,
+        max_spin_time=max_spin_time,
+        heartbeat=heartbeat,
+        head_lost_after=head_lost_after,
+    )
     try:
         return EpLink(
             transport,

@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Buffer
 
+from .._core.checks import check_seconds
 from .._core.codec import ANSWER_BYTES, FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
+from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, Heartbeat, HeartbeatReader
 
 _MAX_MESSAGE_WORDS: Final[int] = 1 << 30
 """A frame announcing more is corruption, not a message (4 GiB)."""
@@ -64,17 +66,38 @@ class TorchTransport:
     closes; the head reads them there (:meth:`poll_answers`) once a collective or a
     send has failed.
 
+    Liveness across hosts: every worker beats in the same store (see
+    ``metrale_model_engine.torch``): the head names the workers that went silent
+    when a send or a sync point fails (:meth:`silent_ranks`), and a worker that
+    cannot reach the store for ``head_lost_after`` seconds logs why and ends its
+    process with status :data:`~metrale_model_engine.torch.HEAD_LOST_EXIT_CODE`.
+
     Args:
         group: the process group; default the world group.  Its rank 0 is the head.
         device: where collective tensors live; default CPU for gloo and the current
             CUDA device for NCCL.
+        heartbeat: seconds between two beats of a worker; ``None``: no beats (then
+            nothing is watched across hosts).
+        head_lost_after: seconds a worker goes on without reaching the store before
+            it ends its process; ``None``: it waits as long as its receive does.
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or this process is not
             in ``group``.
+        TypeError, ValueError: ``heartbeat`` or ``head_lost_after`` is not a
+            positive number of seconds or ``None``.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | None = None,
+        heartbeat: float | None = DEFAULT_HEARTBEAT,
+        head_lost_after: float | None = DEFAULT_HEAD_LOST_AFTER,
+    ) -> None:
+        period = check_seconds("heartbeat", heartbeat, allow_none=True)
+        lost_after = check_seconds("head_lost_after", head_lost_after, allow_none=True)
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -105,6 +128,13 @@ class TorchTransport:
         self._gathered = False  # the first gather (the link's setup) has run
         self._left: set[int] = set()  # workers whose last answers the head has taken from the store
         self._next_look = 0.0  # the head's next look in the store, by time.monotonic()
+        self._heartbeat: Heartbeat | None = None
+        self._beats: HeartbeatReader | None = None
+        if period is not None and self.world_size > 1:
+            if rank == 0:
+                self._beats = HeartbeatReader.open(group.group_name, self._store, period)
+            else:
+                self._heartbeat = Heartbeat.start(group.group_name, self._store, rank, period, lost_after)
         _OPEN_TRANSPORTS.add(self)
 
     @property
@@ -131,8 +161,24 @@ class TorchTransport:
                 self._store.set(_last_words_key(self.rank), _pack_answers(held).hex())  # the store takes text
             except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
                 _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", self.rank, error)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         self._group = None
         self._store = None
+
+    def silent_ranks(self) -> list[int]:
+        """Head: the workers whose heartbeat stopped; waits a few beats at most (see the class).
+
+        Empty without heartbeats, and when the store cannot be read.
+        """
+        if self._beats is None:
+            return []
+        try:
+            return self._beats.silent(range(1, self.world_size))
+        except Exception as error:  # noqa: BLE001  (the store may have gone with the failure being explained)
+            _LOGGER.debug("could not read the workers' heartbeats: %s", error)
+            return []
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: the message as its frame, then, past 15 words, one bulk broadcast."""

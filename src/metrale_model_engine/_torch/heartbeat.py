@@ -1,0 +1,165 @@
+"""Liveness across hosts through the group's store: workers beat, the head reads who went silent.
+
+The pidfds of the head's host cannot see a rank on another machine, and a cut
+cable tells nobody: gloo's idle receive waits its whole timeout (days).  So every
+worker of a :class:`~metrale_model_engine.torch.TorchTransport` bumps a counter
+in the group's ``TCPStore`` (torch's rendezvous store, served on the head's host
+under ``torchrun`` and :func:`~metrale_model_engine.torch.init_group_from_env`)
+every ``period`` seconds, from a thread of its own with its own connection:
+
+* the head, once a send or a sync point has failed without another explanation,
+  names the workers whose counter stopped moving (:meth:`HeartbeatReader.silent`);
+* a worker that could not beat for ``lost_after`` seconds has lost the head's host
+  (its cable, or the whole machine): it logs why and ends its process with
+  :data:`HEAD_LOST_EXIT_CODE`, since its main thread sits in a receive that
+  nothing can interrupt (NCCL's watchdog ends a process the same way).
+
+The store must be a ``TCPStore`` (a file or hash store: no heartbeat).  Where the
+rendezvous store runs elsewhere than the head's host (``--rdzv-endpoint``), the
+workers watch that host instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Final
+
+from torch._C._distributed_c10d import Store, TCPStore
+
+DEFAULT_HEARTBEAT: Final[float] = 0.25
+"""Seconds between two beats of a worker (a store round trip each: microseconds of the store's time)."""
+DEFAULT_HEAD_LOST_AFTER: Final[float] = 60.0
+"""Seconds a worker goes on without reaching the head's host before it ends its process."""
+HEAD_LOST_EXIT_CODE: Final[int] = 75
+"""The exit status of a worker that lost the head's host (``EX_TEMPFAIL``: try again)."""
+SILENT_AFTER_BEATS: Final[int] = 4
+"""Beats the head waits for, at most, before it calls a worker silent."""
+_CONNECT_TIMEOUT: Final = datetime.timedelta(seconds=10)
+"""The bound on a beat's connection to the store (a beat itself waits as the store's client does)."""
+_LOGGER = logging.getLogger("metrale_model_engine.torch")
+
+
+def _tcp_store(store: Store | None) -> TCPStore | None:
+    """The ``TCPStore`` under ``store``'s prefixes, or ``None`` when it is another kind."""
+    while store is not None and not isinstance(store, TCPStore):
+        store = getattr(store, "underlying_store", None)
+    return store
+
+
+def _key(group_name: str, rank: int) -> str:
+    """The counter of worker ``rank`` of the group named ``group_name``; ``<key>/left``: it closed its transport."""
+    return f"metrale_model_engine/heartbeat/{group_name}/{rank}"
+
+
+class Heartbeat:
+    """A worker's beat: two daemon threads, one that bumps its counter, one that watches the beats succeed.
+
+    Start it with :meth:`start`; :meth:`stop` ends both threads (idempotent).
+    """
+
+    __slots__ = ("_beating", "_last", "_period", "_stopped")
+
+    def __init__(self, period: float) -> None:
+        self._period = period
+        self._stopped = threading.Event()
+        self._last = time.monotonic()  # the last beat that reached the store
+        self._beating: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls, group_name: str, store: Store | None, rank: int, period: float, lost_after: float | None
+    ) -> Heartbeat | None:
+        """Beat for worker ``rank`` of group ``group_name`` every ``period`` seconds; ``None`` without a ``TCPStore``.
+
+        ``lost_after``: seconds without a beat before the process ends (``None``: never).
+        """
+        tcp = _tcp_store(store)
+        if tcp is None:
+            return None
+        try:  # a connection of its own: a beat that hangs on a cut cable holds nobody else's
+            own = TCPStore(tcp.host, tcp.port, is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
+        except Exception as error:  # noqa: BLE001  (liveness is an aid: the link works without it)
+            _LOGGER.warning("worker rank %d: no heartbeat, the store did not take a connection: %s", rank, error)
+            return None
+        beat = cls(period)
+        key = _key(group_name, rank)
+        beat._beating = threading.Thread(target=beat._beat, args=(own, key), name=f"heartbeat {key}", daemon=True)
+        beat._beating.start()
+        if lost_after is not None:
+            where = f"{tcp.host}:{tcp.port}"
+            threading.Thread(target=beat._watch, args=(rank, where, period, lost_after), daemon=True).start()
+        return beat
+
+    def stop(self) -> None:
+        """End both threads; the beat says in the store that this worker left (waits a beat for it, at most)."""
+        self._stopped.set()
+        if self._beating is not None:
+            self._beating.join(2 * self._period)  # a store that does not answer: leave without the word
+            self._beating = None
+
+    def _beat(self, store: TCPStore, key: str) -> None:
+        while not self._stopped.is_set():
+            try:
+                store.add(key, 1)
+                self._last = time.monotonic()
+            except Exception as error:  # noqa: BLE001  (the watch decides when it is too long)
+                _LOGGER.debug("a heartbeat failed: %s", error)
+            self._stopped.wait(self._period)
+        try:  # a worker that left is not silent: the head names only those that could not say so
+            store.set(f"{key}/left", "1")
+        except Exception as error:  # noqa: BLE001
+            _LOGGER.debug("could not leave the heartbeat's last word: %s", error)
+
+    def _watch(self, rank: int, where: str, period: float, lost_after: float) -> None:
+        while not self._stopped.wait(period):
+            quiet = time.monotonic() - self._last
+            if quiet > lost_after:
+                _LOGGER.critical(
+                    "worker rank %d: the head is lost: no answer from the group's store at %s for %.1f s "
+                    "(a cut link, the head's machine gone, or the head exited); ending this process with status %d",
+                    rank,
+                    where,
+                    quiet,
+                    HEAD_LOST_EXIT_CODE,
+                )
+                logging.shutdown()
+                os._exit(HEAD_LOST_EXIT_CODE)
+
+
+class HeartbeatReader:
+    """The head's reading of its workers' beats."""
+
+    __slots__ = ("_group_name", "_period", "_store")
+
+    def __init__(self, group_name: str, store: TCPStore, period: float) -> None:
+        self._group_name = group_name
+        self._store = store
+        self._period = period
+
+    @classmethod
+    def open(cls, group_name: str, store: Store | None, period: float) -> HeartbeatReader | None:
+        """The reader of the group ``group_name``'s beats in ``store``'s ``TCPStore``; ``None`` when there is none."""
+        tcp = _tcp_store(store)
+        return None if tcp is None else cls(group_name, tcp, period)
+
+    def silent(self, ranks: Sequence[int]) -> list[int]:
+        """The ``ranks`` whose counter does not move within :data:`SILENT_AFTER_BEATS` beats (sooner if all do).
+
+        A worker that closed its transport (it left the run) is not silent.
+        """
+        keys = {rank: _key(self._group_name, rank) for rank in ranks}
+        first = {rank: self._store.add(key, 0) for rank, key in keys.items()}
+        deadline = time.monotonic() + SILENT_AFTER_BEATS * self._period
+        quiet = list(ranks)
+        while quiet:
+            quiet = [rank for rank in quiet if not self._store.check([f"{keys[rank]}/left"])]
+            if not quiet or time.monotonic() >= deadline:
+                return quiet
+            time.sleep(self._period / 2)
+            quiet = [rank for rank in quiet if self._store.add(keys[rank], 0) == first[rank]]
+        return quiet

@@ -1,0 +1,79 @@
+"""Liveness across hosts (``metrale_model_engine._torch.heartbeat``): workers beat in a real ``TCPStore``.
+
+The head names the workers whose beat stopped, and not those that left; a store of
+another kind gives no heartbeat; bad arguments are refused before any group is
+touched.  A worker ending its process when the store is lost: ``tests/programs/test_heartbeat.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
+
+from metrale_model_engine._torch.heartbeat import Heartbeat, HeartbeatReader
+from metrale_model_engine.torch import TorchTransport, free_port, open_link, open_transport
+
+pytestmark = pytest.mark.torch
+
+PERIOD = 0.02
+
+
+@pytest.fixture
+def store() -> Iterator[TCPStore]:
+    served = TCPStore(
+        "127.0.0.1", free_port(), is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+    )
+    yield served
+    del served
+
+
+def test_the_head_names_the_workers_whose_beat_stopped_and_not_those_that_left(store: TCPStore) -> None:
+    one, two = (Heartbeat.start("g", store, rank, PERIOD, None) for rank in (1, 2))
+    reader, other_group = (HeartbeatReader.open(name, store, PERIOD) for name in ("g", "another group"))
+    assert one is not None and two is not None and reader is not None and other_group is not None
+    assert reader.silent([1, 2, 3]) == [3]  # rank 3 never beat
+    assert other_group.silent([1, 2]) == [1, 2]  # the counters are the group's own
+    two.stop()  # it left the run, and says so
+    assert reader.silent([1, 2]) == []
+    one.stop()
+    one.stop()  # idempotent
+
+
+def test_a_store_other_than_tcp_gives_no_heartbeat() -> None:
+    store = HashStore()
+    assert Heartbeat.start("g", store, 1, PERIOD, 1.0) is None
+    assert HeartbeatReader.open("g", store, PERIOD) is None
+    prefixed = PrefixStore("p", store)
+    assert Heartbeat.start("g", prefixed, 1, PERIOD, 1.0) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "text"),
+    [
+        ({"heartbeat": 0}, ValueError, r"heartbeat must be a finite number of seconds > 0 or None, got int 0"),
+        ({"heartbeat": "1"}, TypeError, r"heartbeat must be a finite number of seconds > 0 or None, got str '1'"),
+        (
+            {"head_lost_after": float("inf")},
+            ValueError,
+            r"head_lost_after must be a finite number of seconds > 0 or None, got float inf",
+        ),
+        ({"head_lost_after": -1}, ValueError, r"head_lost_after must be a finite number of seconds > 0 or None"),
+    ],
+)
+def test_heartbeat_arguments_are_refused_before_the_group_is_touched(
+    arguments: dict[str, object], error: type[Exception], text: str
+) -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(error, match=text):
+        TorchTransport(**arguments)  # type: ignore[arg-type]
+    with pytest.raises(error, match=text):
+        open_transport("torch", **arguments)  # type: ignore[arg-type]
+    with pytest.raises(error, match=text):
+        open_link("torch", num_slots=1, **arguments)  # type: ignore[arg-type]

@@ -1,0 +1,179 @@
+"""Ranks on two simulated hosts (:mod:`helpers.hosts`): separate network, mount and pid namespaces.
+
+What one host's tests show must hold when the ranks sit on different machines:
+the same tokens and states, ``auto``'s choice made per group (shared memory only
+when every rank shares the head's host), and the error contract's bounds when a
+worker or a whole host is lost.  Root only (CI runs as root); skipped elsewhere
+with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+from metrale_model_engine import EpLink, ProtocolVersion
+from metrale_model_engine.torch import DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
+from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
+from metrale_model_engine.transport import SoloTransport
+
+from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
+from helpers.hosts import SimulatedHosts, finish, unavailable
+from helpers.rank_results import load
+from helpers.shm_programs import SLOTS, drive_random
+
+pytestmark = [pytest.mark.torch, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
+
+RUN_BOUND = 90.0
+"""Seconds a host's ranks may take before the test fails (they take 3-7 s here)."""
+
+
+def exit_codes(stdout: str) -> dict[int, int]:
+    """The launcher's last line, ``exit codes {rank: code, ...}``, as a dict."""
+    last = stdout.splitlines()[-1]
+    assert last.startswith("exit codes "), stdout
+    codes: dict[int, int] = ast.literal_eval(last.removeprefix("exit codes "))
+    return codes
+
+
+def wait_for(path: Path, process: subprocess.Popen[str]) -> None:
+    """Wait until ``path`` exists (the head is serving), while the head's host runs."""
+    deadline = time.monotonic() + RUN_BOUND
+    while not path.exists():
+        assert time.monotonic() < deadline and process.poll() is None, "the head never got going"
+        time.sleep(0.02)
+
+
+def run_on_hosts(out: Path, scenario: str, *args: str, hosts: int = 2, per_host: int = 2) -> dict[int, int]:
+    """Run ``scenario`` of :mod:`helpers.host_programs` on ``hosts`` x ``per_host`` ranks; every rank's exit code."""
+    with SimulatedHosts(hosts) as simulated:
+        started = [
+            simulated.ranks(host, per_host, ["-m", "helpers.host_programs", scenario, str(out), *args])
+            for host in range(hosts)
+        ]
+        codes: dict[int, int] = {}
+        for process in started:
+            code, stdout, stderr = finish(process, RUN_BOUND)
+            assert code == 0, stderr
+            codes |= exit_codes(stdout)
+    return codes
+
+
+def demo_on_hosts(out: Path, hosts: int, per_host: int) -> tuple[dict[str, object], list[str]]:
+    """The demo under torchrun, ``per_host`` ranks on each of ``hosts`` hosts: the head's summary, and stdout."""
+    lines: list[str] = []
+    with SimulatedHosts(hosts) as simulated:
+        argv = ["-m", "metrale_model_engine.demo", "--max-new-tokens", "8", "--json", str(out)]
+        started = [simulated.torchrun(host, per_host, argv) for host in range(hosts)]
+        for process in started:
+            code, stdout, stderr = finish(process, RUN_BOUND)
+            assert code == 0, stderr
+            lines += stdout.splitlines()
+    summary: dict[str, object] = json.loads(out.read_text())
+    return summary, lines
+
+
+def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path) -> None:
+    across, lines = demo_on_hosts(tmp_path / "across.json", hosts=2, per_host=2)
+    one_host, _ = demo_on_hosts(tmp_path / "one.json", hosts=1, per_host=4)
+    assert (across["ranks"], across["transport"]) == (4, "TorchTransport")  # auto: the ranks span two hosts
+    assert (one_host["ranks"], one_host["transport"]) == (4, "ShmTransport")  # auto: one host's own /dev/shm
+    assert across["requests"] == one_host["requests"]
+    assert "[head] all 4 ranks agree: KV bookkeeping compared at 2 sync points" in lines
+    assert {line for line in lines if line.startswith("[worker ")} == {
+        f"[worker {rank}] served 40 commands, 0 failed" for rank in (1, 2, 3)
+    }
+
+
+def test_a_random_command_stream_leaves_every_rank_on_both_hosts_in_one_state(tmp_path: Path) -> None:
+    codes = run_on_hosts(tmp_path, "soak", "1500", "11")
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    results = load(tmp_path, 4)
+    for rank in range(4):  # shared memory asked for across hosts: refused on every rank, with one text
+        assert "EpSetupError: " in str(results[rank]["refusal"])
+        assert "rank(s) [2, 3] are not on rank 0's host" in str(results[rank]["refusal"])
+    assert [results[rank]["host"] for rank in range(4)] == ["host0", "host0", "host1", "host1"]
+    assert {results[rank]["transport"] for rank in range(4)} == {"TorchTransport"}
+    alone = ToyModel(EpLink(SoloTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2))
+    slots: list[ToyState | None] = [None] * SLOTS
+    drive_random(alone, slots, 1_500, 11)  # the same stream on one rank: the state every rank must hold
+    assert {results[rank]["digest"] for rank in range(4)} == {slots_digest(slots)}
+
+
+def test_a_worker_killed_on_the_other_host_fails_the_heads_send_within_its_bound(tmp_path: Path) -> None:
+    codes = run_on_hosts(tmp_path, "worker_dies", "3")
+    assert codes == {0: 3, 1: 0, 2: 0, 3: -9}  # the head failed, every worker ended by itself
+    results = load(tmp_path, 4)
+    assert results[0]["error_type"] == "EpSendError"
+    assert "head: broadcast to the workers failed" in str(results[0]["error"])
+    assert "no heartbeat from worker rank(s) [3]" in str(results[0]["error"])  # gloo's text names nobody
+    assert float(str(results[0]["seconds"])) < COMMAND_TIMEOUT
+    for rank in (1, 2):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert f"worker rank {rank}: receive from the head failed" in str(results[rank]["error"])
+
+
+def test_the_heads_host_gone_every_worker_on_the_other_host_exits_within_its_bound(tmp_path: Path) -> None:
+    with SimulatedHosts(2) as simulated:
+        argv = ["-m", "helpers.host_programs", "head_host_goes", str(tmp_path)]
+        head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
+        wait_for(tmp_path / "ready", head_host)
+        gone_at = time.time()
+        simulated.power_off(head_host)
+        code, stdout, stderr = finish(other, RUN_BOUND)
+    assert code == 0, stderr
+    assert exit_codes(stdout) == {2: 0, 3: 0}
+    results = load(tmp_path, 4)
+    for rank in (2, 3):
+        assert results[rank]["error_type"] == "EpReceiveError"
+        assert f"worker rank {rank}: receive from the head failed" in str(results[rank]["error"])
+        assert float(str(results[rank]["at"])) - gone_at < COMMAND_TIMEOUT
+
+
+@pytest.mark.parametrize("where", ["command", "sync"])
+def test_the_other_hosts_cable_cut_every_rank_exits_within_its_bound_and_the_head_names_the_lost_ranks(
+    tmp_path: Path, where: str
+) -> None:
+    with SimulatedHosts(2) as simulated:
+        argv = ["-m", "helpers.host_programs", "cable_cut", str(tmp_path), where]
+        head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
+        wait_for(tmp_path / "ready", head_host)
+        simulated.cut(1)
+        cut_at = time.monotonic()
+        (tmp_path / "cut").touch()
+        code, stdout, stderr = finish(other, RUN_BOUND)
+        lost_after = time.monotonic() - cut_at
+        assert code == 0, stderr
+        assert exit_codes(stdout) == {2: HEAD_LOST_EXIT_CODE, 3: HEAD_LOST_EXIT_CODE}
+        for rank in (2, 3):
+            assert f"worker rank {rank}: the head is lost: no answer from the group's store" in stderr
+        assert (
+            HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= lost_after < HEAD_LOST_AFTER + COMMAND_TIMEOUT
+        )  # from the last beat
+        code, stdout, stderr = finish(head_host, RUN_BOUND)
+    assert code == 0, stderr
+    codes = exit_codes(stdout)
+    assert codes[0] == 3
+    # The head's own worker learns of the head's exit from its socket, or, when gloo's
+    # broadcast had it wait on a rank of the cut host, from the store gone with the head.
+    assert codes[1] in (0, HEAD_LOST_EXIT_CODE)
+    results = load(tmp_path, 2)
+    wanted = {
+        "command": ("EpSendError", "head: broadcast to the workers failed"),
+        "sync": ("EpLinkError", "head: sync point 2 failed waiting for worker rank 2"),
+    }[where]
+    assert results[0]["error_type"] == wanted[0]
+    assert wanted[1] in str(results[0]["error"])
+    assert "no heartbeat from worker rank(s) [2, 3] (their host is unreachable, or they died)" in str(
+        results[0]["error"]
+    )
+    assert COMMAND_TIMEOUT <= float(str(results[0]["seconds"])) < COMMAND_TIMEOUT + 3
+    if codes[1] == 0:
+        assert results[1]["error_type"] == "EpReceiveError"
