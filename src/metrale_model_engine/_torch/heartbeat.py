@@ -92,7 +92,7 @@ class Heartbeat:
         beat._beating.start()
         if lost_after is not None:
             where = f"{tcp.host}:{tcp.port}"
-            threading.Thread(target=beat._watch, args=(rank, where, period, lost_after), daemon=True).start()
+            threading.Thread(target=beat._watch, args=(rank, where, lost_after), daemon=True).start()
         return beat
 
     def stop(self) -> None:
@@ -115,10 +115,11 @@ class Heartbeat:
         except Exception as error:  # noqa: BLE001
             _LOGGER.debug("could not leave the heartbeat's last word: %s", error)
 
-    def _watch(self, rank: int, where: str, period: float, lost_after: float) -> None:
-        while not self._stopped.wait(period):
+    def _watch(self, rank: int, where: str, lost_after: float) -> None:
+        # Wakes once per lost_after while beats arrive: it sleeps until the last beat is that old.
+        while not self._stopped.wait(max(self._last + lost_after - time.monotonic(), 0.0)):
             quiet = time.monotonic() - self._last
-            if quiet > lost_after:
+            if quiet >= lost_after:
                 _LOGGER.critical(
                     "worker rank %d: the head is lost: no answer from the group's store at %s for %.1f s "
                     "(a cut link, the head's machine gone, or the head exited); ending this process with status %d",
