@@ -4,7 +4,9 @@
   process group, and :func:`open_transport` the transport underneath, chosen by
   every rank together: shared memory
   (:class:`~metrale_model_engine.shm.ShmTransport`) when every rank is on one
-  host, the group's own broadcasts (:class:`TorchTransport`) otherwise.
+  host; across hosts, one broadcast to a leader per remote host, which
+  republishes on its host's ring (:class:`HostsTransport`), or, when no host
+  holds two ranks, the group's own broadcasts (:class:`TorchTransport`).
 * :func:`init_local_group` and :func:`run_group` start a group of N ranks on
   loopback for scripts and tests; :func:`init_group_from_env` joins the group
   ``torchrun`` describes.
@@ -71,6 +73,7 @@ from ._torch.groups import (
 )
 from ._torch.groups import run_local as run_local  # deprecated: kept importable, not in __all__
 from ._torch.heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
+from ._torch.hosts import HostsTransport
 from ._torch.op_count import WAITING_OPS, OpCount, count_ops
 from ._torch.tokens import tensor_tokens
 from ._torch.transport import TorchTransport
@@ -85,6 +88,7 @@ __all__ = [
     "TRANSPORT_KINDS",
     "WAITING_OPS",
     "Collectives",
+    "HostsTransport",
     "OpCount",
     "TorchTransport",
     "TransportKind",

@@ -31,8 +31,8 @@ HEAD_LOST_AFTER = 5.0
 """Seconds a worker of these programs goes on without reaching the head's host."""
 
 
-def soak(out: str, commands: str, seed: str) -> None:
-    """The random command stream of the soak tests, over the transport ``auto`` picks; every rank saves its digest.
+def soak(out: str, commands: str, seed: str, kind: str) -> None:
+    """The random command stream of the soak tests over ``open_transport(kind)``; every rank saves its digest.
 
     First every rank asks for shared memory, and saves what that raised as ``refusal``.
     """
@@ -41,7 +41,7 @@ def soak(out: str, commands: str, seed: str) -> None:
         refusal: str | None = None
     except Exception as error:  # noqa: BLE001  (what the refusal is, is the test's to check)
         refusal = f"{type(error).__name__}: {error}"
-    transport = open_transport("auto")
+    transport = open_transport(kind)
     model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
     slots: list[ToyState | None] = [None] * SLOTS
     if model.ep_link.rank == 0:

@@ -115,6 +115,7 @@ TORCH_SURFACE = [
     "TRANSPORT_KINDS",
     "WAITING_OPS",
     "Collectives",
+    "HostsTransport",
     "OpCount",
     "TorchTransport",
     "TransportKind",

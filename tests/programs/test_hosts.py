@@ -83,7 +83,7 @@ def demo_on_hosts(out: Path, hosts: int, per_host: int) -> tuple[dict[str, objec
 def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path) -> None:
     across, lines = demo_on_hosts(tmp_path / "across.json", hosts=2, per_host=2)
     one_host, _ = demo_on_hosts(tmp_path / "one.json", hosts=1, per_host=4)
-    assert (across["ranks"], across["transport"]) == (4, "TorchTransport")  # auto: the ranks span two hosts
+    assert (across["ranks"], across["transport"]) == (4, "HostsTransport")  # auto: two hosts of two ranks
     assert (one_host["ranks"], one_host["transport"]) == (4, "ShmTransport")  # auto: one host's own /dev/shm
     assert across["requests"] == one_host["requests"]
     assert "[head] all 4 ranks agree: KV bookkeeping compared at 2 sync points" in lines
@@ -92,30 +92,40 @@ def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path) -> 
     }
 
 
-def test_a_random_command_stream_leaves_every_rank_on_both_hosts_in_one_state(tmp_path: Path) -> None:
-    codes = run_on_hosts(tmp_path, "soak", "1500", "11")
+@pytest.mark.parametrize(("kind", "transport"), [("auto", "HostsTransport"), ("torch", "TorchTransport")])
+def test_a_random_command_stream_leaves_every_rank_on_both_hosts_in_one_state(
+    tmp_path: Path, kind: str, transport: str
+) -> None:
+    codes = run_on_hosts(tmp_path, "soak", "1500", "11", kind)
     assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
     results = load(tmp_path, 4)
     for rank in range(4):  # shared memory asked for across hosts: refused on every rank, with one text
         assert "EpSetupError: " in str(results[rank]["refusal"])
         assert "rank(s) [2, 3] are not on rank 0's host" in str(results[rank]["refusal"])
     assert [results[rank]["host"] for rank in range(4)] == ["host0", "host0", "host1", "host1"]
-    assert {results[rank]["transport"] for rank in range(4)} == {"TorchTransport"}
+    assert {results[rank]["transport"] for rank in range(4)} == {transport}
     alone = ToyModel(EpLink(SoloTransport(), num_slots=SLOTS, protocol=ProtocolVersion.V2))
     slots: list[ToyState | None] = [None] * SLOTS
     drive_random(alone, slots, 1_500, 11)  # the same stream on one rank: the state every rank must hold
     assert {results[rank]["digest"] for rank in range(4)} == {slots_digest(slots)}
 
 
-def test_a_worker_killed_on_the_other_host_fails_the_heads_send_within_its_bound(tmp_path: Path) -> None:
-    codes = run_on_hosts(tmp_path, "worker_dies", "3")
-    assert codes == {0: 3, 1: 0, 2: 0, 3: -9}  # the head failed, every worker ended by itself
+@pytest.mark.parametrize(
+    ("victim", "named"),
+    [
+        (3, "no heartbeat from worker rank(s) [3]"),  # the other host's reader: gloo's text names nobody
+        (2, "no heartbeat from worker rank(s) [2]"),  # the other host's leader, its ring's head
+        (1, "worker rank(s) [1] exited"),  # on the head's host: its pidfd
+    ],
+)
+def test_a_worker_killed_fails_the_head_within_its_bound_and_is_named(tmp_path: Path, victim: int, named: str) -> None:
+    codes = run_on_hosts(tmp_path, "worker_dies", str(victim))
+    assert codes == {rank: 3 if rank == 0 else -9 if rank == victim else 0 for rank in range(4)}
     results = load(tmp_path, 4)
-    assert results[0]["error_type"] == "EpSendError"
-    assert "head: broadcast to the workers failed" in str(results[0]["error"])
-    assert "no heartbeat from worker rank(s) [3]" in str(results[0]["error"])  # gloo's text names nobody
+    assert results[0]["error_type"] in ("EpSendError", "EpLinkError"), results[0]
+    assert named in str(results[0]["error"])
     assert float(str(results[0]["seconds"])) < COMMAND_TIMEOUT
-    for rank in (1, 2):
+    for rank in {1, 2, 3} - {victim}:  # every other worker ended by itself
         assert results[rank]["error_type"] == "EpReceiveError"
         assert f"worker rank {rank}: receive from the head failed" in str(results[rank]["error"])
 

@@ -19,6 +19,7 @@ from .._host.liveness import host_fingerprint
 from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, ring_setup_failed, setup_reason, shm_supported
 from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
 from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT
+from .hosts import HostsTransport
 from .transport import TorchTransport
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
@@ -40,7 +41,7 @@ def open_transport(
     max_spin_time: float = DEFAULT_MAX_SPIN_TIME,
     heartbeat: float | None = DEFAULT_HEARTBEAT,
     head_lost_after: float | None = DEFAULT_HEAD_LOST_AFTER,
-) -> TorchTransport | ShmTransport:
+) -> TorchTransport | ShmTransport | HostsTransport:
     """The transport for ``group`` (default: the world group), chosen by every rank together.
 
     Collective over the group.  The ranks first agree on ``kind`` (each must pass
@@ -71,16 +72,15 @@ def open_transport(
     chosen = check_choice("transport", kind, TRANSPORT_KINDS)
     base = TorchTransport(group, device=device, heartbeat=heartbeat, head_lost_after=head_lost_after)
     try:
-        transport = _choose(base, chosen, (spin_time, max_spin_time))
+        return _choose(base, chosen, (spin_time, max_spin_time))
     except BaseException:
         base.close()
         raise
-    if transport is not base:
-        base.close()  # its heartbeat too: the ranks of one host watch each other through pidfds
-    return transport
 
 
-def _choose(base: TorchTransport, chosen: TransportKind, spins: tuple[float, float]) -> TorchTransport | ShmTransport:
+def _choose(
+    base: TorchTransport, chosen: TransportKind, spins: tuple[float, float]
+) -> TorchTransport | ShmTransport | HostsTransport:
     """:func:`open_transport` past its checks: every rank's kind and host over ``base``, then the choice."""
     try:
         everyone = base.gather([TRANSPORT_KINDS.index(chosen), *_host_words()])
@@ -89,15 +89,23 @@ def _choose(base: TorchTransport, chosen: TransportKind, spins: tuple[float, flo
     problem = disagreement(base.rank, "transport", [TRANSPORT_KINDS[words[0]] for words in everyone], repr)
     if problem is not None:
         raise EpSetupError(problem)
-    elsewhere = [rank for rank, words in enumerate(everyone) if words[1:] != everyone[0][1:] or not words[1]]
-    if chosen == "torch" or base.world_size == 1 or (chosen == "auto" and elsewhere):
+    hosts = ranks_by_host(everyone)
+    if chosen == "torch" or base.world_size == 1 or (len(hosts) > 1 and all(len(host) == 1 for host in hosts)):
         return base
-    if elsewhere:
+    if chosen == "shm" and len(hosts) > 1:
+        elsewhere = sorted(rank for host in hosts[1:] for rank in host)
         raise EpSetupError(
             f"transport='shm' needs every rank on one Linux host with /dev/shm, but rank(s) "
             f"{elsewhere} are not on rank 0's host, or cannot run it; use transport='auto' or 'torch'"
         )
-    return _rendezvous(base, chosen, spins)
+    ring = _host_rings(base, chosen, hosts, spins)
+    if isinstance(ring, TorchTransport):  # auto, and a ring failed somewhere
+        return ring
+    if len(hosts) == 1:
+        assert ring is not None  # one host of several ranks: every rank holds its ring
+        base.close()  # its heartbeat too: the ranks of one host watch each other through pidfds
+        return ring
+    return _leaders(base, hosts, ring)
 
 
 def open_link(
@@ -148,27 +156,42 @@ def _host_words() -> list[int]:
     return [1, *host_fingerprint()] if shm_supported() else [0, 0, 0]
 
 
-def _rendezvous(base: TorchTransport, kind: TransportKind, spins: tuple[float, float]) -> TorchTransport | ShmTransport:
-    """Create the ring on the head, pass its name over ``base``, attach on the workers, confirm."""
+def ranks_by_host(rows: list[list[int]]) -> list[list[int]]:
+    """The ranks by host, the head's first, from the gathered rows (a rank that cannot run a ring: a host alone)."""
+    hosts: dict[tuple[int, ...], list[int]] = {}
+    for rank, words in enumerate(rows):
+        hosts.setdefault(tuple(words[1:]) if words[1] else (-1, rank), []).append(rank)
+    return list(hosts.values())
+
+
+def _host_rings(
+    base: TorchTransport, kind: TransportKind, hosts: list[list[int]], spins: tuple[float, float]
+) -> TorchTransport | ShmTransport | None:
+    """One ring per host of several ranks: its lowest rank creates it, the name travels over ``base``, the others
+    attach, every rank confirms.  This rank's ring (``None`` on a host alone), or ``base`` when ``auto`` falls back.
+    """
+    members = next(host for host in hosts if base.rank in host)
     ring: ShmTransport | None = None
     problem: str | None = None
     name_words = [0] * _NAME_WORDS
-    if base.rank == 0:
+    if base.rank == members[0] and len(members) > 1:
         try:
-            ring = ShmTransport.create(base.world_size, spin_time=spins[0], max_spin_time=spins[1])
+            ring = ShmTransport.create(len(members), spin_time=spins[0], max_spin_time=spins[1])
             name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
         except RING_SETUP_ERRORS as error:
             problem = setup_reason(error)
-    name = array(U32_TYPECODE, base.gather(name_words)[0]).tobytes().rstrip(b"\0").decode()
-    if base.rank != 0 and name:
+    name = array(U32_TYPECODE, base.gather(name_words)[members[0]]).tobytes().rstrip(b"\0").decode()
+    if base.rank != members[0] and name:
         try:
-            ring = ShmTransport.attach(name, base.rank, spin_time=spins[0], max_spin_time=spins[1])
+            ring = ShmTransport.attach(name, members.index(base.rank), spin_time=spins[0], max_spin_time=spins[1])
         except RING_SETUP_ERRORS as error:
             problem = setup_reason(error)
     reasons: list[object] = [None] * base.world_size
     dist.all_gather_object(reasons, problem, group=base.group)
     failed = {rank: str(reason) for rank, reason in enumerate(reasons) if reason is not None}
-    if not failed and ring is not None:
+    if not failed:
+        if ring is not None and len(hosts) > 1:
+            ring.gather([0])  # every reader attached: the head of the ring removes its name
         return ring
     if ring is not None:
         ring.close()
@@ -178,3 +201,12 @@ def _rendezvous(base: TorchTransport, kind: TransportKind, spins: tuple[float, f
             _LOGGER.warning("%s; every rank uses torch.distributed", failure)
         return base
     raise failure
+
+
+def _leaders(base: TorchTransport, hosts: list[list[int]], ring: ShmTransport | None) -> HostsTransport:
+    """The :class:`HostsTransport` of this rank: a group of the head and each host's lowest rank (every rank
+    makes it: ``new_group`` is collective), its broadcasts on those ranks only."""
+    leaders = [host[0] for host in hosts]
+    group = dist.new_group(leaders)
+    broadcast = TorchTransport(group, device=base.device, heartbeat=None) if base.rank in leaders else None
+    return HostsTransport(base, broadcast, ring)
