@@ -33,24 +33,18 @@ class HostsTransport:
     ranks span hosts and some host holds several); it owns its three parts.
     """
 
-    __slots__ = ("_leaders", "_ring", "_world", "leads")
+    __slots__ = ("_leaders", "_ring", "_world", "leads", "rank", "world_size")
 
     def __init__(self, world: TorchTransport, leaders: TorchTransport | None, ring: ShmTransport | None) -> None:
         self._world: Final = world
         self._leaders = leaders  # the head's and the leaders' broadcast; None on other workers
         self._ring = ring  # this host's ring; None on a host of one rank
+        self.rank: Final = world.rank
+        """This process's rank in the whole group; 0 is the head."""
+        self.world_size: Final = world.world_size
+        """Number of ranks in the whole group."""
         self.leads: Final = leaders is not None and world.rank != 0
         """Whether this rank republishes on its host's ring (a remote host's leader)."""
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the whole group; 0 is the head."""
-        return self._world.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks in the whole group."""
-        return self._world.world_size
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: publish on its host's ring (the near readers first), then broadcast to the leaders."""
