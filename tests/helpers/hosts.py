@@ -20,6 +20,7 @@ says why not when one is missing.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -183,6 +184,14 @@ def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str, st
         stdout, stderr = process.communicate()
         raise AssertionError(f"a host still ran after {timeout} s:\n{stdout}\n{stderr}") from None
     return process.returncode, stdout, stderr
+
+
+def exit_codes(stdout: str) -> dict[int, int]:
+    """The last line of :meth:`SimulatedHosts.ranks`' stdout, ``exit codes {rank: code, ...}``, as a dict."""
+    last = stdout.splitlines()[-1] if stdout else ""
+    assert last.startswith("exit codes "), stdout
+    codes: dict[int, int] = ast.literal_eval(last.removeprefix("exit codes "))
+    return codes
 
 
 def _ip(*args: str) -> None:

@@ -9,7 +9,6 @@ with the reason.
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import time
@@ -25,7 +24,7 @@ from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.transport import SoloTransport
 
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
-from helpers.hosts import SimulatedHosts, finish, unavailable
+from helpers.hosts import SimulatedHosts, exit_codes, finish, unavailable
 from helpers.rank_results import load
 from helpers.shm_programs import SLOTS, drive_random
 
@@ -33,14 +32,6 @@ pytestmark = [pytest.mark.torch, pytest.mark.skipif(unavailable() is not None, r
 
 RUN_BOUND = 90.0
 """Seconds a host's ranks may take before the test fails (they take 3-7 s here)."""
-
-
-def exit_codes(stdout: str) -> dict[int, int]:
-    """The launcher's last line, ``exit codes {rank: code, ...}``, as a dict."""
-    last = stdout.splitlines()[-1]
-    assert last.startswith("exit codes "), stdout
-    codes: dict[int, int] = ast.literal_eval(last.removeprefix("exit codes "))
-    return codes
 
 
 def wait_for(path: Path, process: subprocess.Popen[str]) -> None:

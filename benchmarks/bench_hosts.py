@@ -1,0 +1,173 @@
+"""Across hosts: a command through ``HostsTransport`` against the flat broadcast to every rank, side by side.
+
+Runs on hosts simulated on this machine (``tests/helpers/hosts.py``: each host its
+own network, mount and pid namespace on a bridge; root only), 2 hosts x 2 ranks,
+gloo.  Each round sends, in a fresh order, ``--calls`` messages of each case:
+
+* ``flat``: :class:`~metrale_model_engine.torch.TorchTransport` over the whole
+  group (a broadcast to the 3 workers);
+* ``hosts``: :class:`~metrale_model_engine.torch.HostsTransport` (``"auto"``: the
+  head's ring, one broadcast to the other host's leader, its ring);
+* ``gloo to N``: a raw broadcast of the same message to N remote workers (groups
+  of the head and 1, 2 or 3 workers): the cost model's network term.
+
+Messages of 3 words (a v2 header) and of 137 words (a batched decode of 64 pairs,
+as one message), sent at the transport, where the two paths differ.  A call is
+timed from the head's start to the slowest worker holding the message (one
+``CLOCK_MONOTONIC`` for every namespace: they share the kernel), with a pause
+between calls so that none queues behind another.  Prints medians, the ratios paired
+by round, and the cost model extrapolated to 2 x 8 and 4 x 8 ranks.
+
+Run (as root): ``python benchmarks/bench_hosts.py`` (about 20 s here); ``--quick``
+for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import random
+import statistics
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+from typing import Final
+
+import torch.distributed as dist
+
+from metrale_model_engine.shm import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, ShmTransport
+from metrale_model_engine.torch import HostsTransport, TorchTransport, init_group_from_env, open_transport
+
+TESTS: Final = Path(__file__).resolve().parents[1] / "tests"
+SIZES: Final = {"header": 3, "decode 64 pairs": 137}
+PAUSE: Final = 0.002
+"""Seconds between two calls: the workers wait idle, as between a server's steps."""
+
+
+def serve(out: Path, rounds: int, calls: int, spin: float | None) -> None:
+    """One rank's part: every case of every round, in the order the seed gives every rank."""
+    spin_time, max_spin_time = (DEFAULT_SPIN_TIME, DEFAULT_MAX_SPIN_TIME) if spin is None else (spin, spin)
+    init_group_from_env(backend="gloo")
+    rank = dist.get_rank()
+    paths: dict[str, TorchTransport | ShmTransport | HostsTransport] = {
+        "flat": open_transport("torch", heartbeat=None),
+        "hosts": open_transport("auto", heartbeat=None, spin_time=spin_time, max_spin_time=max_spin_time),
+    }
+    assert isinstance(paths["hosts"], HostsTransport)
+    for receivers in ([2], [2, 3], [1, 2, 3]):
+        group = dist.new_group([0, *receivers])
+        if rank in (0, *receivers):
+            paths[f"gloo to {len(receivers)}"] = TorchTransport(group, heartbeat=None)
+    order = random.Random(7)
+    times: dict[tuple[str, str], list[list[float]]] = {}
+    everyone = sorted(
+        {(path, size) for path in ("flat", "hosts", "gloo to 1", "gloo to 2", "gloo to 3") for size in SIZES}
+    )
+    for _ in range(rounds):
+        shuffled = everyone[:]
+        order.shuffle(shuffled)
+        for path, size in shuffled:
+            transport = paths.get(path)
+            if transport is None:
+                continue
+            message = array("I", range(SIZES[size])).tobytes()
+            samples = times.setdefault((path, size), [])
+            stamps = []
+            for _ in range(calls):
+                if rank == 0:
+                    time.sleep(PAUSE)
+                    stamps.append(time.monotonic())
+                    transport.send((message,), 10.0)
+                else:
+                    transport.receive(10.0)
+                    stamps.append(time.monotonic())
+            samples.append(stamps)
+    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(times))
+    for transport in paths.values():
+        transport.close()
+    dist.destroy_process_group()
+
+
+def latencies(out: Path, world_size: int) -> dict[tuple[str, str], list[float]]:
+    """Per case, each round's median latency (µs): head's start to the slowest worker that took part."""
+    ranks = [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
+    found: dict[tuple[str, str], list[float]] = {}
+    for case, rounds in ranks[0].items():
+        for index, started in enumerate(rounds):
+            ends = [ranks[rank][case][index] for rank in range(1, world_size) if case in ranks[rank]]
+            per_call = [1e6 * (max(end[call] for end in ends) - started[call]) for call in range(len(started))]
+            found.setdefault(case, []).append(statistics.median(per_call))
+    return found
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 10 calls")
+    parser.add_argument("--spin", type=float, help="the rings' spin, fixed (default: learned, as open_transport's)")
+    parser.add_argument("--serve", nargs=4, metavar=("OUT", "ROUNDS", "CALLS", "SPIN"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        out, rounds, calls, spin = args.serve
+        serve(Path(out), int(rounds), int(calls), None if spin == "learned" else float(spin))
+        return 0
+    sys.path.insert(0, str(TESTS))
+    from helpers.hosts import SimulatedHosts, exit_codes, finish, unavailable
+
+    why = unavailable()
+    if why is not None:
+        print(f"skipped: {why}")
+        return 0
+    rounds, calls = (3, 10) if args.quick else (args.rounds, args.calls)
+    with tempfile.TemporaryDirectory() as folder, SimulatedHosts(2) as hosts:
+        out = Path(folder)
+        spin = "learned" if args.spin is None else str(args.spin)
+        argv = [str(Path(__file__).resolve()), "--serve", str(out), str(rounds), str(calls), spin]
+        started = [hosts.ranks(host, 2, argv) for host in range(2)]
+        for process in started:
+            code, stdout, stderr = finish(process, 600)
+            if code or any(exit_codes(stdout).values()):
+                print(stdout, stderr, file=sys.stderr)
+                return 1
+        found = latencies(out, 4)
+    report(found, rounds, calls, "learned" if args.spin is None else f"fixed at {args.spin:g} s")
+    return 0
+
+
+def report(found: dict[tuple[str, str], list[float]], rounds: int, calls: int, spin: str) -> None:
+    print(
+        f"2 simulated hosts x 2 ranks, gloo, {rounds} rounds x {calls} calls, {PAUSE * 1e3:g} ms between calls, "
+        f"the rings' spin {spin}"
+    )
+    print("medians of the rounds' medians, µs, head's start to the slowest worker holding the message")
+    print(f"{'case':<34}{'median':>10}{'p25-p75':>20}")
+    for (path, size), samples in sorted(found.items()):
+        quartiles = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+        print(f"{path + ', ' + size:<34}{statistics.median(samples):>10.1f}{quartiles[0]:>10.1f}-{quartiles[2]:<9.1f}")
+    for size in SIZES:
+        paired = [flat / hosts for flat, hosts in zip(found["flat", size], found["hosts", size], strict=True)]
+        ratio = statistics.median(paired)
+        verdict = "met" if ratio >= 2 else "missed"
+        print(f"target: {size}: flat / hosts, paired by round, at least 2: {ratio:.2f} ({verdict})")
+    network = {n: statistics.median(found[f"gloo to {n}", "header"]) for n in (1, 2, 3)}
+    slope = (network[3] - network[1]) / 2
+    ring_hop = statistics.median(found["hosts", "header"]) - network[1]
+    print(
+        f"cost model (header): a gloo broadcast to n remote workers ~ {network[1] - slope:.1f} + {slope:.1f} n µs "
+        f"(measured n = 1, 2, 3: {network[1]:.1f}, {network[2]:.1f}, {network[3]:.1f}); "
+        f"hosts = broadcast to hosts - 1 leaders + a ring hop ({ring_hop:.1f} µs here)"
+    )
+    for hosts, per_host in ((2, 8), (4, 8)):
+        flat = network[1] + slope * (hosts * per_host - 2)
+        hier = network[1] + slope * (hosts - 2) + ring_hop
+        print(
+            f"extrapolated {hosts} x {per_host}: flat {flat:.0f} µs, hosts {hier:.0f} µs, "
+            f"flat / hosts {flat / hier:.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
