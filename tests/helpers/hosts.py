@@ -160,8 +160,12 @@ class SimulatedHosts:
         """Unplug host ``index``'s cable: nothing reaches it or leaves it, and nobody is told."""
         _ip("-n", self.switch, "link", "set", self.hosts[index].port, "down")
 
-    def power_off(self, process: subprocess.Popen[str]) -> None:
-        """Kill a host's first process, and so every process of that host at once."""
+    def kill_all(self, process: subprocess.Popen[str]) -> None:
+        """Kill a host's first process, and so every process of that host at once.
+
+        Their sockets close, so peers learn of it at once; a machine losing power
+        closes nothing, which :meth:`cut` plays.
+        """
         process.send_signal(signal.SIGKILL)
 
     def close(self) -> None:

@@ -42,6 +42,12 @@ def test_the_head_names_the_workers_whose_beat_stopped_and_not_those_that_left(s
     assert other_group.silent([1, 2]) == [1, 2]  # the counters are the group's own
     two.stop()  # it left the run, and says so
     assert reader.silent([1, 2]) == []
+    left = "metrale_model_engine/heartbeat/g/2/left"
+    assert store.check([left])
+    again = Heartbeat.start("g", store, 2, PERIOD, None)  # a later transport of rank 2 has not left
+    assert again is not None
+    assert not store.check([left])
+    again.stop()
     one.stop()
     one.stop()  # idempotent
 
@@ -65,6 +71,11 @@ def test_a_store_other_than_tcp_gives_no_heartbeat() -> None:
             r"head_lost_after must be a finite number of seconds > 0 or None, got float inf",
         ),
         ({"head_lost_after": -1}, ValueError, r"head_lost_after must be a finite number of seconds > 0 or None"),
+        (
+            {"heartbeat": 0.5, "head_lost_after": 1.5},
+            ValueError,
+            r"head_lost_after=1\.5 must be at least 4 heartbeats \(4 x heartbeat=0\.5 = 2 s\)",
+        ),
     ],
 )
 def test_heartbeat_arguments_are_refused_before_the_group_is_touched(

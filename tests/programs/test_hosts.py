@@ -121,13 +121,13 @@ def test_a_worker_killed_fails_the_head_within_its_bound_and_is_named(tmp_path: 
         assert f"worker rank {rank}: receive from the head failed" in str(results[rank]["error"])
 
 
-def test_the_heads_host_gone_every_worker_on_the_other_host_exits_within_its_bound(tmp_path: Path) -> None:
+def test_every_process_of_the_heads_host_killed_the_other_hosts_workers_exit_within_their_bound(tmp_path: Path) -> None:
     with SimulatedHosts(2) as simulated:
         argv = ["-m", "helpers.host_programs", "head_host_goes", str(tmp_path)]
         head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
         wait_for(tmp_path / "ready", head_host)
         gone_at = time.time()
-        simulated.power_off(head_host)
+        simulated.kill_all(head_host)
         code, stdout, stderr = finish(other, RUN_BOUND)
     assert code == 0, stderr
     assert exit_codes(stdout) == {2: 0, 3: 0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 from array import array
 from typing import Final, Literal
@@ -18,6 +19,7 @@ from .._engine.settings import DEFAULT_COMMAND_TIMEOUT
 from .._host.liveness import host_fingerprint
 from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, ring_setup_failed, setup_reason, shm_supported
 from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
+from .groups import DEFAULT_IDLE_TIMEOUT
 from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT
 from .hosts import HostsTransport
 from .transport import TorchTransport
@@ -90,14 +92,14 @@ def _choose(
     if problem is not None:
         raise EpSetupError(problem)
     hosts = ranks_by_host(everyone)
-    if chosen == "torch" or base.world_size == 1 or (len(hosts) > 1 and all(len(host) == 1 for host in hosts)):
-        return base
     if chosen == "shm" and len(hosts) > 1:
         elsewhere = sorted(rank for host in hosts[1:] for rank in host)
         raise EpSetupError(
             f"transport='shm' needs every rank on one Linux host with /dev/shm, but rank(s) "
             f"{elsewhere} are not on rank 0's host, or cannot run it; use transport='auto' or 'torch'"
         )
+    if chosen == "torch" or base.world_size == 1 or all(len(host) == 1 for host in hosts):
+        return base
     ring = _host_rings(base, chosen, hosts, spins)
     if isinstance(ring, TorchTransport):  # auto, and a ring failed somewhere
         return ring
@@ -105,7 +107,12 @@ def _choose(
         assert ring is not None  # one host of several ranks: every rank holds its ring
         base.close()  # its heartbeat too: the ranks of one host watch each other through pidfds
         return ring
-    return _leaders(base, hosts, ring)
+    try:
+        return _leaders(base, hosts, ring)
+    except BaseException:
+        if ring is not None:
+            ring.close()
+        raise
 
 
 def open_link(
@@ -186,12 +193,15 @@ def _host_rings(
             ring = ShmTransport.attach(name, members.index(base.rank), spin_time=spins[0], max_spin_time=spins[1])
         except RING_SETUP_ERRORS as error:
             problem = setup_reason(error)
-    reasons: list[object] = [None] * base.world_size
-    dist.all_gather_object(reasons, problem, group=base.group)
-    failed = {rank: str(reason) for rank, reason in enumerate(reasons) if reason is not None}
+    failed = _failures(base, problem)
+    if not failed and len(hosts) > 1:  # every rank, so that one ring's failed exchange fails every rank
+        if ring is not None:
+            try:
+                ring.gather([0])  # every reader attached: the head of the ring removes its name
+            except Exception as error:  # noqa: BLE001  (said to every rank just below)
+                problem = f"the ring's setup exchange failed: {error}"
+        failed = _failures(base, problem)
     if not failed:
-        if ring is not None and len(hosts) > 1:
-            ring.gather([0])  # every reader attached: the head of the ring removes its name
         return ring
     if ring is not None:
         ring.close()
@@ -203,10 +213,34 @@ def _host_rings(
     raise failure
 
 
+def _failures(base: TorchTransport, problem: str | None) -> dict[int, str]:
+    """Every rank's setup problem over the whole group, by rank (collective)."""
+    reasons: list[object] = [None] * base.world_size
+    dist.all_gather_object(reasons, problem, group=base.group)
+    return {rank: str(reason) for rank, reason in enumerate(reasons) if reason is not None}
+
+
 def _leaders(base: TorchTransport, hosts: list[list[int]], ring: ShmTransport | None) -> HostsTransport:
-    """The :class:`HostsTransport` of this rank: a group of the head and each host's lowest rank (every rank
-    makes it: ``new_group`` is collective), its broadcasts on those ranks only."""
+    """The :class:`HostsTransport` of this rank, with the group of the head and each host's lowest rank.
+
+    Only those ranks make that group (``use_local_synchronization``), with the whole
+    group's timeout: a leader's idle wait for the next command is bounded by it.
+    """
+    group = base.group
+    assert group is not None  # open: the choice has just used it
     leaders = [host[0] for host in hosts]
-    group = dist.new_group(leaders)
-    broadcast = TorchTransport(group, device=base.device, heartbeat=None) if base.rank in leaders else None
-    return HostsTransport(base, broadcast, ring)
+    if base.rank not in leaders:
+        return HostsTransport(base, None, ring)
+    in_world = [rank if group is dist.group.WORLD else dist.get_global_rank(group, rank) for rank in leaders]
+    subgroup = dist.new_group(in_world, timeout=_timeout_of(group, base.device), use_local_synchronization=True)
+    assert subgroup is not None  # this rank is one of in_world
+    return HostsTransport(base, TorchTransport(subgroup, device=base.device, heartbeat=None), ring, subgroup)
+
+
+def _timeout_of(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:
+    """``group``'s own timeout, as its backend holds it (torch has no public reader); else the idle limit."""
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001  (a backend that does not say)
+        return DEFAULT_IDLE_TIMEOUT
+    return timeout if isinstance(timeout, datetime.timedelta) else DEFAULT_IDLE_TIMEOUT

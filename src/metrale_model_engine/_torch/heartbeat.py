@@ -88,6 +88,10 @@ class Heartbeat:
             return None
         beat = cls(period)
         key = _key(group_name, rank)
+        try:  # the word of an earlier transport of this rank over this group: this one has not left
+            own.delete_key(f"{key}/left")
+        except Exception as error:  # noqa: BLE001  (a store without deletion: a stale word stays)
+            _LOGGER.debug("could not clear the heartbeat's earlier last word: %s", error)
         beat._beating = threading.Thread(target=beat._beat, args=(own, key), name=f"heartbeat {key}", daemon=True)
         beat._beating.start()
         if lost_after is not None:
@@ -118,18 +122,24 @@ class Heartbeat:
     def _watch(self, rank: int, where: str, lost_after: float) -> None:
         # Wakes once per lost_after while beats arrive: it sleeps until the last beat is that old.
         while not self._stopped.wait(max(self._last + lost_after - time.monotonic(), 0.0)):
+            if time.monotonic() - self._last < lost_after:
+                continue
+            if self._stopped.wait(2 * self._period) or time.monotonic() - self._last < lost_after:
+                continue  # a beat came: this process was paused (a debugger, a suspended VM), not cut off
             quiet = time.monotonic() - self._last
-            if quiet >= lost_after:
-                _LOGGER.critical(
-                    "worker rank %d: the head is lost: no answer from the group's store at %s for %.1f s "
-                    "(a cut link, the head's machine gone, or the head exited); ending this process with status %d",
-                    rank,
-                    where,
-                    quiet,
-                    HEAD_LOST_EXIT_CODE,
-                )
-                logging.shutdown()
-                os._exit(HEAD_LOST_EXIT_CODE)
+            exit_anyway = threading.Timer(1.0, os._exit, (HEAD_LOST_EXIT_CODE,))
+            exit_anyway.daemon = True
+            exit_anyway.start()  # a stderr that blocks (its pipe over the lost link) must not keep it alive
+            _LOGGER.critical(
+                "worker rank %d: the head is lost: no answer from the group's store at %s for %.1f s "
+                "(a cut link, the head's machine gone, or the head exited); ending this process with status %d",
+                rank,
+                where,
+                quiet,
+                HEAD_LOST_EXIT_CODE,
+            )
+            logging.shutdown()
+            os._exit(HEAD_LOST_EXIT_CODE)
 
 
 class HeartbeatReader:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+import torch.distributed as dist
 from typing_extensions import Buffer
 
 from .._shm.transport import ShmTransport
@@ -33,11 +34,18 @@ class HostsTransport:
     ranks span hosts and some host holds several); it owns its three parts.
     """
 
-    __slots__ = ("_leaders", "_ring", "_world", "leads", "rank", "world_size")
+    __slots__ = ("_leaders", "_leaders_group", "_ring", "_world", "leads", "rank", "world_size")
 
-    def __init__(self, world: TorchTransport, leaders: TorchTransport | None, ring: ShmTransport | None) -> None:
+    def __init__(
+        self,
+        world: TorchTransport,
+        leaders: TorchTransport | None,
+        ring: ShmTransport | None,
+        leaders_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self._world: Final = world
         self._leaders = leaders  # the head's and the leaders' broadcast; None on other workers
+        self._leaders_group = leaders_group  # the group under it, this transport's to destroy
         self._ring = ring  # this host's ring; None on a host of one rank
         self.rank: Final = world.rank
         """This process's rank in the whole group; 0 is the head."""
@@ -92,9 +100,14 @@ class HostsTransport:
         return self._world.silent_ranks()
 
     def close(self) -> None:
-        """Close the ring, the leaders' transport and the whole group's.  Idempotent."""
-        if self._ring is not None:
-            self._ring.close()
-        if self._leaders is not None:
-            self._leaders.close()
-        self._world.close()
+        """Close the ring, the leaders' transport (destroying its group) and the whole group's.  Idempotent."""
+        try:
+            if self._ring is not None:
+                self._ring.close()
+            if self._leaders is not None:
+                self._leaders.close()
+            group, self._leaders_group = self._leaders_group, None
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+        finally:
+            self._world.close()

@@ -18,7 +18,7 @@ from typing_extensions import Buffer
 from .._core.checks import check_seconds
 from .._core.codec import ANSWER_BYTES, FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
-from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, Heartbeat, HeartbeatReader
+from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, SILENT_AFTER_BEATS, Heartbeat, HeartbeatReader
 
 _MAX_MESSAGE_WORDS: Final[int] = 1 << 30
 """A frame announcing more is corruption, not a message (4 GiB)."""
@@ -79,13 +79,15 @@ class TorchTransport:
         heartbeat: seconds between two beats of a worker; ``None``: no beats (then
             nothing is watched across hosts).
         head_lost_after: seconds a worker goes on without reaching the store before
-            it ends its process; ``None``: it waits as long as its receive does.
+            it ends its process, at least 4 heartbeats; ``None``: it waits as long as
+            its receive does.
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or this process is not
             in ``group``.
         TypeError, ValueError: ``heartbeat`` or ``head_lost_after`` is not a
-            positive number of seconds or ``None``.
+            positive number of seconds or ``None``, or ``head_lost_after`` is
+            shorter than 4 heartbeats.
     """
 
     def __init__(
@@ -98,6 +100,11 @@ class TorchTransport:
     ) -> None:
         period = check_seconds("heartbeat", heartbeat, allow_none=True)
         lost_after = check_seconds("head_lost_after", head_lost_after, allow_none=True)
+        if period is not None and lost_after is not None and lost_after < SILENT_AFTER_BEATS * period:
+            raise ValueError(
+                f"head_lost_after={head_lost_after} must be at least {SILENT_AFTER_BEATS} heartbeats "
+                f"({SILENT_AFTER_BEATS} x heartbeat={heartbeat} = {SILENT_AFTER_BEATS * period:g} s)"
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
