@@ -51,23 +51,26 @@ def open_transport(
     where they run, then:
 
     * ``"auto"`` (the default): shared memory when every rank is on one host with a
-      usable ``/dev/shm`` (Linux on x86-64 or arm64), torch.distributed otherwise;
-      if the ring cannot be set up on some rank, rank 0 logs a warning and every
-      rank uses torch.distributed;
+      usable ``/dev/shm`` (Linux on x86-64 or arm64); across hosts, a
+      :class:`HostsTransport` (one broadcast to a leader per remote host, a ring on
+      each host of several ranks), or :class:`TorchTransport` when no host holds
+      two ranks; if a ring cannot be set up on some rank, rank 0 logs a warning and
+      every rank uses :class:`TorchTransport`;
     * ``"shm"``: shared memory, else :class:`EpSetupError` on every rank, with the
       same text on each (which ranks failed, and why);
     * ``"torch"``: the group's own broadcasts (:class:`TorchTransport`).
 
-    The head creates the ring, its name travels over the group, the workers
-    attach; the ring's name is removed from ``/dev/shm`` at the link's setup
-    exchange.  ``device``, ``heartbeat`` and ``head_lost_after`` go to
-    :class:`TorchTransport` (the liveness of ranks across hosts), ``spin_time`` and
-    ``max_spin_time`` to :class:`~metrale_model_engine.shm.ShmTransport`.
+    Each host's lowest rank creates its ring, the name travels over the group, the
+    others attach; the ring's name is removed from ``/dev/shm`` once all attached.
+    ``device``, ``heartbeat`` and ``head_lost_after`` go to :class:`TorchTransport`
+    (the liveness of ranks across hosts), ``spin_time`` and ``max_spin_time`` to
+    :class:`~metrale_model_engine.shm.ShmTransport`.
 
     Raises:
         TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`, or
             ``heartbeat`` or ``head_lost_after`` is not a positive number of seconds
-            or ``None`` (checked before the group is touched).
+            or ``None``, or ``head_lost_after`` is shorter than 4 heartbeats
+            (checked before the group is touched).
         EpSetupError: the ranks asked for different kinds, or ``"shm"`` cannot be had.
         EpLinkError: the exchange over the group failed.
     """
