@@ -17,6 +17,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
+from metrale_model_engine._torch import heartbeat
 from metrale_model_engine._torch.heartbeat import Heartbeat, HeartbeatReader
 from metrale_model_engine.torch import TorchTransport, free_port, open_link, open_transport
 
@@ -88,3 +89,16 @@ def test_heartbeat_arguments_are_refused_before_the_group_is_touched(
         open_transport("torch", **arguments)  # type: ignore[arg-type]
     with pytest.raises(error, match=text):
         open_link("torch", num_slots=1, **arguments)  # type: ignore[arg-type]
+
+
+def test_a_worker_whose_beat_cannot_connect_is_not_taken_for_silent(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(store: TCPStore) -> TCPStore:
+        raise RuntimeError(f"{store.host}:{store.port} refused the connection")
+
+    monkeypatch.setattr(heartbeat, "_connect", refuse)
+    assert Heartbeat.start("g", store, 1, PERIOD, 1.0) is None
+    reader = HeartbeatReader.open("g", store, PERIOD)
+    assert reader is not None
+    assert reader.silent([1, 2]) == [2]

@@ -51,6 +51,11 @@ def _tcp_store(store: Store | None) -> TCPStore | None:
     return store
 
 
+def _connect(store: TCPStore) -> TCPStore:
+    """A connection of its own to ``store``'s server."""
+    return TCPStore(store.host, store.port, is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
+
+
 def _key(group_name: str, rank: int) -> str:
     """The counter of worker ``rank`` of the group named ``group_name``; ``<key>/left``: it closed its transport."""
     return f"metrale_model_engine/heartbeat/{group_name}/{rank}"
@@ -82,9 +87,13 @@ class Heartbeat:
         if tcp is None:
             return None
         try:  # a connection of its own: a beat that hangs on a cut cable holds nobody else's
-            own = TCPStore(tcp.host, tcp.port, is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
+            own = _connect(tcp)
         except Exception as error:  # noqa: BLE001  (liveness is an aid: the link works without it)
             _LOGGER.warning("worker rank %d: no heartbeat, the store did not take a connection: %s", rank, error)
+            try:  # the head must not take a rank that never beats for a silent one
+                tcp.set(f"{_key(group_name, rank)}/left", "1")
+            except Exception as cause:  # noqa: BLE001
+                _LOGGER.debug("could not say so in the store: %s", cause)
             return None
         beat = cls(period)
         key = _key(group_name, rank)
