@@ -22,7 +22,7 @@ from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
 from .groups import DEFAULT_IDLE_TIMEOUT
 from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT
 from .hosts import HostsTransport
-from .transport import TorchTransport
+from .transport import TorchTransport, checked_liveness
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 
@@ -75,12 +75,16 @@ def open_transport(
         EpLinkError: the exchange over the group failed.
     """
     chosen = check_choice("transport", kind, TRANSPORT_KINDS)
-    base = TorchTransport(group, device=device, heartbeat=heartbeat, head_lost_after=head_lost_after)
+    liveness = checked_liveness(heartbeat, head_lost_after)
+    base = TorchTransport(group, device=device, heartbeat=None)  # beats only once it is kept: not for a ring
     try:
-        return _choose(base, chosen, (spin_time, max_spin_time))
+        transport = _choose(base, chosen, (spin_time, max_spin_time))
     except BaseException:
         base.close()
         raise
+    if not isinstance(transport, ShmTransport):  # base itself, or the whole group's part of a HostsTransport
+        base._watch_liveness(*liveness)
+    return transport
 
 
 def _choose(
@@ -108,7 +112,7 @@ def _choose(
         return ring
     if len(hosts) == 1:
         assert ring is not None  # one host of several ranks: every rank holds its ring
-        base.close()  # its heartbeat too: the ranks of one host watch each other through pidfds
+        base.close()  # only the choice used it: the ranks of one host watch each other through pidfds
         return ring
     try:
         return _leaders(base, hosts, ring)

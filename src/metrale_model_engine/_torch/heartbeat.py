@@ -86,17 +86,17 @@ class Heartbeat:
         tcp = _tcp_store(store)
         if tcp is None:
             return None
+        key = _key(group_name, rank)
         try:  # a connection of its own: a beat that hangs on a cut cable holds nobody else's
             own = _connect(tcp)
         except Exception as error:  # noqa: BLE001  (liveness is an aid: the link works without it)
             _LOGGER.warning("worker rank %d: no heartbeat, the store did not take a connection: %s", rank, error)
             try:  # the head must not take a rank that never beats for a silent one
-                tcp.set(f"{_key(group_name, rank)}/left", "1")
+                tcp.set(f"{key}/left", "1")
             except Exception as cause:  # noqa: BLE001
                 _LOGGER.debug("could not say so in the store: %s", cause)
             return None
         beat = cls(period)
-        key = _key(group_name, rank)
         try:  # the word of an earlier transport of this rank over this group: this one has not left
             own.delete_key(f"{key}/left")
         except Exception as error:  # noqa: BLE001  (a store without deletion: a stale word stays)

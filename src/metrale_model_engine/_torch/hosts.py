@@ -34,7 +34,7 @@ class HostsTransport:
     ranks span hosts and some host holds several); it owns its three parts.
     """
 
-    __slots__ = ("_leaders", "_leaders_group", "_ring", "_world", "leads", "rank", "world_size")
+    __slots__ = ("_leaders", "_leaders_group", "_ring", "_world", "rank", "world_size")
 
     def __init__(
         self,
@@ -51,8 +51,6 @@ class HostsTransport:
         """This process's rank in the whole group; 0 is the head."""
         self.world_size: Final = world.world_size
         """Number of ranks in the whole group."""
-        self.leads: Final = leaders is not None and world.rank != 0
-        """Whether this rank republishes on its host's ring (a remote host's leader)."""
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: publish on its host's ring (the near readers first), then broadcast to the leaders."""

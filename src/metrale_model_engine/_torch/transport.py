@@ -98,13 +98,7 @@ class TorchTransport:
         heartbeat: float | None = DEFAULT_HEARTBEAT,
         head_lost_after: float | None = DEFAULT_HEAD_LOST_AFTER,
     ) -> None:
-        period = check_seconds("heartbeat", heartbeat, allow_none=True)
-        lost_after = check_seconds("head_lost_after", head_lost_after, allow_none=True)
-        if period is not None and lost_after is not None and lost_after < SILENT_AFTER_BEATS * period:
-            raise ValueError(
-                f"head_lost_after={head_lost_after} must be at least {SILENT_AFTER_BEATS} heartbeats "
-                f"({SILENT_AFTER_BEATS} x heartbeat={heartbeat} = {SILENT_AFTER_BEATS * period:g} s)"
-            )
+        liveness = checked_liveness(heartbeat, head_lost_after)
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -137,12 +131,22 @@ class TorchTransport:
         self._next_look = 0.0  # the head's next look in the store, by time.monotonic()
         self._heartbeat: Heartbeat | None = None
         self._beats: HeartbeatReader | None = None
-        if period is not None and self.world_size > 1:
-            if rank == 0:
-                self._beats = HeartbeatReader.open(group.group_name, self._store, period)
-            else:
-                self._heartbeat = Heartbeat.start(group.group_name, self._store, rank, period, lost_after)
+        self._watch_liveness(*liveness)
         _OPEN_TRANSPORTS.add(self)
+
+    def _watch_liveness(self, period: float | None, lost_after: float | None) -> None:
+        """Start the worker's heartbeat, or the head's reading of them (arguments of :func:`checked_liveness`).
+
+        Called once: at construction, or by ``open_transport`` once it keeps the
+        transport it made with ``heartbeat=None`` to choose.
+        """
+        group = self._group
+        if period is None or self.world_size == 1 or group is None:
+            return
+        if self.rank == 0:
+            self._beats = HeartbeatReader.open(group.group_name, self._store, period)
+        else:
+            self._heartbeat = Heartbeat.start(group.group_name, self._store, self.rank, period, lost_after)
 
     @property
     def device(self) -> torch.device:
@@ -353,6 +357,24 @@ class TorchTransport:
         if group is None:
             raise TransportClosed("the TorchTransport was closed; its process group is no longer used")
         return group
+
+
+def checked_liveness(heartbeat: object, head_lost_after: object) -> tuple[float | None, float | None]:
+    """``(heartbeat, head_lost_after)`` of :class:`TorchTransport`, checked: seconds or ``None``, the bound at
+    least 4 beats (the head's wait before it calls a worker silent).
+
+    Raises:
+        TypeError, ValueError: either is not a positive number of seconds or ``None``,
+            or ``head_lost_after`` is shorter than those beats.
+    """
+    period = check_seconds("heartbeat", heartbeat, allow_none=True)
+    lost_after = check_seconds("head_lost_after", head_lost_after, allow_none=True)
+    if period is not None and lost_after is not None and lost_after < SILENT_AFTER_BEATS * period:
+        raise ValueError(
+            f"head_lost_after={head_lost_after} must be at least {SILENT_AFTER_BEATS} heartbeats "
+            f"({SILENT_AFTER_BEATS} x heartbeat={heartbeat} = {SILENT_AFTER_BEATS * period:g} s)"
+        )
+    return period, lost_after
 
 
 def _pack_answers(answers: Sequence[bytes]) -> bytearray:
