@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
         serve(Path(out), int(rounds), int(calls), None if spin == "learned" else float(spin))
         return 0
     sys.path.insert(0, str(TESTS))
-    from helpers.hosts import SimulatedHosts, exit_codes, finish, unavailable
+    from helpers.bounded import finish
+    from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 
     why = unavailable()
     if why is not None:

@@ -179,17 +179,6 @@ class SimulatedHosts:
         self._files.cleanup()
 
 
-def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
-    """Wait for a host's first process: its exit code, stdout and stderr (killed after ``timeout``)."""
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        raise AssertionError(f"a host still ran after {timeout} s:\n{stdout}\n{stderr}") from None
-    return process.returncode, stdout, stderr
-
-
 def exit_codes(stdout: str) -> dict[int, int]:
     """The last line of :meth:`SimulatedHosts.ranks`' stdout, ``exit codes {rank: code, ...}``, as a dict."""
     last = stdout.splitlines()[-1] if stdout else ""

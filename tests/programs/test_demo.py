@@ -17,6 +17,8 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 from metrale_model_engine.demo import PROMPTS
 from metrale_model_engine.torch import free_port
 
+from helpers.bounded import finish
+
 pytestmark = pytest.mark.torch
 
 
@@ -25,13 +27,8 @@ def run_bounded(command: list[str], timeout: float = 180.0) -> subprocess.Comple
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    code, stdout, stderr = finish(process, timeout)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:

@@ -23,8 +23,9 @@ from metrale_model_engine.torch import DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.transport import SoloTransport
 
+from helpers.bounded import finish
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
-from helpers.hosts import SimulatedHosts, exit_codes, finish, unavailable
+from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 from helpers.rank_results import load
 from helpers.shm_programs import SLOTS, drive_random
 
