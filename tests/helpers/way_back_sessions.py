@@ -77,13 +77,33 @@ def apply(slots: Slots, seq_id: int, tokens: list[int]) -> None:
     slots[seq_id] = state
 
 
+def open_link_of(kind: str, *, command_timeout: float) -> EpLink:
+    """``open_link(kind)`` with this module's slots and protocol v2.
+
+    ``"hosts"``: ``auto``'s choice where the lower half of the ranks (the head's
+    host) and the upper half stand for two hosts, so that it picks a
+    ``HostsTransport`` over this one machine: [0] and [1, 2] for 3 ranks, [0, 1] and
+    [2, 3] for 4.  Only the choice is told so (each rank's host words); the rings,
+    the leaders' group and the way back through them are the real ones.
+    """
+    if kind == "hosts":
+        import torch.distributed as dist
+
+        from metrale_model_engine._torch import choice
+
+        host = int(dist.get_rank() >= dist.get_world_size() // 2)
+        choice._host_words = lambda: [1, 0x4D45, host]  # the one test seam
+        kind = "auto"
+    return open_link(kind, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=command_timeout)
+
+
 def failures_of(error: EpWorkerFailed) -> list[tuple[int, int, int, int, str]]:
     return [(f.rank, f.command, f.seq_id, f.cmd, f.error) for f in error.failures]
 
 
 def contract(rank: int, world_size: int, kind: str, out: str) -> None:
     """The three ordinary bugs, a failure only the workers see, and a worker that skips applying a command."""
-    model = Buggy(open_link(kind, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=30))
+    model = Buggy(open_link_of(kind, command_timeout=30))
     slots: Slots = [None] * SLOTS
     if rank != 0:
         summary = run_worker(model, slots, logger=QUIET)
@@ -127,13 +147,13 @@ def contract(rank: int, world_size: int, kind: str, out: str) -> None:
         seen["shutdown"] = "clean"
     except (EpWorkerFailed, EpDivergenceError) as error:
         seen["shutdown"] = f"{type(error).__name__}: {error}"
-    save(out, rank, seen=seen, commands=link.commands)
+    save(out, rank, seen=seen, commands=link.commands, transport=type(link.transport).__name__)
     link.close()
 
 
-def worker_dies_during_a_sync(rank: int, world_size: int, kind: str, out: str) -> None:
-    """Worker 1 kills itself inside a command; the head's sync point must fail within its bound."""
-    model = Buggy(open_link(kind, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=10))
+def worker_dies_during_a_sync(rank: int, world_size: int, kind: str, out: str, victim: int = 1) -> None:
+    """Worker ``victim`` kills itself inside a command; the head's sync point must fail within its bound."""
+    model = Buggy(open_link_of(kind, command_timeout=10))
     pids = model.ep_link.gather_u32(os.getpid())
     slots: Slots = [None] * SLOTS
     if rank != 0:
@@ -145,21 +165,21 @@ def worker_dies_during_a_sync(rank: int, world_size: int, kind: str, out: str) -
         save(out, rank, error_type=None)
         return
     link = model.ep_link
-    link.send_command(0, DIE, 1)
-    wait_until_dead(pids[1], timeout=30.0)
+    link.send_command(0, DIE, victim)
+    wait_until_dead(pids[victim], timeout=30.0)
     started = time.monotonic()
     try:
         link.sync()
         outcome: tuple[str, str] = ("no error", "")
     except Exception as error:
         outcome = (type(error).__name__, str(error))
-    save(out, rank, outcome=outcome, seconds=time.monotonic() - started)
+    save(out, rank, outcome=outcome, seconds=time.monotonic() - started, transport=type(link.transport).__name__)
     os._exit(0)  # the group has a dead member: leave without tearing it down
 
 
 def burst(rank: int, world_size: int, kind: str, commands: int, out: str) -> None:
     """``commands`` commands that all fail on every worker; the head must hear of each one, once."""
-    model = Buggy(open_link(kind, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))
+    model = Buggy(open_link_of(kind, command_timeout=60))
     slots: Slots = [None] * SLOTS
     if rank != 0:
         summary = run_worker(model, slots, logger=QUIET)
@@ -182,5 +202,35 @@ def burst(rank: int, world_size: int, kind: str, commands: int, out: str) -> Non
     except EpWorkerFailed as error:
         heard += error.failures
     by_rank = {r: sorted(f.command for f in heard if f.rank == r) for r in range(1, world_size)}
-    save(out, rank, by_rank=by_rank, raised=raised, texts={f.error for f in heard})
+    save(
+        out,
+        rank,
+        by_rank=by_rank,
+        raised=raised,
+        texts={f.error for f in heard},
+        transport=type(link.transport).__name__,
+    )
+    link.close()
+
+
+def group_timeouts(rank: int, world_size: int, out: str) -> None:
+    """What ``_timeout_of`` reads: the world's timeout, the leaders' group's (over "hosts"), a subgroup's own."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from metrale_model_engine._torch.choice import _timeout_of
+
+    cpu = torch.device("cpu")
+    subgroup = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=4321))
+    link = open_link_of("hosts", command_timeout=10)
+    leaders = getattr(link.transport, "_leaders_group", None)
+    save(
+        out,
+        rank,
+        world=_timeout_of(dist.group.WORLD, cpu).total_seconds(),  # type: ignore[arg-type]  # initialised
+        leaders=None if leaders is None else _timeout_of(leaders, cpu).total_seconds(),
+        subgroup=_timeout_of(subgroup, cpu).total_seconds(),
+    )
     link.close()

@@ -16,17 +16,21 @@ from helpers.rank_results import load
 
 pytestmark = pytest.mark.torch
 
-KINDS = ["shm", "torch"]
+KINDS = ["shm", "torch", "hosts"]
+"""``"hosts"``: a HostsTransport over two hosts this machine stands for (``sessions.open_link_of``)."""
+TRANSPORTS = {"shm": "ShmTransport", "torch": "TorchTransport", "hosts": "HostsTransport"}
+SIZES = [("shm", 2), ("shm", 3), ("torch", 2), ("torch", 3), ("hosts", 3), ("hosts", 4)]
+"""Over "hosts", 3 ranks are the head alone and a host of a leader and its reader; 4, two hosts of two."""
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("kind", "world_size"), SIZES)
 def test_every_ordinary_bug_reaches_the_head_with_the_rank_and_the_error(
     kind: str, world_size: int, tmp_path: Path
 ) -> None:
     codes = run_group(sessions.contract, world_size, kind, str(tmp_path), backend="gloo", timeout=120)
     results = load(tmp_path, world_size)
     assert codes == [0] * world_size
+    assert results[0]["transport"] == TRANSPORTS[kind]
     seen = results[0]["seen"]
     assert isinstance(seen, dict)
     workers = range(1, world_size)
@@ -60,6 +64,7 @@ def test_a_worker_that_dies_fails_the_heads_sync_point_within_its_bound(kind: st
     codes = run_group(sessions.worker_dies_during_a_sync, 3, kind, str(tmp_path), backend="gloo", timeout=120)
     results = load(tmp_path, 3)
     assert codes[1] == -9
+    assert results[0]["transport"] == TRANSPORTS[kind]  # over "hosts", rank 1 leads rank 2's host
     outcome = results[0]["outcome"]
     assert isinstance(outcome, tuple)
     kind_of_error, message = str(outcome[0]), str(outcome[1])
@@ -70,19 +75,48 @@ def test_a_worker_that_dies_fails_the_heads_sync_point_within_its_bound(kind: st
     assert float(results[0]["seconds"]) < 10.0  # type: ignore[arg-type]  # within the command timeout
 
 
+def test_over_hosts_a_remote_reader_that_dies_is_named_and_the_head_fails_within_its_bound(tmp_path: Path) -> None:
+    codes = run_group(sessions.worker_dies_during_a_sync, 3, "hosts", str(tmp_path), 2, backend="gloo", timeout=120)
+    results = load(tmp_path, 3)
+    assert codes[2] == -9
+    assert results[0]["transport"] == "HostsTransport"
+    outcome = results[0]["outcome"]
+    assert isinstance(outcome, tuple)
+    message = str(outcome[1])
+    assert str(outcome[0]) in ("EpLinkError", "EpSendError"), message
+    assert "rank 2" in message, message
+    assert float(results[0]["seconds"]) < 10.0  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_burst_of_failures_reaches_the_head_every_one_once(kind: str, tmp_path: Path) -> None:
     # Over shared memory, 10,000 overrun each worker's 16-answer ring many times over; over gloo a
     # worker holds its answers for the sync point, where 2,000 arrive in one message as 10,000 would.
+    # Over "hosts", 4 ranks: rank 1 answers on the head's ring, rank 3 hands its 2,000 answers to its leader,
+    # rank 2, through their host's 16-answer ring at the sync point, and the leader brings both to the head.
     commands = 10_000 if kind == "shm" else 2_000
-    codes = run_group(sessions.burst, 3, kind, commands, str(tmp_path), backend="gloo", timeout=300)
-    results = load(tmp_path, 3)
-    assert codes == [0, 0, 0]
+    world_size = 4 if kind == "hosts" else 3
+    codes = run_group(sessions.burst, world_size, kind, commands, str(tmp_path), backend="gloo", timeout=300)
+    results = load(tmp_path, world_size)
+    assert codes == [0] * world_size
+    assert results[0]["transport"] == TRANSPORTS[kind]
     by_rank = results[0]["by_rank"]
     assert isinstance(by_rank, dict)
-    for rank in (1, 2):
+    for rank in range(1, world_size):
         assert by_rank[rank] == list(range(1, commands + 1))  # every command, once, none lost or doubled
         assert results[rank]["summary"] == WorkerSummary(commands_run=0, commands_failed=commands)
     assert results[0]["texts"] == {f"KeyError: 'slot {slot} is not served here'" for slot in range(4)}
-    if kind == "shm":
+    if kind != "torch":  # a worker on the head's host answers at once, over its ring
         assert int(results[0]["raised"]) > 0  # type: ignore[call-overload]  # raised at the head's next commands too
+
+
+def test_the_leaders_group_waits_as_long_as_the_whole_group(tmp_path: Path) -> None:
+    # An idle leader waits for the next command inside the leaders' group: torch's 30-minute default for a
+    # new group would fail it where the whole group's (run_group: 7 days) holds.
+    codes = run_group(sessions.group_timeouts, 3, str(tmp_path), backend="gloo", timeout=120)
+    results = load(tmp_path, 3)
+    assert codes == [0, 0, 0]
+    week = 7 * 24 * 3600.0
+    assert [results[rank]["world"] for rank in range(3)] == [week] * 3
+    assert [results[rank]["leaders"] for rank in range(3)] == [week, week, None]  # rank 2 leads nothing
+    assert [results[rank]["subgroup"] for rank in range(3)] == [4321.0] * 3  # a group's own, read back

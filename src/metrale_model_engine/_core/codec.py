@@ -31,6 +31,8 @@ __all__ = [
     "ItemKind",
     "Report",
     "WireError",
+    "answer_bytes",
+    "closes_answers",
     "decode_answer",
     "decode_header",
     "decode_item",
@@ -304,6 +306,29 @@ def encode_ack(ack: Ack) -> bytes:
         ItemKind.ACK, ack.number, ack.stream_crc, ack.commands & _U32, ack.commands >> 32, ack.reports,
         int(ack.state_digest is not None), state & _U32, state >> 32,
     )  # fmt: skip
+
+
+def answer_bytes(answer: Buffer) -> memoryview:
+    """The bytes of one answer a transport is given, checked.
+
+    Raises:
+        ValueError: it takes more than ``ANSWER_BYTES`` bytes.
+    """
+    data = memoryview(answer).cast("B")
+    if len(data) > ANSWER_BYTES:
+        raise ValueError(f"an answer takes at most {ANSWER_BYTES} bytes, got {len(data)}")
+    return data
+
+
+def closes_answers(answer: bytes) -> bool:
+    """Whether a worker answers nothing more before the next sync point after ``answer``.
+
+    An acknowledgement closes what a worker answers for a sync point, and a report
+    that stopped the run closes everything it answers.  A transport that relays a
+    host's answers (``HostsTransport``) reads this, and nothing else, of them.
+    """
+    kind = int.from_bytes(answer[:4], sys.byteorder) if len(answer) >= 4 else 0
+    return kind in (ItemKind.ACK, ItemKind.STOP, ItemKind.WITNESS)
 
 
 def decode_answer(answer: bytes) -> Report | Ack:

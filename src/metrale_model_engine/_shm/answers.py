@@ -19,7 +19,7 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-from .._core.codec import ANSWER_BYTES
+from .._core.codec import ANSWER_BYTES, answer_bytes
 from .._core.transport import TransportTimeout
 from . import futex
 from .segment import ANSWER_SLOT_BYTES, ANSWER_SLOTS, ANSWERED_AT, HEAD_WAITS_AT, LINE, Segment
@@ -56,9 +56,7 @@ class AnswerWriter:
 
     def send(self, answer: Buffer, timeout: float | None) -> None:
         """Publish one answer (at most ``ANSWER_BYTES``); wait, bounded, while the head has every slot unread."""
-        data = memoryview(answer).cast("B")
-        if len(data) > ANSWER_BYTES:
-            raise ValueError(f"an answer takes at most {ANSWER_BYTES} bytes, got {len(data)}")
+        data = answer_bytes(answer)
         segment, block = self._segment, self._block
         u64, u32, view = segment.u64, segment.u32, segment.bytes
         published = u64[block.published]

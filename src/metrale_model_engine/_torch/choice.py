@@ -237,11 +237,12 @@ def _leaders(base: TorchTransport, hosts: list[list[int]], ring: ShmTransport | 
     assert group is not None  # open: the choice has just used it
     leaders = [host[0] for host in hosts]
     if base.rank not in leaders:
-        return HostsTransport(base, None, ring)
+        return HostsTransport(base, None, ring, hosts=hosts)
     in_world = [rank if group is dist.group.WORLD else dist.get_global_rank(group, rank) for rank in leaders]
     subgroup = dist.new_group(in_world, timeout=_timeout_of(group, base.device), use_local_synchronization=True)
     assert subgroup is not None  # this rank is one of in_world
-    return HostsTransport(base, TorchTransport(subgroup, device=base.device, heartbeat=None), ring, subgroup)
+    leading = TorchTransport(subgroup, device=base.device, heartbeat=None)
+    return HostsTransport(base, leading, ring, subgroup, hosts=hosts)
 
 
 def _timeout_of(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from typing_extensions import Buffer
 
 from .._core.checks import check_seconds
-from .._core.codec import ANSWER_BYTES, FRAME_PAYLOAD, FRAME_WORDS, frame_length, frame_message
+from .._core.codec import FRAME_PAYLOAD, FRAME_WORDS, answer_bytes, frame_length, frame_message
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
 from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, SILENT_AFTER_BEATS, Heartbeat, HeartbeatReader
 
@@ -167,16 +167,27 @@ class TorchTransport:
         the group itself is the program's to destroy.
         """
         held, self._held = self._held, []
-        if held and self._store is not None and self._group is not None:
-            try:
-                self._store.set(_last_words_key(self.rank), _pack_answers(held).hex())  # the store takes text
-            except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
-                _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", self.rank, error)
+        self.leave_answers(self.rank, held)
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
         self._group = None
         self._store = None
+
+    def leave_answers(self, rank: int, answers: Sequence[bytes]) -> None:
+        """Worker: put worker ``rank``'s answers that will not reach a sync point in the group's store.
+
+        Best effort: a failure is only logged.  What :meth:`close` does with this
+        rank's held answers; a transport that relays other ranks' answers (a host's
+        leader in :class:`HostsTransport`) calls it for theirs.  The head reads each
+        rank's once (:meth:`poll_answers`).
+        """
+        if not answers or self._store is None or self._group is None:
+            return
+        try:
+            self._store.set(_last_words_key(rank), _pack_answers(answers).hex())  # the store takes text
+        except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
+            _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", rank, error)
 
     def silent_ranks(self) -> list[int]:
         """Head: the workers whose heartbeat stopped; waits a few beats at most (see the class).
@@ -242,17 +253,22 @@ class TorchTransport:
         """Worker: hold one answer until :meth:`flush_answers` (a worker sends only while the head receives)."""
         if self.rank == 0:
             raise TransportClosed("the head does not answer")
-        data = bytes(memoryview(answer).cast("B"))
-        if len(data) > ANSWER_BYTES:
-            raise ValueError(f"an answer takes at most {ANSWER_BYTES} bytes, got {len(data)}")
-        self._held.append(data)
+        self._held.append(bytes(answer_bytes(answer)))
 
     def flush_answers(self, timeout: float | None) -> None:
         """Worker, at a sync point: every held answer to the head, as a count and one payload (two sends)."""
-        group = self._open_group()
         held, self._held = self._held, []
-        payload = _pack_answers(held)
-        self._point_to_point(group, torch.tensor([len(held), len(payload) // 4], dtype=torch.int32), timeout, True)
+        self.send_answers(held, timeout)
+
+    def send_answers(self, answers: Sequence[bytes], timeout: float | None) -> None:
+        """Worker, at a sync point: ``answers`` (any size) to the head, which takes them with :meth:`receive_answers`.
+
+        What :meth:`flush_answers` sends; a host's leader in :class:`HostsTransport`
+        sends its host's answers with it.
+        """
+        group = self._open_group()
+        payload = _pack_answers(answers)
+        self._point_to_point(group, torch.tensor([len(answers), len(payload) // 4], dtype=torch.int32), timeout, True)
         if payload:
             self._point_to_point(group, torch.frombuffer(payload, dtype=torch.int32), timeout, True)
 
