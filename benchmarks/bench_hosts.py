@@ -15,7 +15,10 @@ Messages of 3 words (a v2 header) and of 137 words (a batched decode of 64 pairs
 as one message), sent at the transport, where the two paths differ.  A call is
 timed from the head's start to the slowest worker holding the message (one
 ``CLOCK_MONOTONIC`` for every namespace: they share the kernel), with a pause
-between calls so that none queues behind another.  Prints medians, the ratios paired
+between calls so that none queues behind another.  And a sync point's round trip,
+timed at the head: the sync item out, each worker's acknowledgement back (flat: one
+receive per worker; hosts: the head's ring, and one bundle from the other host's
+leader, which reads its reader's on their ring).  Prints medians, the ratios paired
 by round, and the cost model extrapolated to 2 x 8 and 4 x 8 ranks.
 
 Run (as root): ``python benchmarks/bench_hosts.py`` (about 20 s here); ``--quick``
@@ -39,9 +42,13 @@ import torch.distributed as dist
 
 from metrale_model_engine.shm import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, ShmTransport
 from metrale_model_engine.torch import HostsTransport, TorchTransport, init_group_from_env, open_transport
+from metrale_model_engine.wire import Ack, encode_ack
 
 TESTS: Final = Path(__file__).resolve().parents[1] / "tests"
-SIZES: Final = {"header": 3, "decode 64 pairs": 137}
+SIZES: Final = {"header": 3, "decode 64 pairs": 137, "sync point": 3}
+SYNC: Final = "sync point"
+"""The case timed at the head, round trip: the message out, every worker's acknowledgement back."""
+ACK: Final = encode_ack(Ack(1, 0, 0, 0, None))
 PAUSE: Final = 0.002
 """Seconds between two calls: the workers wait idle, as between a server's steps."""
 
@@ -64,6 +71,7 @@ def serve(out: Path, rounds: int, calls: int, spin: float | None) -> None:
     times: dict[tuple[str, str], list[list[float]]] = {}
     everyone = sorted(
         {(path, size) for path in ("flat", "hosts", "gloo to 1", "gloo to 2", "gloo to 3") for size in SIZES}
+        - {(f"gloo to {n}", SYNC) for n in (1, 2, 3)}
     )
     for _ in range(rounds):
         shuffled = everyone[:]
@@ -80,9 +88,17 @@ def serve(out: Path, rounds: int, calls: int, spin: float | None) -> None:
                     time.sleep(PAUSE)
                     stamps.append(time.monotonic())
                     transport.send((message,), 10.0)
+                    if size == SYNC:
+                        for worker in range(1, transport.world_size):
+                            while not transport.receive_answers(worker, 10.0):
+                                pass
+                        stamps[-1] = time.monotonic() - stamps[-1]  # the round trip, at the head alone
                 else:
                     transport.receive(10.0)
                     stamps.append(time.monotonic())
+                    if size == SYNC:
+                        transport.answer(ACK, 10.0)
+                        transport.flush_answers(10.0)
             samples.append(stamps)
     (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(times))
     for transport in paths.values():
@@ -95,6 +111,9 @@ def latencies(out: Path, world_size: int) -> dict[tuple[str, str], list[float]]:
     ranks = [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
     found: dict[tuple[str, str], list[float]] = {}
     for case, rounds in ranks[0].items():
+        if case[1] == SYNC:  # the head timed the round trip itself
+            found[case] = [1e6 * statistics.median(durations) for durations in rounds]
+            continue
         for index, started in enumerate(rounds):
             ends = [ranks[rank][case][index] for rank in range(1, world_size) if case in ranks[rank]]
             per_call = [1e6 * (max(end[call] for end in ends) - started[call]) for call in range(len(started))]
@@ -144,6 +163,7 @@ def report(found: dict[tuple[str, str], list[float]], rounds: int, calls: int, s
         f"the rings' spin {spin}"
     )
     print("medians of the rounds' medians, µs, head's start to the slowest worker holding the message")
+    print("(a sync point: the head's round trip, the sync item out and every acknowledgement back)")
     print(f"{'case':<34}{'median':>10}{'p25-p75':>20}")
     for (path, size), samples in sorted(found.items()):
         quartiles = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
@@ -151,6 +171,9 @@ def report(found: dict[tuple[str, str], list[float]], rounds: int, calls: int, s
     for size in SIZES:
         paired = [flat / hosts for flat, hosts in zip(found["flat", size], found["hosts", size], strict=True)]
         ratio = statistics.median(paired)
+        if size == SYNC:
+            print(f"{size}: flat / hosts, paired by round: {ratio:.2f} (no target)")
+            continue
         verdict = "met" if ratio >= 2 else "missed"
         print(f"target: {size}: flat / hosts, paired by round, at least 2: {ratio:.2f} ({verdict})")
     network = {n: statistics.median(found[f"gloo to {n}", "header"]) for n in (1, 2, 3)}

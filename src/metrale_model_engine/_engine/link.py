@@ -260,8 +260,10 @@ class EpLink:
 
         It looks until it finds something or ``timeout`` seconds have passed (a
         worker that just failed takes a moment to exit), and returns when it found
-        nothing (or the worker that stopped runs on another host and sent no report).
-        :meth:`collective_failed` uses it.  A no-op on one rank.
+        nothing (or the worker that stopped runs on another host and sent no report:
+        a silent heartbeat alone is no proof, so it is named only where something
+        already failed, as in :meth:`collective_failed`, which uses this).  A no-op
+        on one rank.
 
         Raises:
             EpWorkerFailed: workers reported failed commands (each once), none stopping the run.

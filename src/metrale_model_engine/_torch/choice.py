@@ -66,6 +66,11 @@ def open_transport(
     (the liveness of ranks across hosts), ``spin_time`` and ``max_spin_time`` to
     :class:`~metrale_model_engine.shm.ShmTransport`.
 
+    Returns:
+        The chosen transport, the caller's to close (or an ``EpLink``'s, given it).
+        Code that needs a :class:`TorchTransport`'s ``group`` or ``device`` checks the
+        type first: a ``ShmTransport`` or a :class:`HostsTransport` has neither.
+
     Raises:
         TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`, or
             ``heartbeat`` or ``head_lost_after`` is not a positive number of seconds
