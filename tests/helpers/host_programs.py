@@ -21,6 +21,7 @@ from metrale_model_engine import EpLink, ProtocolVersion, run_worker
 from metrale_model_engine.torch import init_group_from_env, open_transport
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
+from helpers import way_back_sessions
 from helpers.faulty_toy import CMD_DIE, FaultyToy
 from helpers.rank_results import save
 from helpers.shm_programs import SLOTS, drive_random, serve_until_error
@@ -57,6 +58,11 @@ def soak(out: str, commands: str, seed: str, kind: str) -> None:
         refusal=refusal,
     )
     model.ep_link.close()
+
+
+def contract(out: str) -> None:
+    """The way back's ordinary bugs (:func:`helpers.way_back_sessions.contract`) over ``auto``'s transport."""
+    way_back_sessions.contract(dist.get_rank(), dist.get_world_size(), "auto", out)
 
 
 def worker_dies(out: str, victim: str) -> None:
@@ -137,6 +143,7 @@ def open_link_v2() -> EpLink:
 
 SCENARIOS: dict[str, Callable[..., None]] = {
     "soak": soak,
+    "contract": contract,
     "worker_dies": worker_dies,
     "head_host_goes": head_host_goes,
     "cable_cut": cable_cut,

@@ -20,6 +20,7 @@ from metrale_model_engine import (
     ProtocolVersion,
     SequenceState,
     WorkerFailure,
+    WorkerSummary,
     run_worker,
 )
 from metrale_model_engine.torch import open_link
@@ -149,6 +150,36 @@ def contract(rank: int, world_size: int, kind: str, out: str) -> None:
         seen["shutdown"] = f"{type(error).__name__}: {error}"
     save(out, rank, seen=seen, commands=link.commands, transport=type(link.transport).__name__)
     link.close()
+
+
+def check_contract(results: dict[int, dict[str, object]], world_size: int) -> None:
+    """Assert what :func:`contract`'s ranks saw (``results``, by rank): every bug named, with its rank, once."""
+    seen = results[0]["seen"]
+    assert isinstance(seen, dict)
+    workers = range(1, world_size)
+    # Each step sends a good command, the buggy one, then a reset: the buggy ones are commands 2, 5, 8, 11.
+    # (The last step resets nothing: the workers failed without changing the slot.)
+    expected = {
+        "fewer": (2, 2, "left a token array of 3 tokens unread; it was skipped"),
+        "more": (5, 3, "expected a follow-up word, but command 5 (seq_id=1, cmd=3) came whole, as one message"),
+        "kind": (8, 4, "expected a follow-up word, but the head sent a token array of 3 tokens"),
+        "worker only": (11, 6, "KeyError: 'slot 1 is not served here'"),
+    }
+    for name, (command, cmd, text) in expected.items():
+        failures = seen[name]
+        assert isinstance(failures, list) and [f[0] for f in failures] == list(workers), (name, failures)
+        for rank, failed_command, seq_id, failed_cmd, error in failures:
+            assert (failed_command, seq_id, failed_cmd) == (command, 1, cmd), (name, failures)
+            assert text in error and (name == "worker only" or f"worker rank {rank}" in error), error
+    assert seen["after the resets"] == "agree"  # a scheduler that resets the slot is back in step
+    skip = seen["skip"]
+    assert isinstance(skip, tuple) and skip[1] == list(workers)
+    assert "its state digest is" in skip[0] and "they diverged within commands 12 ..= 12" in skip[0], skip[0]
+    assert str(seen["shutdown"]).startswith("EpDivergenceError"), seen["shutdown"]  # still differ: said again
+    for rank in workers:
+        # 12 commands (4 good, 4 buggy, 3 resets, the skip): the 4 buggy ones failed (a command that left a
+        # follow-up unread fails itself, at once: it came as one message), the other 8 ran
+        assert results[rank]["summary"] == WorkerSummary(commands_run=8, commands_failed=4)
 
 
 def worker_dies_during_a_sync(rank: int, world_size: int, kind: str, out: str, victim: int = 1) -> None:

@@ -23,6 +23,7 @@ from metrale_model_engine.torch import DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.transport import SoloTransport
 
+from helpers import way_back_sessions
 from helpers.bounded import finish
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
 from helpers.hosts import SimulatedHosts, exit_codes, unavailable
@@ -100,6 +101,14 @@ def test_a_random_command_stream_leaves_every_rank_on_both_hosts_in_one_state(
     slots: list[ToyState | None] = [None] * SLOTS
     drive_random(alone, slots, 1_500, 11)  # the same stream on one rank: the state every rank must hold
     assert {results[rank]["digest"] for rank in range(4)} == {slots_digest(slots)}
+
+
+def test_every_ordinary_bug_of_either_host_reaches_the_head_through_its_leader_with_its_rank(tmp_path: Path) -> None:
+    codes = run_on_hosts(tmp_path, "contract")
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    results = load(tmp_path, 4)
+    assert results[0]["transport"] == "HostsTransport"
+    way_back_sessions.check_contract(results, 4)  # ranks 2 and 3 answered through rank 2's bundles
 
 
 @pytest.mark.parametrize(

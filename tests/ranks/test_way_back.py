@@ -31,32 +31,7 @@ def test_every_ordinary_bug_reaches_the_head_with_the_rank_and_the_error(
     results = load(tmp_path, world_size)
     assert codes == [0] * world_size
     assert results[0]["transport"] == TRANSPORTS[kind]
-    seen = results[0]["seen"]
-    assert isinstance(seen, dict)
-    workers = range(1, world_size)
-    # Each step sends a good command, the buggy one, then a reset: the buggy ones are commands 2, 5, 8, 11.
-    # (The last step resets nothing: the workers failed without changing the slot.)
-    expected = {
-        "fewer": (2, 2, "left a token array of 3 tokens unread; it was skipped"),
-        "more": (5, 3, "expected a follow-up word, but command 5 (seq_id=1, cmd=3) came whole, as one message"),
-        "kind": (8, 4, "expected a follow-up word, but the head sent a token array of 3 tokens"),
-        "worker only": (11, 6, "KeyError: 'slot 1 is not served here'"),
-    }
-    for name, (command, cmd, text) in expected.items():
-        failures = seen[name]
-        assert isinstance(failures, list) and [f[0] for f in failures] == list(workers), (name, failures)
-        for rank, failed_command, seq_id, failed_cmd, error in failures:
-            assert (failed_command, seq_id, failed_cmd) == (command, 1, cmd), (name, failures)
-            assert text in error and (name == "worker only" or f"worker rank {rank}" in error), error
-    assert seen["after the resets"] == "agree"  # a scheduler that resets the slot is back in step
-    skip = seen["skip"]
-    assert isinstance(skip, tuple) and skip[1] == list(workers)
-    assert "its state digest is" in skip[0] and "they diverged within commands 12 ..= 12" in skip[0], skip[0]
-    assert str(seen["shutdown"]).startswith("EpDivergenceError"), seen["shutdown"]  # still differ: said again
-    for rank in workers:
-        # 12 commands (4 good, 4 buggy, 3 resets, the skip): the 4 buggy ones failed (a command that left a
-        # follow-up unread fails itself, at once: it came as one message), the other 8 ran
-        assert results[rank]["summary"] == WorkerSummary(commands_run=8, commands_failed=4)
+    sessions.check_contract(results, world_size)
 
 
 @pytest.mark.parametrize("kind", KINDS)
