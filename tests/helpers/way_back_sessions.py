@@ -84,15 +84,18 @@ def open_link_of(kind: str, *, command_timeout: float) -> EpLink:
     ``"hosts"``: ``auto``'s choice where the lower half of the ranks (the head's
     host) and the upper half stand for two hosts, so that it picks a
     ``HostsTransport`` over this one machine: [0] and [1, 2] for 3 ranks, [0, 1] and
-    [2, 3] for 4.  Only the choice is told so (each rank's host words); the rings,
-    the leaders' group and the way back through them are the real ones.
+    [2, 3] for 4; ``"hosts-odd-even"``: the even ranks and the odd ones, [0, 2] and
+    [1, 3] for 4 (ring ranks then differ from ranks on both hosts).  Only the choice
+    is told so (each rank's host words); the rings, the leaders' group and the way
+    back through them are the real ones.
     """
-    if kind == "hosts":
+    if kind in ("hosts", "hosts-odd-even"):
         import torch.distributed as dist
 
         from metrale_model_engine._torch import choice
 
-        host = int(dist.get_rank() >= dist.get_world_size() // 2)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        host = rank % 2 if kind == "hosts-odd-even" else int(rank >= world_size // 2)
         choice._host_words = lambda: [1, 0x4D45, host]  # the one test seam
         kind = "auto"
     return open_link(kind, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=command_timeout)

@@ -3,144 +3,143 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import cast
 
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-from metrale_model_engine._core.codec import Ack, Report, closes_answers, encode_ack, encode_report
-from metrale_model_engine.shm import ShmTransport
-from metrale_model_engine.torch import HostsTransport, TorchTransport
-from metrale_model_engine.transport import PeerLost, TransportClosed, TransportCorrupt
+from metrale_model_engine._core.codec import Report, acknowledged, closes_answers, encode_report
+from metrale_model_engine.torch import HostsTransport
+from metrale_model_engine.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
+
+from helpers.hosts_parts import Leaders, World, ack, hosts_transport, report
 
 pytestmark = pytest.mark.torch
 
-HOSTS = [[0, 1], [2, 3, 4]]
-"""The head's host (ranks 0 and 1), and a host led by rank 2 with readers 3 and 4 (ring ranks 1 and 2)."""
-
-
-def ack(number: int) -> bytes:
-    return encode_ack(Ack(number, 7, 3, 0, None))
-
-
-def report(text: str, *, stopped: bool = False) -> bytes:
-    return encode_report(Report(2, 0, 5, text, stopped))
-
-
-class World:
-    """The whole group's transport: the store's last words, and the calls that reach it."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.world_size = rank, 5
-        self.left: dict[int, list[bytes]] = {}
-        self.closed = False
-
-    def leave_answers(self, rank: int, answers: Sequence[bytes]) -> None:
-        if answers:
-            self.left[rank] = list(answers)
-
-    def poll_answers(self) -> list[tuple[int, bytes]]:
-        return [(rank, answer) for rank, answers in self.left.items() for answer in answers]
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Leaders:
-    """The leaders' group: a leader's bundle sent, or the bundles the head receives, by host."""
-
-    def __init__(self, bundles: dict[int, list[list[bytes]]] | None = None) -> None:
-        self.sent: list[list[bytes]] = []
-        self.bundles = bundles or {}
-        self.asked: list[int] = []
-
-    def send_answers(self, answers: Sequence[bytes], timeout: float | None) -> None:
-        self.sent.append(list(answers))
-
-    def receive_answers(self, host: int, timeout: float | None) -> list[bytes]:
-        self.asked.append(host)
-        return self.bundles[host].pop(0)
-
-    def close(self) -> None:
-        pass
-
 
 class Ring:
-    """A host's ring, as its head (a leader) reads its readers' answers: queued lists, or an error."""
+    """A host's ring as its head (a leader) reads it: each reader's answers in the batches they arrive in.
 
-    def __init__(self, answers: dict[int, list[list[bytes] | Exception]], unread: dict[int, list[bytes]] | None = None):
-        self.answers = answers
-        self.unread = unread or {}  # what a close finds on the ring
+    As the real one: a wait for a reader with nothing published fails with ``PeerLost`` while any reader
+    is gone (whichever), else with ``TransportTimeout``.  A ``None`` batch is a wait that finds nothing
+    yet; the batches after it are published by the time the ring is polled.
+    """
+
+    def __init__(self, batches: dict[int, list[list[bytes] | None]], gone: dict[int, str] | None = None) -> None:
+        self.batches = batches
+        self.gone = gone or {}
         self.answered: list[bytes] = []
 
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
-        found = self.answers[rank].pop(0)
-        if isinstance(found, Exception):
-            raise found
-        return found
-
-    def answer(self, answer: bytes, timeout: float | None) -> None:
-        self.answered.append(bytes(answer))
+        batch = self.batches[rank].pop(0) if self.batches.get(rank) else None
+        if batch is not None:
+            return batch
+        if self.gone:
+            raise PeerLost(", ".join(f"worker rank {reader} {how}" for reader, how in self.gone.items()))
+        raise TransportTimeout(f"worker rank {rank} sent no answer within {timeout} s")
 
     def poll_answers(self) -> list[tuple[int, bytes]]:
-        return [(rank, answer) for rank, answers in self.unread.items() for answer in answers]
+        found = [
+            (rank, answer) for rank, batches in self.batches.items() for batch in batches for answer in batch or []
+        ]
+        self.batches = {}
+        return found
+
+    def gone_workers(self) -> dict[int, str]:
+        return dict(self.gone)
+
+    def answer(self, answer: bytes, timeout: float | None) -> None:
+        if self.gone:
+            raise PeerLost("the head (pid 7) died")
+        self.answered.append(bytes(answer))
 
     def close(self) -> None:
         pass
 
 
-def hosts_transport(world: World, leaders: Leaders | None, ring: Ring | None) -> HostsTransport:
-    return HostsTransport(
-        cast(TorchTransport, world), cast(TorchTransport | None, leaders), cast(ShmTransport | None, ring), hosts=HOSTS
-    )
-
-
-def test_only_an_acknowledgement_or_a_stop_closes_what_a_worker_answers_for_a_sync_point() -> None:
-    assert closes_answers(ack(1))
-    assert closes_answers(report("boom", stopped=True))
+def test_an_acknowledgement_of_the_sync_point_or_a_stop_closes_what_a_worker_answers_for_it() -> None:
+    assert closes_answers(ack(1)) and closes_answers(ack(1), 1)
+    assert not closes_answers(ack(1), 2)  # an earlier sync point's, late
+    assert closes_answers(report("boom", stopped=True), 2)
+    assert closes_answers(encode_report(Report(2, 0, 5, "a peer's", True, True)), 2)  # a witness stopped too
     assert not closes_answers(report("an ordinary failure"))
     assert not closes_answers(b"\x12")  # shorter than a word: no kind at all
+    assert acknowledged(ack(9)) == 9 and acknowledged(report("x")) is None
+
+
+def bundle_of(ring: Ring, own: list[bytes], timeout: float = 1.0) -> list[bytes]:
+    """What leader rank 2 sends the head at a sync point, its own answers ``own``, its readers' on ``ring``."""
+    leaders = Leaders()
+    leader = hosts_transport(World(2), leaders, ring)
+    for answer in own:
+        leader.answer(answer, timeout)
+    leader.flush_answers(timeout)
+    [bundle] = leaders.sent
+    return bundle
+
+
+def head_with(*bundles: list[bytes]) -> tuple[HostsTransport, Leaders]:
+    leaders = Leaders({1: list(bundles)})
+    return hosts_transport(World(0), leaders, None), leaders
 
 
 def test_a_leaders_bundle_carries_its_own_answers_and_each_readers_up_to_its_acknowledgement() -> None:
-    leaders = Leaders()
-    ring = Ring({1: [[report("a")], [ack(1)]], 2: [[ack(1), report("after")]]})
-    leader = hosts_transport(World(2), leaders, ring)
-    leader.answer(ack(1), 1.0)
-    leader.flush_answers(1.0)
-
-    head = hosts_transport(World(0), Leaders({1: leaders.sent}), None)
+    bundle = bundle_of(Ring({1: [[report("a")], [ack(1)]], 2: [[ack(1), report("after")]]}), [ack(1)])
+    head, _ = head_with(bundle)
     assert head.receive_answers(3, 1.0) == [report("a"), ack(1)]  # two reads of ring rank 1, in order
     assert head.receive_answers(2, 1.0) == [ack(1)]  # the leader's own, from the same bundle
     assert head.receive_answers(4, 1.0) == [ack(1), report("after")]
 
 
-def test_a_reader_the_leader_cannot_read_is_named_lost_with_its_global_rank_after_what_it_did_send() -> None:
-    leaders = Leaders()
-    ring = Ring({1: [[report("first")], PeerLost("worker rank(s) [1] died (pids [77])")], 2: [[ack(1)]]})
-    leader = hosts_transport(World(2), leaders, ring)
-    leader.answer(ack(1), 1.0)
-    leader.flush_answers(1.0)
+def test_a_reader_behind_by_a_sync_point_is_read_up_to_this_ones_acknowledgement() -> None:
+    bundle = bundle_of(Ring({1: [[ack(1)], [report("b"), ack(2)]], 2: [[ack(2)]]}), [ack(2)])
+    head, leaders = head_with(bundle)
+    assert head.receive_answers(3, 1.0) == [ack(1), report("b"), ack(2)]  # ack 1 alone does not close sync 2
+    assert leaders.asked == [1]
 
-    head = hosts_transport(World(0), Leaders({1: leaders.sent}), None)
+
+def test_a_reader_that_is_gone_is_named_not_the_one_the_leader_was_waiting_for() -> None:
+    # Ring rank 2 (rank 4) closed; ring rank 1 (rank 3) acknowledged after the leader began to wait for it,
+    # a wait that the ring fails because rank 4 is gone.
+    ring = Ring({1: [[report("first")], None, [ack(1)]], 2: []}, gone={2: "closed its transport"})
+    bundle = bundle_of(ring, [ack(1)])
+    head, _ = head_with(bundle)
+    assert head.receive_answers(3, 1.0) == [report("first"), ack(1)]
+    with pytest.raises(PeerLost, match=r"^worker rank 4 closed its transport \(on its host's ring, led by rank 2\)$"):
+        head.receive_answers(4, 1.0)
+
+
+def test_a_reader_that_does_not_answer_in_time_is_named_late_after_what_it_did_send() -> None:
+    bundle = bundle_of(Ring({1: [[report("first")]], 2: [[ack(1)]]}), [ack(1)], timeout=0.05)
+    head, _ = head_with(bundle)
     assert head.receive_answers(3, 1.0) == [report("first")]
-    with pytest.raises(PeerLost, match=r"worker rank 3's answers could not be read on its host's ring, led by rank 2"):
+    with pytest.raises(
+        PeerLost, match=r"worker rank 3 sent no answer within 0.04 s \(on its host's ring, led by rank 2"
+    ):
         head.receive_answers(3, 1.0)
     assert head.receive_answers(4, 1.0) == [ack(1)]  # the reader after it was still read
 
 
 def test_the_head_asks_a_host_for_its_bundle_once_per_sync_point_and_refuses_one_without_the_rank() -> None:
     bundle_without_4 = [rank.to_bytes(4, sys.byteorder) + ack(1) for rank in (2, 3)]  # entries: rank, then answer
-    leaders = Leaders({1: [bundle_without_4]})
-    head = hosts_transport(World(0), leaders, None)
+    head, leaders = head_with(bundle_without_4, [])
     assert head.receive_answers(2, 1.0) == [ack(1)]
     assert head.receive_answers(3, 1.0) == [ack(1)]
     assert leaders.asked == [1]
-    leaders.bundles[1].append([])
     with pytest.raises(TransportCorrupt, match=r"the answers of worker rank 4's host held none of it"):
         head.receive_answers(4, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("failure", "raised"),
+    [(TransportTimeout("timed out after 5 s"), TransportTimeout), (RuntimeError("Connection closed"), PeerLost)],
+)
+def test_a_bundle_that_does_not_come_names_the_host_and_its_leader(failure: Exception, raised: type[Exception]) -> None:
+    head = hosts_transport(World(0), Leaders(fail=failure), None)
+    with pytest.raises(
+        raised, match=r"the answers of the host of ranks \[2, 3, 4\], which its leader, rank 2, bundles"
+    ):
+        head.receive_answers(3, 1.0)
 
 
 def test_workers_answer_by_host_the_heads_at_once_on_its_ring_the_others_at_their_sync_point() -> None:
@@ -163,15 +162,26 @@ def test_workers_answer_by_host_the_heads_at_once_on_its_ring_the_others_at_thei
         far.answer(bytes(252), 1.0)
 
 
-def test_answers_held_at_close_are_left_in_the_store_the_leaders_readers_by_their_global_rank() -> None:
+def test_a_reader_whose_leader_is_gone_says_so_and_leaves_its_answers_in_the_store() -> None:
     world = World(3)
-    reader = hosts_transport(world, None, Ring({}))
+    reader = hosts_transport(world, None, Ring({}, gone={1: "died"}))
     reader.answer(report("stopped", stopped=True), 1.0)
+    with pytest.raises(
+        PeerLost, match=r"the head \(pid 7\) died \(the head of this host's ring is its leader, rank 2\)"
+    ):
+        reader.flush_answers(1.0)
     reader.close()
     assert world.left == {3: [report("stopped", stopped=True)]} and world.closed
 
-    leader_world = World(2)
-    leader = hosts_transport(leader_world, Leaders(), Ring({}, {1: [report("late")]}))
+
+def test_a_leader_closing_leaves_its_own_its_unsent_bundles_and_its_rings_answers_in_the_store() -> None:
+    world = World(2)
+    leader = hosts_transport(
+        world, Leaders(fail=RuntimeError("the head is gone")), Ring({1: [[ack(1)]], 2: [[ack(1)]]})
+    )
+    leader.answer(ack(1), 1.0)
+    with pytest.raises(RuntimeError):
+        leader.flush_answers(1.0)  # the bundle was read off the ring, then could not be sent
     leader.answer(report("mine"), 1.0)
     leader.close()
-    assert leader_world.left == {2: [report("mine")], 3: [report("late")]}
+    assert world.left == {2: [ack(1), report("mine")], 3: [ack(1)], 4: [ack(1)]}

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine import WorkerSummary
+from metrale_model_engine.shm import run_ring
 from metrale_model_engine.torch import run_group
 
+from helpers import hosts_parts
 from helpers import way_back_sessions as sessions
 from helpers.rank_results import load
 
@@ -18,8 +21,13 @@ pytestmark = pytest.mark.torch
 
 KINDS = ["shm", "torch", "hosts"]
 """``"hosts"``: a HostsTransport over two hosts this machine stands for (``sessions.open_link_of``)."""
-TRANSPORTS = {"shm": "ShmTransport", "torch": "TorchTransport", "hosts": "HostsTransport"}
-SIZES = [("shm", 2), ("shm", 3), ("torch", 2), ("torch", 3), ("hosts", 3), ("hosts", 4)]
+TRANSPORTS = {
+    "shm": "ShmTransport",
+    "torch": "TorchTransport",
+    "hosts": "HostsTransport",
+    "hosts-odd-even": "HostsTransport",
+}
+SIZES = [("shm", 2), ("shm", 3), ("torch", 2), ("torch", 3), ("hosts", 3), ("hosts", 4), ("hosts-odd-even", 4)]
 """Over "hosts", 3 ranks are the head alone and a host of a leader and its reader; 4, two hosts of two."""
 
 
@@ -59,18 +67,21 @@ def test_over_hosts_a_remote_reader_that_dies_is_named_and_the_head_fails_within
     assert isinstance(outcome, tuple)
     message = str(outcome[1])
     assert str(outcome[0]) in ("EpLinkError", "EpSendError"), message
-    assert "rank 2" in message, message
+    # Named by its leader's bundle; or, where the leader's relay of the sync item already found the ring's
+    # reader dead (and the leader's receive failed), by the exits this head sees (one machine here).
+    named = "waiting for worker rank 2" in message and "worker rank 2 died (pid" in message
+    assert named or "worker rank(s) [1, 2] exited" in message, message
     assert float(results[0]["seconds"]) < 10.0  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "hosts-odd-even"])
 def test_a_burst_of_failures_reaches_the_head_every_one_once(kind: str, tmp_path: Path) -> None:
     # Over shared memory, 10,000 overrun each worker's 16-answer ring many times over; over gloo a
     # worker holds its answers for the sync point, where 2,000 arrive in one message as 10,000 would.
     # Over "hosts", 4 ranks: rank 1 answers on the head's ring, rank 3 hands its 2,000 answers to its leader,
     # rank 2, through their host's 16-answer ring at the sync point, and the leader brings both to the head.
     commands = 10_000 if kind == "shm" else 2_000
-    world_size = 4 if kind == "hosts" else 3
+    world_size = 4 if kind.startswith("hosts") else 3
     codes = run_group(sessions.burst, world_size, kind, commands, str(tmp_path), backend="gloo", timeout=300)
     results = load(tmp_path, world_size)
     assert codes == [0] * world_size
@@ -95,3 +106,31 @@ def test_the_leaders_group_waits_as_long_as_the_whole_group(tmp_path: Path) -> N
     assert [results[rank]["world"] for rank in range(3)] == [week] * 3
     assert [results[rank]["leaders"] for rank in range(3)] == [week, week, None]  # rank 2 leads nothing
     assert [results[rank]["subgroup"] for rank in range(3)] == [4321.0] * 3  # a group's own, read back
+
+
+def bundles_in(out: Path) -> list[list[tuple[int, str]]]:
+    """The bundles ``hosts_parts.leader_on_a_ring``'s leader sent, described."""
+    return cast(list[list[tuple[int, str]]], load(out, 1)[0]["bundles"])
+
+
+def test_a_leader_on_a_real_ring_names_the_reader_that_left_not_the_one_it_waited_for(tmp_path: Path) -> None:
+    codes = run_ring(hosts_parts.leader_on_a_ring, 3, "gone", str(tmp_path), timeout=60)
+    assert codes == [0, 0, 0]
+    [bundle] = bundles_in(tmp_path)
+    assert bundle == [
+        (2, "ack 1"),
+        (4, "lost: worker rank 4 closed its transport (on its host's ring, led by rank 2)"),
+        (3, "ack 1"),  # it answered after the leader's wait for it failed, because rank 4 had left
+    ]
+
+
+def test_a_reader_late_for_one_sync_point_is_in_step_again_at_the_next(tmp_path: Path) -> None:
+    codes = run_ring(hosts_parts.leader_on_a_ring, 3, "late", str(tmp_path), timeout=60)
+    assert codes == [0, 0, 0]
+    first, second = bundles_in(tmp_path)
+    assert first == [
+        (2, "ack 1"),
+        (4, "ack 1"),
+        (3, "lost: worker rank 3 sent no answer within 0.4 s (on its host's ring, led by rank 2)"),
+    ]
+    assert second == [(2, "ack 2"), (3, "ack 1"), (3, "ack 2"), (4, "ack 2")]  # read up to sync point 2's

@@ -31,6 +31,7 @@ __all__ = [
     "ItemKind",
     "Report",
     "WireError",
+    "acknowledged",
     "answer_bytes",
     "closes_answers",
     "decode_answer",
@@ -320,15 +321,27 @@ def answer_bytes(answer: Buffer) -> memoryview:
     return data
 
 
-def closes_answers(answer: bytes) -> bool:
-    """Whether a worker answers nothing more before the next sync point after ``answer``.
+def acknowledged(answer: bytes) -> int | None:
+    """The number of the sync point that ``answer`` acknowledges; ``None`` when it is no acknowledgement."""
+    if len(answer) != _ACK.size or int.from_bytes(answer[:4], sys.byteorder) != ItemKind.ACK:
+        return None
+    return int.from_bytes(answer[4:8], sys.byteorder)
 
-    An acknowledgement closes what a worker answers for a sync point, and a report
-    that stopped the run closes everything it answers.  A transport that relays a
-    host's answers (``HostsTransport``) reads this, and nothing else, of them.
+
+def closes_answers(answer: bytes, number: int | None = None) -> bool:
+    """Whether a worker answers nothing more for sync point ``number`` after ``answer``.
+
+    Its acknowledgement of that sync point (of any, when ``number`` is ``None``)
+    closes what it answers for it, and a report that stopped the run closes
+    everything it answers.  A transport that relays a host's answers
+    (``HostsTransport``) reads this, and nothing else, of them.
     """
-    kind = int.from_bytes(answer[:4], sys.byteorder) if len(answer) >= 4 else 0
-    return kind in (ItemKind.ACK, ItemKind.STOP, ItemKind.WITNESS)
+    if len(answer) < 4:
+        return False
+    if int.from_bytes(answer[:4], sys.byteorder) in (ItemKind.STOP, ItemKind.WITNESS):
+        return True
+    sync = acknowledged(answer)
+    return sync is not None and (number is None or sync == number)
 
 
 def decode_answer(answer: bytes) -> Report | Ack:

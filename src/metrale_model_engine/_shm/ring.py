@@ -229,25 +229,42 @@ class RingWriter:
 
     def check_workers(self) -> None:
         """Raise :class:`PeerLost` if a worker has left or died."""
+        left = self._left()
+        if left:
+            reasons = ", ".join(f"worker rank {rank} {how}" for rank, how in left.items())
+            raise PeerLost(f"{reasons}; nothing more can reach every worker")
+        dead = self._dead()
+        if dead:
+            pids = sorted(dead.values())
+            raise PeerLost(f"worker rank(s) {sorted(dead)} died (pids {pids}); nothing more can reach every worker")
+
+    def gone_workers(self) -> dict[int, str]:
+        """The workers that left or died, by rank, each with how (``"closed its transport"``, ``"died (pid 7)"``)."""
+        return {rank: f"died (pid {pid})" for rank, pid in self._dead().items()} | self._left()  # left, then exited
+
+    def _left(self) -> dict[int, str]:
+        """The workers that marked themselves gone, by rank, with how."""
         segment = self._segment
         gone = segment.bytes[GONE_AT : GONE_AT + segment.layout.readers].tolist()
-        left = {r + 1: why for r, why in enumerate(gone) if why}
-        if left:
-            reasons = ", ".join(
-                f"worker rank {rank} {'closed its transport' if why == GONE_CLOSED else 'stopped: its receive failed'}"
-                for rank, why in left.items()
-            )
-            raise PeerLost(f"{reasons}; nothing more can reach every worker")
-        layout, u32 = segment.layout, segment.u32
+        return {
+            r + 1: "closed its transport" if why == GONE_CLOSED else "stopped: its receive failed"
+            for r, why in enumerate(gone)
+            if why
+        }
+
+    def _dead(self) -> dict[int, int]:
+        """The workers whose process exited, by rank, with their pid."""
+        layout, u32 = self._segment.layout, self._segment.u32
         if len(self._peers) < layout.readers:  # watch the workers that attached since the last look
             for reader in range(layout.readers):
                 pid = u32[layout.pid_at(reader) // 4]
                 if pid:
                     self._peers.add(pid)
         dead = self._peers.dead()
-        if dead:
-            ranks = sorted(r + 1 for r in range(layout.readers) if u32[layout.pid_at(r) // 4] in dead)
-            raise PeerLost(f"worker rank(s) {ranks} died (pids {sorted(dead)}); nothing more can reach every worker")
+        if not dead:
+            return {}
+        pids = {r + 1: u32[layout.pid_at(r) // 4] for r in range(layout.readers)}
+        return {rank: pid for rank, pid in pids.items() if pid in dead}
 
 
 class RingReader:

@@ -308,6 +308,16 @@ class ShmTransport:
             raise TransportClosed("this ShmTransport was closed" if self._closed else "a worker receives no answers")
         return self._answers_in.poll()
 
+    def gone_workers(self) -> dict[int, str]:
+        """Head: the workers that left the ring or died, by rank, each with how; empty while all are there.
+
+        What makes a wait of the head raise :class:`PeerLost`, told rank by rank, so
+        that a head waiting for one worker can tell whether that one is gone.
+        """
+        if self._writer is None or self._closed:
+            raise TransportClosed("this ShmTransport was closed" if self._closed else "a worker watches no workers")
+        return self._writer.gone_workers()
+
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
         """Head: worker ``rank``'s answers, waiting (bounded; its death detected) for at least one."""
         if self._answers_in is None or self._closed:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
 import torch.distributed as dist
 from typing_extensions import Buffer
 
-from .._core.codec import answer_bytes, closes_answers
-from .._core.transport import PeerLost, TransportClosed, TransportCorrupt
+from .._core.codec import acknowledged, answer_bytes, closes_answers
+from .._core.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
 from .._shm.transport import ShmTransport
 from .transport import TorchTransport
 
@@ -20,6 +21,8 @@ _LOST: Final[int] = 1 << 31
 _LEADER_SHARE: Final[float] = 0.8
 """Part of a sync point's timeout a leader waits for its host's answers: its bundle, naming the late ranks,
 then reaches the head before the head's own wait for it ends."""
+_LOOK_PAUSE: Final[float] = 0.001
+"""Seconds between two looks of a leader at its ring once a reader is gone or late."""
 
 
 class HostsTransport:
@@ -36,13 +39,15 @@ class HostsTransport:
     The way back crosses the same two hops.  The workers of the head's host answer
     on its ring, at once, as on one host.  A remote worker holds its answers until
     a sync point, then hands them to its leader on its host's ring; the leader reads
-    them until each of its readers has acknowledged the sync point (or stopped, or
-    is lost) and sends the head one bundle of its host's answers, by rank, point to
-    point over the leaders' group.  The head keeps what a bundle brings for the
-    ranks it has not asked yet.  A remote worker that leaves with answers held (it
-    stopped the run) puts them in the group's store, and so does a leader for its
-    own and for those its readers handed it too late; the head reads them there
-    once a send fails, as over :class:`TorchTransport`.
+    them until each of its readers has acknowledged this sync point (the number of
+    its own acknowledgement), stopped the run, or is lost (gone, or late past 0.8 of
+    the timeout: named in the bundle), and sends the head one bundle of its host's
+    answers, by rank, point to point over the leaders' group.  The head keeps what a
+    bundle brings for the ranks it has not asked yet.  Answers that will not reach a
+    sync point go to the group's store, appended: a remote worker's held ones when it
+    leaves (it stopped the run), and a leader's own, its unsent bundle and what its
+    readers left on the ring when it closes; the head reads them there once a send
+    fails, as over :class:`TorchTransport`.
 
     Liveness: the head watches the workers of its host through pidfds, and each
     leader its host's workers the same way (a reader lost at a sync point is named
@@ -59,11 +64,13 @@ class HostsTransport:
         "_bundled",
         "_held",
         "_host_of",
+        "_hosts",
         "_leaders",
         "_leaders_group",
         "_lost",
         "_members",
         "_ring",
+        "_unsent",
         "_world",
         "rank",
         "world_size",
@@ -88,8 +95,10 @@ class HostsTransport:
         """Number of ranks in the whole group."""
         self._host_of: Final = {rank: index for index, host in enumerate(hosts) for rank in host}
         """Each rank's host, as its leader's rank in the leaders' group (the head's host is 0)."""
-        self._members: Final = tuple(hosts[self._host_of[world.rank]])  # this host's ranks, by ring rank
-        self._held: list[bytes] = []  # a remote worker's answers, until its sync point
+        self._hosts: Final = tuple(tuple(host) for host in hosts)
+        self._members: Final = self._hosts[self._host_of[world.rank]]  # this host's ranks, by ring rank
+        self._held: deque[bytes] = deque()  # a remote worker's answers, until its sync point
+        self._unsent: list[bytes] = []  # a leader's bundle until it is sent
         self._bundled: dict[int, list[bytes]] = {}  # head: what leaders' bundles brought, by rank, not yet asked
         self._lost: dict[int, str] = {}  # head: the ranks a bundle said were lost, and how
 
@@ -113,7 +122,7 @@ class HostsTransport:
         except PeerLost as error:
             if self._members[0] == 0:
                 raise
-            raise PeerLost(f"{error} (the head of this host's ring is its leader, rank {self._members[0]})") from None
+            raise self._from_leader(error) from None
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """Every rank's ``words``, over the whole group."""
@@ -133,40 +142,77 @@ class HostsTransport:
 
     def flush_answers(self, timeout: float | None) -> None:
         """Worker, at a sync point: a remote reader hands its answers to its leader, a leader its host's to the head."""
-        held, self._held = self._held, []
         if self._leaders is not None:
-            self._leaders.send_answers(self._host_answers(held, timeout), timeout)
+            self._send_bundle(timeout)
         elif self._members[0] != 0:
             assert self._ring is not None  # a remote worker that does not lead shares a ring with its leader
-            for answer in held:  # the leader reads them now: a full answer ring waits for it, bounded
-                self._ring.answer(answer, timeout)
+            held = self._held
+            try:
+                while held:  # one at a time: what a failure leaves held, close leaves in the store
+                    self._ring.answer(held[0], timeout)  # the leader reads now: a full ring waits for it, bounded
+                    held.popleft()
+            except PeerLost as error:
+                raise self._from_leader(error) from None
 
-    def _host_answers(self, own: list[bytes], timeout: float | None) -> list[bytes]:
-        """Leader: its answers and its readers' up to each one's last for this sync point, as bundle entries."""
-        entries = [_entry(self.rank, answer) for answer in own]
+    def _send_bundle(self, timeout: float | None) -> None:
+        """Leader: its answers and its readers' for this sync point, to the head in one bundle."""
+        assert self._leaders is not None
+        own, self._held = list(self._held), deque()
+        number = acknowledged(own[-1]) if own else None  # the sync point: the leader's own answer to it comes last
+        self._unsent += [_entry(self.rank, answer) for answer in own] + self._readers_answers(number, timeout)
+        self._leaders.send_answers(self._unsent, timeout)
+        self._unsent = []
+
+    def _readers_answers(self, number: int | None, timeout: float | None) -> list[bytes]:
+        """Leader: bundle entries of each reader's answers up to its acknowledgement of sync point ``number``.
+
+        Read reader by reader as they come; once a wait fails (some reader is gone,
+        or the time is up), the ring is polled and each reader still awaited that is
+        gone or late is named lost.  The time is :data:`_LEADER_SHARE` of ``timeout``.
+        """
         ring = self._ring
         if ring is None:
-            return entries
+            return []
         deadline = None if timeout is None else time.monotonic() + _LEADER_SHARE * timeout
-        for reader, rank in enumerate(self._members[1:], start=1):
-            closed = False
-            while not closed:
+        entries: list[bytes] = []
+        awaited = list(range(1, len(self._members)))  # ring ranks
+        try:
+            while awaited:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                try:
-                    answers = ring.receive_answers(reader, left)
-                except Exception as error:  # noqa: BLE001  (named to the head, in the bundle)
-                    entries.append(_entry(rank | _LOST, self._lost_text(rank, error).encode()))
-                    break
-                entries += [_entry(rank, answer) for answer in answers]
-                closed = any(closes_answers(answer) for answer in answers)
+                answers = ring.receive_answers(awaited[0], left)
+                entries += [_entry(self._members[awaited[0]], answer) for answer in answers]
+                if any(closes_answers(answer, number) for answer in answers):
+                    awaited.pop(0)
+        except (PeerLost, TransportTimeout):
+            entries += self._look_at_each_reader(ring, awaited, number, deadline, timeout)
         return entries
 
-    def _lost_text(self, rank: int, error: Exception) -> str:
-        ring_ranks = ", ".join(f"{index} is rank {member}" for index, member in enumerate(self._members))
-        return (
-            f"worker rank {rank}'s answers could not be read on its host's ring, led by rank {self.rank} "
-            f"(ring rank {ring_ranks}): {error}"
-        )
+    def _look_at_each_reader(
+        self, ring: ShmTransport, awaited: list[int], number: int | None, deadline: float | None, timeout: float | None
+    ) -> list[bytes]:
+        entries: list[bytes] = []
+        while True:
+            for reader, answer in ring.poll_answers():
+                entries.append(_entry(self._members[reader], answer))
+                if reader in awaited and closes_answers(answer, number):
+                    awaited.remove(reader)
+            gone = ring.gone_workers()  # after the poll: what a reader answered before it went is in
+            entries += [self._lost_entry(reader, gone[reader]) for reader in awaited if reader in gone]
+            awaited = [reader for reader in awaited if reader not in gone]
+            if not awaited:
+                return entries
+            if deadline is not None and time.monotonic() >= deadline:
+                late = f"sent no answer within {_LEADER_SHARE * (timeout or 0.0):g} s"
+                return entries + [self._lost_entry(reader, late) for reader in awaited]
+            time.sleep(_LOOK_PAUSE)
+
+    def _lost_entry(self, reader: int, how: str) -> bytes:
+        text = f"worker rank {self._members[reader]} {how} (on its host's ring, led by rank {self.rank})"
+        return _entry(self._members[reader] | _LOST, text.encode())
+
+    def _from_leader(self, error: PeerLost) -> PeerLost:
+        """A remote reader's ring error, saying that the ring's head is the host's leader."""
+        return PeerLost(f"{error} (the head of this host's ring is its leader, rank {self._members[0]})")
 
     def answers_ready(self) -> bool:
         """Head: whether a worker of its host answered (remote answers arrive at sync points)."""
@@ -189,10 +235,14 @@ class HostsTransport:
         host = self._host_of[rank]
         if host == 0:
             assert self._ring is not None  # the head's host holds several ranks, since it holds this one too
-            return self._ring.receive_answers(self._members.index(rank), timeout)
+            try:
+                return self._ring.receive_answers(self._members.index(rank), timeout)
+            except PeerLost as error:
+                raise PeerLost(f"{error}{self._ring_ranks()}") from None
+            except TransportTimeout as error:
+                raise TransportTimeout(f"{error}{self._ring_ranks()}") from None
         if rank not in self._bundled and rank not in self._lost:
-            assert self._leaders is not None  # the head is in the leaders' group
-            self._take_bundle(self._leaders.receive_answers(host, timeout))
+            self._take_bundle(host, timeout)
             if rank not in self._bundled and rank not in self._lost:
                 raise TransportCorrupt(f"the answers of worker rank {rank}'s host held none of it")
         answers = self._bundled.pop(rank, [])
@@ -200,13 +250,31 @@ class HostsTransport:
             raise PeerLost(self._lost.pop(rank))
         return answers
 
-    def _take_bundle(self, entries: list[bytes]) -> None:
+    def _take_bundle(self, host: int, timeout: float | None) -> None:
+        """Head: the next bundle of ``host``'s leader, its answers kept by rank (its lost ranks replaced)."""
+        assert self._leaders is not None  # the head is in the leaders' group
+        ranks = self._hosts[host]
+        whose = f"the answers of the host of ranks {list(ranks)}, which its leader, rank {ranks[0]}, bundles"
+        try:
+            entries = self._leaders.receive_answers(host, timeout)
+        except TransportTimeout as error:
+            raise TransportTimeout(f"{whose}, did not come: {error}") from None
+        except Exception as error:
+            raise PeerLost(f"{whose}, could not be received: {error}") from error
+        for rank in ranks:
+            self._lost.pop(rank, None)
         for entry in entries:
             tag = int.from_bytes(entry[:4], sys.byteorder)
             if tag & _LOST:
                 self._lost[tag & ~_LOST] = entry[4:].decode(errors="replace")
             else:
                 self._bundled.setdefault(tag, []).append(entry[4:])
+
+    def _ring_ranks(self) -> str:
+        """How this host's ring ranks map to ranks, for a ring's error; empty where they are the same."""
+        if self._members == tuple(range(len(self._members))):
+            return ""
+        return f" (ring ranks count within this host: {', '.join(map(str, self._members))} by ring rank)"
 
     def silent_ranks(self) -> list[int]:
         """Head: the workers whose heartbeat stopped (see :class:`TorchTransport`)."""
@@ -215,15 +283,16 @@ class HostsTransport:
     def close(self) -> None:
         """Close the ring, the leaders' transport (destroying its group) and the whole group's.  Idempotent.
 
-        A remote worker's answers still held, and on a leader its readers' answers
-        still on the ring, go to the group's store first (best effort).
+        Answers that will not reach a sync point go to the group's store first (best
+        effort): a remote worker's held ones, and on a leader those of a bundle not
+        sent and those its readers left on the ring.
         """
         try:
-            held, self._held = self._held, []
-            self._world.leave_answers(self.rank, held)
+            if self.rank != 0 and self._leaders is not None:
+                self._leave_relayed()  # first: a bundle not sent holds the leader's earlier answers
+            self._world.leave_answers(self.rank, list(self._held))
+            self._held.clear()
             if self._ring is not None:
-                if self._leaders is not None and self.rank != 0:
-                    self._leave_readers_answers(self._ring)
                 self._ring.close()
             if self._leaders is not None:
                 self._leaders.close()
@@ -233,14 +302,21 @@ class HostsTransport:
         finally:
             self._world.close()
 
-    def _leave_readers_answers(self, ring: ShmTransport) -> None:
-        try:
-            unread = ring.poll_answers()
-        except Exception:  # noqa: BLE001  (a ring already closed: nothing to leave)
-            return
+    def _leave_relayed(self) -> None:
+        """Leader, closing: its host's answers it holds or its ring holds, in the store by rank."""
         by_rank: dict[int, list[bytes]] = {}
-        for reader, answer in unread:
-            by_rank.setdefault(self._members[reader], []).append(answer)
+        for entry in self._unsent:
+            tag = int.from_bytes(entry[:4], sys.byteorder)
+            if not tag & _LOST:
+                by_rank.setdefault(tag, []).append(entry[4:])
+        self._unsent = []
+        if self._ring is not None:
+            try:
+                unread = self._ring.poll_answers()
+            except TransportClosed:  # closed already: nothing to read
+                unread = []
+            for reader, answer in unread:
+                by_rank.setdefault(self._members[reader], []).append(answer)
         for rank, answers in by_rank.items():
             self._world.leave_answers(rank, answers)
 

@@ -127,7 +127,7 @@ class TorchTransport:
         self._head = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         self._store: Store | None = _group_store(group)
         self._gathered = False  # the first gather (the link's setup) has run
-        self._left: set[int] = set()  # workers whose last answers the head has taken from the store
+        self._taken: dict[int, int] = {}  # by worker: how much of its last words (hex digits) the head has read
         self._next_look = 0.0  # the head's next look in the store, by time.monotonic()
         self._heartbeat: Heartbeat | None = None
         self._beats: HeartbeatReader | None = None
@@ -179,13 +179,14 @@ class TorchTransport:
 
         Best effort: a failure is only logged.  What :meth:`close` does with this
         rank's held answers; a transport that relays other ranks' answers (a host's
-        leader in :class:`HostsTransport`) calls it for theirs.  The head reads each
-        rank's once (:meth:`poll_answers`).
+        leader in :class:`HostsTransport`) calls it for theirs.  Appended to what the
+        rank left before; the head reads each answer once (:meth:`poll_answers`).
         """
         if not answers or self._store is None or self._group is None:
             return
-        try:
-            self._store.set(_last_words_key(rank), _pack_answers(answers).hex())  # the store takes text
+        words = _pack_answers(answers).hex()  # the store takes text
+        try:  # appended (torch's stub lacks it): a leader may leave a reader's answers as the reader leaves its own
+            self._store.append(_last_words_key(rank), words)  # type: ignore[attr-defined]
         except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
             _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", rank, error)
 
@@ -277,7 +278,7 @@ class TorchTransport:
         return False
 
     def poll_answers(self) -> list[tuple[int, bytes]]:
-        """Head: the answers of workers that left them in the store (see the class), each taken once.
+        """Head: the answers workers left in the store (see the class), each taken once, by worker in the order left.
 
         Between sync points nothing else arrives over a group.  A look costs a store
         round trip per worker, so it happens at most every 10 ms; the link looks only
@@ -291,10 +292,11 @@ class TorchTransport:
         found: list[tuple[int, bytes]] = []
         for rank in range(1, self.world_size):
             key = _last_words_key(rank)
-            if rank in self._left or not store.check([key]):
+            if not store.check([key]):
                 continue
-            self._left.add(rank)
-            found += [(rank, answer) for answer in _unpack_answers(bytes.fromhex(store.get(key).decode()))]
+            words = store.get(key).decode()
+            taken, self._taken[rank] = self._taken.get(rank, 0), len(words)
+            found += [(rank, answer) for answer in _unpack_answers(bytes.fromhex(words[taken:]))]
         return found
 
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
