@@ -54,6 +54,12 @@ class Leaders:
         self.asked: list[int] = []
         self.fail = fail
 
+    def send(self, parts: Sequence[bytes], timeout: float | None) -> None:
+        pass
+
+    def receive(self, timeout: float | None) -> memoryview:
+        return memoryview(bytes(12))  # a command of three words
+
     def send_answers(self, answers: Sequence[bytes], timeout: float | None) -> None:
         if self.fail is not None:
             raise self.fail

@@ -1,8 +1,9 @@
-"""``HostsTransport``'s way back, with its parts stood in for: what a leader bundles, what the head takes from it."""
+"""``HostsTransport``'s way back and its rings' errors, with its parts stood in for."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import pytest
 
@@ -47,6 +48,10 @@ class Ring:
 
     def gone_workers(self) -> dict[int, str]:
         return dict(self.gone)
+
+    def send(self, parts: Sequence[bytes], timeout: float | None) -> None:
+        if self.gone:
+            raise PeerLost(f"worker rank(s) {sorted(self.gone)} died (pids [7]); nothing more can reach every worker")
 
     def answer(self, answer: bytes, timeout: float | None) -> None:
         if self.gone:
@@ -185,3 +190,14 @@ def test_a_leader_closing_leaves_its_own_its_unsent_bundles_and_its_rings_answer
     leader.answer(report("mine"), 1.0)
     leader.close()
     assert world.left == {2: [ack(1), report("mine")], 3: [ack(1)], 4: [ack(1)]}
+
+
+def test_a_rings_error_says_how_its_ring_ranks_map_to_ranks_where_they_differ() -> None:
+    leader = hosts_transport(World(2), Leaders(), Ring({}, gone={1: "died (pid 7)"}))
+    with pytest.raises(
+        PeerLost, match=r"^worker rank\(s\) \[1\] died .* \(this host's ring numbers ranks \[2, 3, 4\] from 0\)$"
+    ):
+        leader.receive(1.0)
+    head = hosts_transport(World(0), Leaders(), Ring({}, gone={1: "died (pid 7)"}))
+    with pytest.raises(PeerLost, match=r"reach every worker$"):  # the head's host: ring ranks are ranks
+        head.send([b"\0" * 12], 1.0)

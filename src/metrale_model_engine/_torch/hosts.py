@@ -105,16 +105,24 @@ class HostsTransport:
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: publish on its host's ring (the near readers first), then broadcast to the leaders."""
         if self._ring is not None:
-            self._ring.send(parts, timeout)
+            self._publish(parts, timeout)
         if self._leaders is not None:
             self._leaders.send(parts, timeout)
+
+    def _publish(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        """On this host's ring, as its head (the head, or a leader relaying)."""
+        assert self._ring is not None
+        try:
+            self._ring.send(parts, timeout)
+        except (PeerLost, TransportTimeout) as error:
+            raise self._in_ranks(error) from None
 
     def receive(self, timeout: float | None) -> memoryview:
         """Worker: from the leaders' broadcast (a leader republishes it first), else from the host's ring."""
         if self._leaders is not None:
             message = self._leaders.receive(timeout)
             if self._ring is not None:
-                self._ring.send((message,), timeout)
+                self._publish((message,), timeout)
             return message
         assert self._ring is not None  # a worker that leads nothing reads its host's ring
         try:
@@ -237,10 +245,8 @@ class HostsTransport:
             assert self._ring is not None  # the head's host holds several ranks, since it holds this one too
             try:
                 return self._ring.receive_answers(self._members.index(rank), timeout)
-            except PeerLost as error:
-                raise PeerLost(f"{error}{self._ring_ranks()}") from None
-            except TransportTimeout as error:
-                raise TransportTimeout(f"{error}{self._ring_ranks()}") from None
+            except (PeerLost, TransportTimeout) as error:
+                raise self._in_ranks(error) from None
         if rank not in self._bundled and rank not in self._lost:
             self._take_bundle(host, timeout)
             if rank not in self._bundled and rank not in self._lost:
@@ -270,11 +276,11 @@ class HostsTransport:
             else:
                 self._bundled.setdefault(tag, []).append(entry[4:])
 
-    def _ring_ranks(self) -> str:
-        """How this host's ring ranks map to ranks, for a ring's error; empty where they are the same."""
+    def _in_ranks(self, error: PeerLost | TransportTimeout) -> PeerLost | TransportTimeout:
+        """This host's ring's ``error``, where ring ranks are not ranks, saying how they map."""
         if self._members == tuple(range(len(self._members))):
-            return ""
-        return f" (ring ranks count within this host: {', '.join(map(str, self._members))} by ring rank)"
+            return error
+        return type(error)(f"{error} (this host's ring numbers ranks {list(self._members)} from 0)")
 
     def silent_ranks(self) -> list[int]:
         """Head: the workers whose heartbeat stopped (see :class:`TorchTransport`)."""
