@@ -391,3 +391,20 @@ def leaves_its_group_itself(rank: int, world_size: int) -> None:
     """A target that follows the README's advice: it destroys the group when it is done."""
     dist.all_reduce(torch.ones(1))
     dist.destroy_process_group()
+
+
+def last_words(rank: int, world_size: int, out: str) -> None:
+    """A worker leaves answers in the group's store three times; the head looks after each (``TorchTransport``)."""
+    transport = TorchTransport(heartbeat=None)
+    transport.gather([0])  # the setup: last words of an earlier transport are cleared here
+    looks: list[list[tuple[int, bytes]]] = []
+    for words in ([b"one."], [b"two.", b"three"], []):
+        if rank == 1:
+            transport.leave_answers(1, words)
+        transport.gather([1])  # left before the head looks
+        if rank == 0:
+            time.sleep(0.02)  # the head looks at most every 10 ms
+            looks.append(transport.poll_answers())
+        transport.gather([2])  # looked before the worker leaves more
+    save(out, rank, looks=looks)
+    transport.close()

@@ -30,6 +30,8 @@ class Ring:
         self.batches = batches
         self.gone = gone or {}
         self.answered: list[bytes] = []
+        self.leaving: dict[int, tuple[str, list[bytes]]] = {}
+        """Readers that publish these answers and leave just as the ring is asked who is gone."""
 
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
         batch = self.batches[rank].pop(0) if self.batches.get(rank) else None
@@ -47,7 +49,12 @@ class Ring:
         return found
 
     def gone_workers(self) -> dict[int, str]:
-        return dict(self.gone)
+        found = dict(self.gone)
+        for reader, (how, answers) in self.leaving.items():
+            self.batches.setdefault(reader, []).append(answers)
+            self.gone[reader] = how
+        self.leaving = {}
+        return found
 
     def send(self, parts: Sequence[bytes], timeout: float | None) -> None:
         if self.gone:
@@ -201,3 +208,78 @@ def test_a_rings_error_says_how_its_ring_ranks_map_to_ranks_where_they_differ() 
     head = hosts_transport(World(0), Leaders(), Ring({}, gone={1: "died (pid 7)"}))
     with pytest.raises(PeerLost, match=r"reach every worker$"):  # the head's host: ring ranks are ranks
         head.send([b"\0" * 12], 1.0)
+
+
+def test_a_reader_that_answers_and_leaves_while_the_leader_looks_is_not_named_lost() -> None:
+    ring = Ring({1: [None], 2: [None]}, gone={2: "closed its transport"})
+    ring.leaving = {1: ("closed its transport", [ack(1)])}  # its acknowledgement, then gone, between two looks
+    head, _ = head_with(bundle_of(ring, [ack(1)]))
+    assert head.receive_answers(3, 1.0) == [ack(1)]
+    with pytest.raises(PeerLost, match="worker rank 4 closed its transport"):
+        head.receive_answers(4, 1.0)
+
+
+def test_a_leader_that_fails_while_it_reads_leaves_what_it_had_read_and_its_own_in_the_store() -> None:
+    world = World(2)
+    ring = Ring({1: [[report("three"), ack(1)]], 2: [None]})  # rank 3's read, then the ring fails at rank 4's
+    leader = hosts_transport(world, Leaders(), ring)
+    leader.answer(ack(1), 1.0)
+    original = ring.receive_answers
+
+    def fails_at_the_second_reader(rank: int, timeout: float | None) -> list[bytes]:
+        if rank == 2:
+            raise OSError("the ring's memory is gone")
+        return original(rank, timeout)
+
+    ring.receive_answers = fails_at_the_second_reader  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        leader.flush_answers(1.0)
+    leader.close()
+    assert world.left == {2: [ack(1)], 3: [report("three"), ack(1)]}
+
+
+def test_a_bundle_with_another_hosts_rank_is_refused_as_corrupt() -> None:
+    head, _ = head_with([rank.to_bytes(4, sys.byteorder) + ack(1) for rank in (2, 1)])
+    with pytest.raises(TransportCorrupt, match=r"held answers of rank\(s\) \[1\], of other hosts"):
+        head.receive_answers(2, 1.0)
+
+
+def test_a_leaders_transport_that_fails_to_close_still_leaves_the_ring_and_the_whole_group_closed() -> None:
+    world = World(2)
+    leaders = Leaders()
+
+    def refuses() -> None:
+        raise RuntimeError("the leaders' group is gone")
+
+    leaders.close = refuses  # type: ignore[method-assign]
+    ring = Ring({})
+    closed: list[str] = []
+    ring.close = lambda: closed.append("ring")  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="the leaders' group is gone"):
+        hosts_transport(world, leaders, ring).close()
+    assert closed == ["ring"] and world.closed
+
+
+def test_last_words_are_appended_on_a_store_with_append_and_on_one_without() -> None:
+    from torch._C._distributed_c10d import HashStore, Store
+
+    from metrale_model_engine._torch.transport import append_text
+
+    class WithoutAppend(Store):  # a Store written in Python: torch's append says "Not implemented"
+        def __init__(self) -> None:
+            super().__init__()
+            self.values: dict[str, bytes] = {}
+
+        def set(self, key: str, value: str | bytes) -> None:
+            self.values[key] = value.encode() if isinstance(value, str) else value
+
+        def get(self, key: str) -> bytes:
+            return self.values[key]
+
+        def check(self, keys: list[str]) -> bool:
+            return all(key in self.values for key in keys)
+
+    for store in (HashStore(), WithoutAppend()):
+        append_text(store, "words", "ab")
+        append_text(store, "words", "cd")
+        assert store.get("words") == b"abcd", type(store).__name__

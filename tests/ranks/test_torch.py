@@ -233,3 +233,9 @@ def test_a_head_that_leaves_its_with_block_ends_every_worker_at_once(
 
 def test_run_group_leaves_alone_a_group_its_target_destroyed() -> None:
     assert run_group(sessions.leaves_its_group_itself, 2, timeout=120) == [0, 0]
+
+
+def test_last_words_left_in_the_store_are_appended_and_the_head_reads_each_once(tmp_path: Path) -> None:
+    codes, results = run(sessions.last_words, 2, tmp_path)
+    assert codes == [0, 0]
+    assert results[0]["looks"] == [[(1, b"one.")], [(1, b"two."), (1, b"three")], []]

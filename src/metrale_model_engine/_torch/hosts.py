@@ -6,6 +6,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Final
 
 import torch.distributed as dist
@@ -22,7 +23,9 @@ _LEADER_SHARE: Final[float] = 0.8
 """Part of a sync point's timeout a leader waits for its host's answers: its bundle, naming the late ranks,
 then reaches the head before the head's own wait for it ends."""
 _LOOK_PAUSE: Final[float] = 0.001
-"""Seconds between two looks of a leader at its ring once a reader is gone or late."""
+"""Seconds between a leader's first two looks at its ring once a wait for a reader failed (then doubling)."""
+_LOOK_PAUSE_MAX: Final[float] = 0.02
+"""The longest pause between two such looks."""
 
 
 class HostsTransport:
@@ -163,56 +166,63 @@ class HostsTransport:
                 raise self._from_leader(error) from None
 
     def _send_bundle(self, timeout: float | None) -> None:
-        """Leader: its answers and its readers' for this sync point, to the head in one bundle."""
+        """Leader: its answers and its readers' for this sync point, to the head in one bundle.
+
+        The bundle grows in ``_unsent`` as it is read, so that whatever stops it
+        leaves nothing read in the void: :meth:`close` puts it in the store.
+        """
         assert self._leaders is not None
-        own, self._held = list(self._held), deque()
-        number = acknowledged(own[-1]) if own else None  # the sync point: the leader's own answer to it comes last
-        self._unsent += [_entry(self.rank, answer) for answer in own] + self._readers_answers(number, timeout)
+        own = list(self._held)
+        self._held.clear()
+        self._unsent += [_entry(self.rank, answer) for answer in own]
+        numbers = [number for number in map(acknowledged, own) if number is not None]
+        self._read_readers(numbers[-1] if numbers else None, timeout)  # the leader acknowledges it too
         self._leaders.send_answers(self._unsent, timeout)
         self._unsent = []
 
-    def _readers_answers(self, number: int | None, timeout: float | None) -> list[bytes]:
-        """Leader: bundle entries of each reader's answers up to its acknowledgement of sync point ``number``.
+    def _read_readers(self, number: int | None, timeout: float | None) -> None:
+        """Leader: each reader's answers up to its acknowledgement of sync point ``number`` (``None``: any), bundled.
 
         Read reader by reader as they come; once a wait fails (some reader is gone,
-        or the time is up), the ring is polled and each reader still awaited that is
-        gone or late is named lost.  The time is :data:`_LEADER_SHARE` of ``timeout``.
+        or the time is up), each reader still awaited is looked at in turn.  The time
+        is :data:`_LEADER_SHARE` of ``timeout``.
         """
         ring = self._ring
         if ring is None:
-            return []
+            return
         deadline = None if timeout is None else time.monotonic() + _LEADER_SHARE * timeout
-        entries: list[bytes] = []
         awaited = list(range(1, len(self._members)))  # ring ranks
         try:
             while awaited:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 answers = ring.receive_answers(awaited[0], left)
-                entries += [_entry(self._members[awaited[0]], answer) for answer in answers]
+                self._unsent += [_entry(self._members[awaited[0]], answer) for answer in answers]
                 if any(closes_answers(answer, number) for answer in answers):
                     awaited.pop(0)
         except (PeerLost, TransportTimeout):
-            entries += self._look_at_each_reader(ring, awaited, number, deadline, timeout)
-        return entries
+            self._look_at_each_reader(ring, awaited, number, deadline, timeout)
 
     def _look_at_each_reader(
         self, ring: ShmTransport, awaited: list[int], number: int | None, deadline: float | None, timeout: float | None
-    ) -> list[bytes]:
-        entries: list[bytes] = []
+    ) -> None:
+        """Leader, once a wait failed: poll the ring until each awaited reader answered, or is gone, or late."""
+        pause = _LOOK_PAUSE
         while True:
+            gone = ring.gone_workers()  # first: what a reader answered before it went is in the poll below
             for reader, answer in ring.poll_answers():
-                entries.append(_entry(self._members[reader], answer))
+                self._unsent.append(_entry(self._members[reader], answer))
                 if reader in awaited and closes_answers(answer, number):
                     awaited.remove(reader)
-            gone = ring.gone_workers()  # after the poll: what a reader answered before it went is in
-            entries += [self._lost_entry(reader, gone[reader]) for reader in awaited if reader in gone]
+            self._unsent += [self._lost_entry(reader, gone[reader]) for reader in awaited if reader in gone]
             awaited = [reader for reader in awaited if reader not in gone]
             if not awaited:
-                return entries
+                return
             if deadline is not None and time.monotonic() >= deadline:
                 late = f"sent no answer within {_LEADER_SHARE * (timeout or 0.0):g} s"
-                return entries + [self._lost_entry(reader, late) for reader in awaited]
-            time.sleep(_LOOK_PAUSE)
+                self._unsent += [self._lost_entry(reader, late) for reader in awaited]
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, _LOOK_PAUSE_MAX)
 
     def _lost_entry(self, reader: int, how: str) -> bytes:
         text = f"worker rank {self._members[reader]} {how} (on its host's ring, led by rank {self.rank})"
@@ -265,12 +275,17 @@ class HostsTransport:
             entries = self._leaders.receive_answers(host, timeout)
         except TransportTimeout as error:
             raise TransportTimeout(f"{whose}, did not come: {error}") from None
-        except Exception as error:
+        except (TransportClosed, TransportCorrupt):
+            raise
+        except Exception as error:  # the backend's own (gloo: RuntimeError)
             raise PeerLost(f"{whose}, could not be received: {error}") from error
+        tags = [int.from_bytes(entry[:4], sys.byteorder) for entry in entries]
+        strangers = sorted({tag & ~_LOST for tag in tags} - set(ranks))
+        if strangers:
+            raise TransportCorrupt(f"{whose}, held answers of rank(s) {strangers}, of other hosts")
         for rank in ranks:
             self._lost.pop(rank, None)
-        for entry in entries:
-            tag = int.from_bytes(entry[:4], sys.byteorder)
+        for tag, entry in zip(tags, entries, strict=True):
             if tag & _LOST:
                 self._lost[tag & ~_LOST] = entry[4:].decode(errors="replace")
             else:
@@ -293,20 +308,22 @@ class HostsTransport:
         effort): a remote worker's held ones, and on a leader those of a bundle not
         sent and those its readers left on the ring.
         """
-        try:
+        with ExitStack() as closing:  # each part is closed, whatever another one raises; the whole group's last
+            closing.callback(self._world.close)
+            closing.callback(self._destroy_leaders_group)
+            if self._leaders is not None:
+                closing.callback(self._leaders.close)
+            if self._ring is not None:
+                closing.callback(self._ring.close)
             if self.rank != 0 and self._leaders is not None:
                 self._leave_relayed()  # first: a bundle not sent holds the leader's earlier answers
             self._world.leave_answers(self.rank, list(self._held))
             self._held.clear()
-            if self._ring is not None:
-                self._ring.close()
-            if self._leaders is not None:
-                self._leaders.close()
-            group, self._leaders_group = self._leaders_group, None
-            if group is not None and dist.is_initialized():
-                dist.destroy_process_group(group)
-        finally:
-            self._world.close()
+
+    def _destroy_leaders_group(self) -> None:
+        group, self._leaders_group = self._leaders_group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def _leave_relayed(self) -> None:
         """Leader, closing: its host's answers it holds or its ring holds, in the store by rank."""

@@ -184,9 +184,8 @@ class TorchTransport:
         """
         if not answers or self._store is None or self._group is None:
             return
-        words = _pack_answers(answers).hex()  # the store takes text
-        try:  # appended (torch's stub lacks it): a leader may leave a reader's answers as the reader leaves its own
-            self._store.append(_last_words_key(rank), words)  # type: ignore[attr-defined]
+        try:  # appended: a leader may leave a reader's answers as the reader leaves its own
+            append_text(self._store, _last_words_key(rank), _pack_answers(answers).hex())  # the store takes text
         except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
             _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", rank, error)
 
@@ -393,6 +392,22 @@ def checked_liveness(heartbeat: object, head_lost_after: object) -> tuple[float 
             f"({SILENT_AFTER_BEATS} x heartbeat={heartbeat} = {SILENT_AFTER_BEATS * period:g} s)"
         )
     return period, lost_after
+
+
+def append_text(store: Store, key: str, text: str) -> None:
+    """Append ``text`` to ``key``'s value in ``store`` (created if missing).
+
+    ``Store.append`` (torch's stub lacks it); on a store that does not implement it
+    (a ``Store`` subclass in Python), a read, then a set, where a writer in between
+    would be lost.
+    """
+    try:
+        store.append(key, text)  # type: ignore[attr-defined]
+    except RuntimeError as error:
+        if "not implemented" not in str(error).lower():
+            raise
+        earlier = store.get(key).decode() if store.check([key]) else ""
+        store.set(key, earlier + text)
 
 
 def _pack_answers(answers: Sequence[bytes]) -> bytearray:
