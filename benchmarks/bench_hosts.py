@@ -69,6 +69,7 @@ def serve(out: Path, rounds: int, calls: int, spin: float | None) -> None:
             paths[f"gloo to {len(receivers)}"] = TorchTransport(group, heartbeat=None)
     order = random.Random(7)
     times: dict[tuple[str, str], list[list[float]]] = {}
+    sends: dict[tuple[str, str], list[list[float]]] = {}  # the head's: how long its send took
     everyone = sorted(
         {(path, size) for path in ("flat", "hosts", "gloo to 1", "gloo to 2", "gloo to 3") for size in SIZES}
         - {(f"gloo to {n}", SYNC) for n in (1, 2, 3)}
@@ -82,12 +83,13 @@ def serve(out: Path, rounds: int, calls: int, spin: float | None) -> None:
                 continue
             message = array("I", range(SIZES[size])).tobytes()
             samples = times.setdefault((path, size), [])
-            stamps = []
+            stamps, costs = [], []
             for _ in range(calls):
                 if rank == 0:
                     time.sleep(PAUSE)
                     stamps.append(time.monotonic())
                     transport.send((message,), 10.0)
+                    costs.append(time.monotonic() - stamps[-1])
                     if size == SYNC:
                         for worker in range(1, transport.world_size):
                             while not transport.receive_answers(worker, 10.0):
@@ -100,15 +102,21 @@ def serve(out: Path, rounds: int, calls: int, spin: float | None) -> None:
                         transport.answer(ACK, 10.0)
                         transport.flush_answers(10.0)
             samples.append(stamps)
-    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(times))
+            sends.setdefault((path, size), []).append(costs)
+    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps((times, sends)))
     for transport in paths.values():
         transport.close()
     dist.destroy_process_group()
 
 
-def latencies(out: Path, world_size: int) -> dict[tuple[str, str], list[float]]:
-    """Per case, each round's median latency (µs): head's start to the slowest worker that took part."""
-    ranks = [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
+def latencies(
+    out: Path, world_size: int
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[float]]]:
+    """Per case, each round's median latency (µs): head's start to the slowest worker that took part; and
+    each round's median time the head spent in its send (µs)."""
+    both = [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
+    ranks = [times for times, _ in both]
+    sends = {case: [1e6 * statistics.median(costs) for costs in rounds] for case, rounds in both[0][1].items()}
     found: dict[tuple[str, str], list[float]] = {}
     for case, rounds in ranks[0].items():
         if case[1] == SYNC:  # the head timed the round trip itself
@@ -118,7 +126,7 @@ def latencies(out: Path, world_size: int) -> dict[tuple[str, str], list[float]]:
             ends = [ranks[rank][case][index] for rank in range(1, world_size) if case in ranks[rank]]
             per_call = [1e6 * (max(end[call] for end in ends) - started[call]) for call in range(len(started))]
             found.setdefault(case, []).append(statistics.median(per_call))
-    return found
+    return found, sends
 
 
 def main(argv: list[str]) -> int:
@@ -152,8 +160,9 @@ def main(argv: list[str]) -> int:
             if code or any(exit_codes(stdout).values()):
                 print(stdout, stderr, file=sys.stderr)
                 return 1
-        found = latencies(out, 4)
+        found, sends = latencies(out, 4)
     report(found, rounds, calls, "learned" if args.spin is None else f"fixed at {args.spin:g} s")
+    report_sends(sends)
     return 0
 
 
@@ -191,6 +200,15 @@ def report(found: dict[tuple[str, str], list[float]], rounds: int, calls: int, s
             f"extrapolated {hosts} x {per_host}: flat {flat:.0f} µs, hosts {hier:.0f} µs, "
             f"flat / hosts {flat / hier:.1f}x"
         )
+
+
+def report_sends(sends: dict[tuple[str, str], list[float]]) -> None:
+    """The head's own cost of a send (what its scheduler waits for), flat against hosts: no target, a figure."""
+    print("the head's time in its send, µs (medians of the rounds' medians), flat / hosts paired by round:")
+    for size in ("header", "decode 64 pairs"):
+        flat, hosts = sends["flat", size], sends["hosts", size]
+        paired = statistics.median(f / h for f, h in zip(flat, hosts, strict=True))
+        print(f"  {size}: flat {statistics.median(flat):.1f}, hosts {statistics.median(hosts):.1f}, {paired:.2f}x")
 
 
 if __name__ == "__main__":
