@@ -61,6 +61,15 @@ class HostsTransport:
 
     Built by :func:`~metrale_model_engine.torch.open_transport` (``"auto"``, when the
     ranks span hosts and some host holds several); it owns its three parts.
+
+    Args:
+        world: this rank's transport over the whole group (its rank is this one's).
+        leaders: the transport over the head and the leaders (``None`` on a worker
+            that leads nothing).
+        ring: this host's ring, this rank's end of it (``None`` on a host of one rank).
+        leaders_group: the process group under ``leaders``, destroyed at close.
+        hosts: the ranks by host, the head's host first, each host's leader first
+            (its ring ranks are the positions in it).
     """
 
     __slots__ = (
