@@ -3,12 +3,12 @@ way back over a real ring (:func:`leader_on_a_ring`, a :func:`metrale_model_engi
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import cast
 
 from metrale_model_engine._core.codec import Ack, Report, acknowledged, encode_ack, encode_report
+from metrale_model_engine._torch.hosts import _opened
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.torch import HostsTransport, TorchTransport
 
@@ -114,10 +114,6 @@ def leader_on_a_ring(ring: ShmTransport, scenario: str, out: str) -> None:
 def described(bundle: Sequence[bytes]) -> list[tuple[int, str]]:
     """A bundle's entries as ``(rank, "ack N")`` or ``(rank, "lost: TEXT")``."""
     found = []
-    for entry in bundle:
-        tag = int.from_bytes(entry[:4], sys.byteorder)
-        if tag & 1 << 31:
-            found.append((tag & ~(1 << 31), f"lost: {entry[4:].decode()}"))
-        else:
-            found.append((tag, f"ack {acknowledged(entry[4:])}"))
+    for rank, lost, data in map(_opened, bundle):
+        found.append((rank, f"lost: {data.decode()}" if lost else f"ack {acknowledged(data)}"))
     return found

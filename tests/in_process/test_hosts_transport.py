@@ -263,7 +263,7 @@ def test_a_leaders_transport_that_fails_to_close_still_leaves_the_ring_and_the_w
 def test_last_words_are_appended_on_a_store_with_append_and_on_one_without() -> None:
     from torch._C._distributed_c10d import HashStore, Store
 
-    from metrale_model_engine._torch.transport import append_text
+    from metrale_model_engine._torch.answers import append_text
 
     class WithoutAppend(Store):  # a Store written in Python: torch's append says "Not implemented"
         def __init__(self) -> None:

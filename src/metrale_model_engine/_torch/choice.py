@@ -20,9 +20,9 @@ from .._host.liveness import host_fingerprint
 from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, ring_setup_failed, setup_reason, shm_supported
 from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
 from .groups import DEFAULT_IDLE_TIMEOUT
-from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT
+from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, checked_liveness
 from .hosts import HostsTransport
-from .transport import TorchTransport, checked_liveness
+from .transport import TorchTransport
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 

@@ -31,6 +31,8 @@ from typing import Final
 
 from torch._C._distributed_c10d import Store, TCPStore
 
+from .._core.checks import check_seconds
+
 DEFAULT_HEARTBEAT: Final[float] = 0.25
 """Seconds between two beats of a worker (a store round trip each: microseconds of the store's time)."""
 DEFAULT_HEAD_LOST_AFTER: Final[float] = 60.0
@@ -183,3 +185,21 @@ class HeartbeatReader:
             time.sleep(self._period / 2)
             quiet = [rank for rank in quiet if self._store.add(keys[rank], 0) == first[rank]]
         return quiet
+
+
+def checked_liveness(heartbeat: object, head_lost_after: object) -> tuple[float | None, float | None]:
+    """``(heartbeat, head_lost_after)`` of ``TorchTransport``, checked: seconds or ``None``, the bound at
+    least 4 beats (the head's wait before it calls a worker silent).
+
+    Raises:
+        TypeError, ValueError: either is not a positive number of seconds or ``None``,
+            or ``head_lost_after`` is shorter than those beats.
+    """
+    period = check_seconds("heartbeat", heartbeat, allow_none=True)
+    lost_after = check_seconds("head_lost_after", head_lost_after, allow_none=True)
+    if period is not None and lost_after is not None and lost_after < SILENT_AFTER_BEATS * period:
+        raise ValueError(
+            f"head_lost_after={head_lost_after} must be at least {SILENT_AFTER_BEATS} heartbeats "
+            f"({SILENT_AFTER_BEATS} x heartbeat={heartbeat} = {SILENT_AFTER_BEATS * period:g} s)"
+        )
+    return period, lost_after

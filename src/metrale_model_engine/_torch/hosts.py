@@ -288,17 +288,17 @@ class HostsTransport:
             raise
         except Exception as error:  # the backend's own (gloo: RuntimeError)
             raise PeerLost(f"{whose}, could not be received: {error}") from error
-        tags = [int.from_bytes(entry[:4], sys.byteorder) for entry in entries]
-        strangers = sorted({tag & ~_LOST for tag in tags} - set(ranks))
+        opened = list(map(_opened, entries))
+        strangers = sorted({rank for rank, _, _ in opened} - set(ranks))
         if strangers:
             raise TransportCorrupt(f"{whose}, held answers of rank(s) {strangers}, of other hosts")
         for rank in ranks:
             self._lost.pop(rank, None)
-        for tag, entry in zip(tags, entries, strict=True):
-            if tag & _LOST:
-                self._lost[tag & ~_LOST] = entry[4:].decode(errors="replace")
+        for rank, lost, data in opened:
+            if lost:
+                self._lost[rank] = data.decode(errors="replace")
             else:
-                self._bundled.setdefault(tag, []).append(entry[4:])
+                self._bundled.setdefault(rank, []).append(data)
 
     def _in_ranks(self, error: PeerLost | TransportTimeout) -> PeerLost | TransportTimeout:
         """This host's ring's ``error``, where ring ranks are not ranks, saying how they map."""
@@ -337,10 +337,9 @@ class HostsTransport:
     def _leave_relayed(self) -> None:
         """Leader, closing: its host's answers it holds or its ring holds, in the store by rank."""
         by_rank: dict[int, list[bytes]] = {}
-        for entry in self._unsent:
-            tag = int.from_bytes(entry[:4], sys.byteorder)
-            if not tag & _LOST:
-                by_rank.setdefault(tag, []).append(entry[4:])
+        for rank, lost, data in map(_opened, self._unsent):
+            if not lost:
+                by_rank.setdefault(rank, []).append(data)
         self._unsent = []
         if self._ring is not None:
             try:
@@ -356,3 +355,9 @@ class HostsTransport:
 def _entry(tag: int, data: bytes | memoryview) -> bytes:
     """One entry of a leader's bundle: the rank (or'ed with ``_LOST``), then the answer (or the text)."""
     return tag.to_bytes(4, sys.byteorder) + bytes(data)
+
+
+def _opened(entry: bytes) -> tuple[int, bool, bytes]:
+    """An entry of :func:`_entry`: its rank, whether it says the rank was lost, and the answer (or the text)."""
+    tag = int.from_bytes(entry[:4], sys.byteorder)
+    return tag & ~_LOST, bool(tag & _LOST), entry[4:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-import sys
 import time
 import weakref
 from collections.abc import Sequence
@@ -15,10 +14,10 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Buffer
 
-from .._core.checks import check_seconds
 from .._core.codec import FRAME_PAYLOAD, FRAME_WORDS, answer_bytes, frame_length, frame_message
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
-from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, SILENT_AFTER_BEATS, Heartbeat, HeartbeatReader
+from .answers import append_text, last_words_key, pack_answers, unpack_answers
+from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, Heartbeat, HeartbeatReader, checked_liveness
 
 _MAX_MESSAGE_WORDS: Final[int] = 1 << 30
 """A frame announcing more is corruption, not a message (4 GiB)."""
@@ -185,7 +184,7 @@ class TorchTransport:
         if not answers or self._store is None or self._group is None:
             return
         try:  # appended: a leader may leave a reader's answers as the reader leaves its own
-            append_text(self._store, _last_words_key(rank), _pack_answers(answers).hex())  # the store takes text
+            append_text(self._store, last_words_key(rank), pack_answers(answers).hex())  # the store takes text
         except Exception as error:  # noqa: BLE001  (the head, which serves the store, may be gone)
             _LOGGER.debug("worker rank %d could not leave its answers in the store: %s", rank, error)
 
@@ -267,7 +266,7 @@ class TorchTransport:
         sends its host's answers with it.
         """
         group = self._open_group()
-        payload = _pack_answers(answers)
+        payload = pack_answers(answers)
         self._point_to_point(group, torch.tensor([len(answers), len(payload) // 4], dtype=torch.int32), timeout, True)
         if payload:
             self._point_to_point(group, torch.frombuffer(payload, dtype=torch.int32), timeout, True)
@@ -290,12 +289,12 @@ class TorchTransport:
         self._next_look = now + _STORE_PAUSE
         found: list[tuple[int, bytes]] = []
         for rank in range(1, self.world_size):
-            key = _last_words_key(rank)
+            key = last_words_key(rank)
             if not store.check([key]):
                 continue
             words = store.get(key).decode()
             taken, self._taken[rank] = self._taken.get(rank, 0), len(words)
-            found += [(rank, answer) for answer in _unpack_answers(bytes.fromhex(words[taken:]))]
+            found += [(rank, answer) for answer in unpack_answers(bytes.fromhex(words[taken:]))]
         return found
 
     def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
@@ -308,7 +307,7 @@ class TorchTransport:
             return []
         payload = torch.zeros(words, dtype=torch.int32)
         self._point_to_point(group, payload, timeout, False, rank)
-        return _unpack_answers(payload.numpy().tobytes())
+        return unpack_answers(payload.numpy().tobytes())
 
     def _forget_last_words(self) -> None:
         """Head, once every rank is past the setup: remove answers an earlier link over this group left."""
@@ -316,7 +315,7 @@ class TorchTransport:
             return
         for rank in range(1, self.world_size):
             try:
-                self._store.delete_key(_last_words_key(rank))
+                self._store.delete_key(last_words_key(rank))
             except Exception as error:  # noqa: BLE001  (a store without deletion: the look stays harmless)
                 _LOGGER.debug("could not clear the store's key for worker rank %d: %s", rank, error)
 
@@ -374,63 +373,6 @@ class TorchTransport:
         if group is None:
             raise TransportClosed("the TorchTransport was closed; its process group is no longer used")
         return group
-
-
-def checked_liveness(heartbeat: object, head_lost_after: object) -> tuple[float | None, float | None]:
-    """``(heartbeat, head_lost_after)`` of :class:`TorchTransport`, checked: seconds or ``None``, the bound at
-    least 4 beats (the head's wait before it calls a worker silent).
-
-    Raises:
-        TypeError, ValueError: either is not a positive number of seconds or ``None``,
-            or ``head_lost_after`` is shorter than those beats.
-    """
-    period = check_seconds("heartbeat", heartbeat, allow_none=True)
-    lost_after = check_seconds("head_lost_after", head_lost_after, allow_none=True)
-    if period is not None and lost_after is not None and lost_after < SILENT_AFTER_BEATS * period:
-        raise ValueError(
-            f"head_lost_after={head_lost_after} must be at least {SILENT_AFTER_BEATS} heartbeats "
-            f"({SILENT_AFTER_BEATS} x heartbeat={heartbeat} = {SILENT_AFTER_BEATS * period:g} s)"
-        )
-    return period, lost_after
-
-
-def append_text(store: Store, key: str, text: str) -> None:
-    """Append ``text`` to ``key``'s value in ``store`` (created if missing).
-
-    ``Store.append`` (torch's stub lacks it); on a store that does not implement it
-    (a ``Store`` subclass in Python), a read, then a set, where a writer in between
-    would be lost.
-    """
-    try:
-        store.append(key, text)  # type: ignore[attr-defined]
-    except RuntimeError as error:
-        if "not implemented" not in str(error).lower():
-            raise
-        earlier = store.get(key).decode() if store.check([key]) else ""
-        store.set(key, earlier + text)
-
-
-def _pack_answers(answers: Sequence[bytes]) -> bytearray:
-    """Answers as one payload of u32 words: each one's length in bytes, then its bytes padded to a word."""
-    payload = bytearray()
-    for data in answers:
-        payload += len(data).to_bytes(4, sys.byteorder) + data.ljust(-(-len(data) // 4) * 4, b"\0")
-    return payload
-
-
-def _unpack_answers(payload: bytes) -> list[bytes]:
-    """The answers in a payload of :func:`_pack_answers`."""
-    found, at = [], 0
-    while at + 4 <= len(payload):
-        length = int.from_bytes(payload[at : at + 4], sys.byteorder)
-        found.append(payload[at + 4 : at + 4 + length])
-        at += 4 + -(-length // 4) * 4
-    return found
-
-
-def _last_words_key(rank: int) -> str:
-    """The store key where worker ``rank`` leaves the answers it still held when it left."""
-    return f"metrale_model_engine/last_answers/{rank}"
 
 
 def _group_store(group: dist.ProcessGroup) -> Store | None:
