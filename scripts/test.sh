@@ -118,12 +118,12 @@ echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
     "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)
 else
-    # Without torch: the core (every module that imports neither torch nor a module that does), its tests
-    # and the torch-free example; modules that need torch are followed silently (their own run is the one
-    # with torch).
+    # Without torch: the core (every module that imports neither torch, at the top or one indent in, as
+    # under TYPE_CHECKING, nor a module that does), its tests and the torch-free example; modules that need
+    # torch are followed silently (their own run is the one with torch).
     torch_free=()
     while IFS= read -r file; do
-        grep -qE "^(import torch|from torch)|^    import torch|^from \.+(_torch|torch)(\.[a-z_]+)? import" \
+        grep -qE "^(    )?(import torch|from torch)|^from \.+(_torch|torch)(\.[a-z_]+)? import" \
             "$file" || torch_free+=("$file")
     done < <(find src/metrale_model_engine -name '*.py' -not -path '*/reference/*' | sort)
     while IFS= read -r file; do
