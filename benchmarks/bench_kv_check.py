@@ -19,10 +19,10 @@ import time
 import torch
 
 from metrale_model_engine import EpLink
-from metrale_model_engine.reference import LmState, ReferenceLm, encode
+from metrale_model_engine.reference import LmState, ReferenceLm
 from metrale_model_engine.transport import SoloTransport
 
-PROMPT = tuple(encode("Licensed under the Apache License, Version 2.0 (the"))
+PROMPT = tuple("Licensed under the Apache License, Version 2.0 (the".encode())  # the shipped model: byte ids
 
 
 def filled(batch: int, check: bool) -> tuple[ReferenceLm, list[LmState | None]]:

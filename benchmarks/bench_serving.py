@@ -55,7 +55,6 @@ from metrale_model_engine.reference import (
     Server,
     check_decode,
     check_prefill,
-    encode,
 )
 from metrale_model_engine.torch import open_link, run_group
 from metrale_model_engine.transport import SoloTransport
@@ -111,7 +110,7 @@ class Workload:
         """Prompts cut from the Apache license at spread offsets (real text, so the model stays on it)."""
         step = (len(SOURCE) - self.prompt_tokens) // self.requests
         return [
-            Request(i, tuple(encode(SOURCE[i * step : i * step + self.prompt_tokens]))[: self.prompt_tokens],
+            Request(i, tuple(SOURCE[i * step : i * step + self.prompt_tokens].encode())[: self.prompt_tokens],
                     self.new_tokens)
             for i in range(self.requests)
         ]  # fmt: skip

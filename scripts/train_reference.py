@@ -1,23 +1,29 @@
-"""Train the reference model's shipped weights on this project's two license texts, deterministically.
+"""Train the reference model's shipped checkpoint on this project's two license texts, deterministically.
 
-    python scripts/train_reference.py                 # writes src/metrale_model_engine/reference/tiny_moe.weights
-    python scripts/train_reference.py --steps 50 --out /tmp/try.weights
+    python scripts/train_reference.py                 # writes src/metrale_model_engine/reference/tiny_moe/
+    python scripts/train_reference.py --steps 50 --out /tmp/try
 
 The corpus never changes: ``LICENSE-APACHE``, a newline, then ``LICENSE-MIT``
 (12,451 bytes), read from the repository root beside this script.  The one-rank
 model (:meth:`ShardedLm.forward`) trains on random windows drawn from a seeded
 generator, with AdamW, a linear warm-up then a cosine decay, and gradient
-clipping; one CPU thread and torch's deterministic algorithms.  The same
-arguments on the same machine and torch build therefore give a byte-identical
-file (another CPU instruction set may round differently).
+clipping; one CPU thread and torch's deterministic algorithms.  The weights are
+rounded to bfloat16 (the precision they were trained to keep) and written as a
+``MixtralForCausalLM`` checkpoint in float32 (``config.json``, ``model.safetensors``,
+``generation_config.json`` and the byte tokenizer's ``tokenizer.json``), which
+``transformers`` loads as it is.  The same arguments on the same machine and torch
+build give byte-identical files (another CPU instruction set may round differently).
 
 Measured on this project's machine (2 cores shared with other work; the
 training uses one), torch 2.13.0 CPU, default settings (1200 steps of 16 windows
 of 128 bytes, about 200 passes over the corpus): 152 s of training; mean loss of
 the last 100 steps 0.082, loss over the whole corpus with the saved bfloat16
-weights 0.080 (the model all but memorizes the 12 KB); a 1,578,576-byte file;
-greedy after "Licensed under the": ' Apache License, Version 2.0 (the "License");
-you may not use this file except in compliance with the License.'
+weights 0.080 (the model all but memorizes the 12 KB); greedy after "Licensed
+under the": ' Apache License, Version 2.0 (the "License"); you may not use this
+file except in compliance with the License.'  Those are the shipped weights, made
+when the model computed its rotary angles in float64; a run now rounds them as
+``transformers`` does (float32), so it gives weights of the same quality that
+differ in their last bits.
 """
 
 from __future__ import annotations
@@ -35,16 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from metrale_model_engine.reference import (
-    SHIPPED_WEIGHTS,
-    LmConfig,
-    ShardedLm,
-    decode_text,
-    encode,
-    init_full_state,
-    load_weights,
-    save_weights,
-)
+from metrale_model_engine.reference import SHIPPED_MODEL, Checkpoint, LmConfig, ShardedLm
+from metrale_model_engine.reference.checkpoint import byte_tokenizer, load_shard, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS_FILES = ("LICENSE-APACHE", "LICENSE-MIT")
@@ -70,7 +68,7 @@ class TrainSettings:
 def read_corpus(root: Path = ROOT) -> torch.Tensor:
     """The training text as byte tokens, 1-D int64: the license files joined by a newline."""
     text = "\n".join((root / name).read_text(encoding="utf-8") for name in CORPUS_FILES)
-    return torch.tensor(encode(text), dtype=torch.int64)
+    return torch.tensor(list(text.encode()), dtype=torch.int64)
 
 
 @contextlib.contextmanager
@@ -104,6 +102,20 @@ def sample_batch(
     return windows[:, :-1], windows[:, 1:]
 
 
+def init_weights(model: ShardedLm, generator: torch.Generator) -> None:
+    """A random start drawn from ``generator`` only: norm gains 1, every matrix normal with standard deviation
+    ``0.02``, the projections into the residual stream (``wo``, ``w_out``) scaled by ``1 / sqrt(2 * n_layers)``
+    (GPT-2's scheme)."""
+    residual_scale = (2 * model.config.n_layers) ** -0.5
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() < 2:
+                parameter.fill_(1.0)
+            else:
+                std = 0.02 * (residual_scale if name.endswith(("wo", "w_out")) else 1.0)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+
+
 def _optimizer(model: ShardedLm, settings: TrainSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on the matrices only (not the norm gains)."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
@@ -114,16 +126,16 @@ def _optimizer(model: ShardedLm, settings: TrainSettings) -> torch.optim.AdamW:
 
 def train(
     config: LmConfig, corpus: torch.Tensor, settings: TrainSettings, log: Callable[[str], None] = print
-) -> tuple[dict[str, torch.Tensor], list[float]]:
+) -> tuple[ShardedLm, list[float]]:
     """Train a one-rank model from a seeded random start; deterministic (see :func:`deterministic_torch`).
 
     Returns:
-        The trained full state (float32, CPU) and the loss of every step.
+        The trained model (float32, CPU) and the loss of every step.
     """
     with deterministic_torch():
         generator = torch.Generator().manual_seed(settings.seed)
         model = ShardedLm(config, num_slots=1)
-        model.load_full_state(init_full_state(config, generator))
+        init_weights(model, generator)
         optimizer = _optimizer(model, settings)
         losses: list[float] = []
         started = time.perf_counter()
@@ -144,7 +156,7 @@ def train(
                     f"step {step + 1:5d}  loss {sum(recent) / len(recent):.4f}  "
                     f"lr {learning_rate(step, settings):.2e}  {time.perf_counter() - started:6.1f} s"
                 )
-        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}, losses
+        return model, losses
 
 
 def corpus_loss(model: ShardedLm, corpus: torch.Tensor, seq_len: int) -> float:
@@ -159,13 +171,13 @@ def corpus_loss(model: ShardedLm, corpus: torch.Tensor, seq_len: int) -> float:
 
 def greedy_continuation(model: ShardedLm, prompt: str, steps: int) -> str:
     """``steps`` greedy bytes after ``prompt``, decoded (slot 0 of ``model``'s cache)."""
-    prompt_tokens = encode(prompt)
+    prompt_tokens = list(prompt.encode())
     logits = model.prefill(0, torch.tensor(prompt_tokens), 0)
     generated: list[int] = []
     for position in range(len(prompt_tokens), len(prompt_tokens) + steps):
         generated.append(int(logits.argmax()))
         logits = model.decode(torch.tensor([0]), torch.tensor(generated[-1:]), torch.tensor([position]))[0]
-    return decode_text(generated)
+    return bytes(generated).decode(errors="replace")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,24 +185,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="of the start and the batches")
-    parser.add_argument("--out", type=Path, default=SHIPPED_WEIGHTS, help="the weights file (default: the shipped)")
+    parser.add_argument("--out", type=Path, default=SHIPPED_MODEL, help="the checkpoint (default: the shipped)")
     args = parser.parse_args(argv)
     settings = dataclasses.replace(defaults, steps=args.steps, seed=args.seed)
     config = LmConfig()
     corpus = read_corpus()
     print(f"corpus: {corpus.numel()} bytes; {settings}")
     started = time.perf_counter()
-    state, losses = train(config, corpus, settings)
+    trained, losses = train(config, corpus, settings)
     elapsed = time.perf_counter() - started
-    save_weights(args.out, config, state)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16))
+    save_checkpoint(args.out, trained, tokenizer=byte_tokenizer())
     tail = losses[-settings.log_every :]
     print(f"trained in {elapsed:.1f} s; mean loss of the last {len(tail)} steps {sum(tail) / len(tail):.4f}")
 
     with deterministic_torch():
-        saved_config, saved_state = load_weights(args.out)
-        model = ShardedLm(saved_config, num_slots=1)
-        model.load_full_state(saved_state)
-        print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+        saved = Checkpoint.open(args.out)
+        model = ShardedLm(saved.config, num_slots=1)
+        load_shard(model, saved)
+        print(f"wrote {args.out} ({(args.out / 'model.safetensors').stat().st_size} bytes of weights)")
         print(f"loss over the whole corpus with the saved weights: {corpus_loss(model, corpus, settings.seq_len):.4f}")
         print(f"greedy: {SAMPLE_PROMPT!r} -> {greedy_continuation(model, SAMPLE_PROMPT, 120)!r}")
     return 0

@@ -1,5 +1,5 @@
 """What every test module shares: rank processes start from one server that imported torch once;
-the shipped weights of the reference model, read once per module (``shipped``); the tiers.
+the shipped model's checkpoint, opened once per module (``shipped``); the tiers.
 
 Tiers, one folder each: ``in_process/`` (no process of its own beyond a short helper),
 ``ranks/`` (rank processes from the start server) and ``programs/`` (the demo, the
@@ -27,10 +27,9 @@ import pytest
 from metrale_model_engine._host.launch import start_ranks_from_a_server
 
 if TYPE_CHECKING:
-    import torch
     from _pytest.terminal import TerminalReporter
 
-    from metrale_model_engine.reference import LmConfig
+    from metrale_model_engine.reference import Checkpoint
 
 start_ranks_from_a_server(
     ["metrale_model_engine.torch"] if importlib.util.find_spec("torch") is not None else ["metrale_model_engine.shm"]
@@ -38,11 +37,11 @@ start_ranks_from_a_server(
 
 
 @pytest.fixture(scope="module")
-def shipped() -> tuple[LmConfig, dict[str, torch.Tensor]]:
-    """The shipped weights: their config and full state, float32 CPU tensors (needs torch)."""
-    from metrale_model_engine.reference import load_weights
+def shipped() -> Checkpoint:
+    """The shipped model's checkpoint, opened (needs torch)."""
+    from metrale_model_engine.reference import Checkpoint
 
-    return load_weights()
+    return Checkpoint.open()
 
 
 TIERS = ("in_process", "ranks", "programs")

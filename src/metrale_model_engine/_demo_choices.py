@@ -1,5 +1,5 @@
-"""The demo's choices before any rank starts: the world sizes the shipped model allows, the device and
-backend this machine allows, the ranks' threads, and whether their KV caches fit its memory.
+"""The demo's choices before any rank starts: the prompts as the model's ids, the device and backend this
+machine allows, the ranks' threads, and whether their weights and KV caches fit its memory.
 
 Each refusal is a ``ValueError`` whose message is the demo's one ``error:`` line.
 """
@@ -8,40 +8,18 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Final
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+from ._demo_args import PROMPT_IDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from .reference import Checkpoint, Tokenizer
 
 TORCHRUN_VARS: Final = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """The variables that say this process is a rank that torchrun started."""
-
-
-def model_shape() -> tuple[int, int] | None:
-    """The shipped model's attention heads and experts, read from its weights' header.
-
-    ``None`` without torch or a readable weights file: ``main`` says so, in its own line.
-    """
-    try:
-        from .reference import SHIPPED_WEIGHTS, read_config
-    except ImportError:
-        return None
-    try:
-        config = read_config(SHIPPED_WEIGHTS)
-    except (OSError, ValueError):
-        return None
-    return config.n_heads, config.n_experts
-
-
-def shared_world_sizes(heads: int, experts: int) -> list[int]:
-    """The world sizes that can share ``heads`` attention heads and ``experts`` experts, ascending."""
-    return [size for size in range(1, min(heads, experts) + 1) if not heads % size and not experts % size]
-
-
-def unshared_world_size(world_size: int) -> str | None:
-    """Why the shipped model cannot be split over ``world_size`` ranks, or ``None``."""
-    shape = model_shape()
-    if shape is None or world_size in shared_world_sizes(*shape):
-        return None
-    listed = ", ".join(map(str, shared_world_sizes(*shape)))
-    return f"must divide the model's {shape[0]} attention heads and {shape[1]} experts ({listed}), got {world_size}"
 
 
 def under_torchrun_env() -> bool:
@@ -54,8 +32,11 @@ def cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-def device_and_backend(args: argparse.Namespace, local_ranks: int, devices: int) -> tuple[str, str]:
-    """The device and the backend the ranks use, from ``--device`` and ``--backend`` and ``devices`` CUDA devices.
+def device_and_backend(
+    args: argparse.Namespace, local_ranks: int, devices: int, world_sizes: Sequence[int]
+) -> tuple[str, str]:
+    """The device and the backend the ranks use, from ``--device`` and ``--backend`` and ``devices`` CUDA devices;
+    ``world_sizes`` are those that split the model (one that fits is suggested).
 
     Raises:
         ValueError: the choice cannot run here: CUDA with fewer devices than local
@@ -67,8 +48,7 @@ def device_and_backend(args: argparse.Namespace, local_ranks: int, devices: int)
     device = args.device or ("cuda" if on_gpus else "cpu")
     wanted = "--device cuda" if device == "cuda" else "--backend nccl" if args.backend == "nccl" else None
     if wanted is not None and devices < local_ranks:
-        shape = model_shape()
-        fits = [size for size in shared_world_sizes(*shape) if size <= devices] if shape else []
+        fits = [size for size in world_sizes if size <= devices]
         fewer = f"--world-size {fits[-1]}" if fits and not under_torchrun_env() else None
         on_cpu = "--device cpu" if wanted == "--device cuda" else "--backend gloo"
         instead = " or ".join(option for option in (fewer, on_cpu) if option)
@@ -98,17 +78,51 @@ def default_threads(local_ranks: int) -> int:
     return min(2, os.cpu_count() or 1) if local_ranks == 1 else 1
 
 
-def check_memory(slots: int, world_size: int, local_ranks: int) -> None:
-    """Refuse (``ValueError``) a slot count whose KV caches would not fit this machine's memory."""
-    from .reference import SHIPPED_WEIGHTS, read_config
-
-    needed = read_config(SHIPPED_WEIGHTS).kv_cache_bytes(slots, world_size, 4) * local_ranks  # float32
+def check_memory(checkpoint: Checkpoint, dtype: torch.dtype, slots: int, world_size: int, local_ranks: int) -> None:
+    """Refuse (``ValueError``) a run whose local ranks' weights and KV caches would not fit this machine's memory."""
+    config = checkpoint.config
+    per_rank = [
+        checkpoint.shard_bytes(rank, world_size, dtype) + config.kv_cache_bytes(slots, world_size, dtype.itemsize)
+        for rank in range(local_ranks)
+    ]
+    needed = sum(per_rank)
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # a platform that does not say
         return
     if needed > memory:
         raise ValueError(
-            f"--slots {slots}: the KV caches of {local_ranks} rank(s) would take {needed / 2**30:,.1f} GiB, "
-            f"more than this machine's {memory / 2**30:,.1f} GiB of memory"
+            f"--slots {slots}, --max-seq-len {config.max_seq_len}: the weights and KV caches of {local_ranks} "
+            f"rank(s) would take {needed / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of "
+            "memory (fewer --slots or a shorter --max-seq-len need less)"
         )
+
+
+def prompt_ids(
+    given: Sequence[tuple[str, object]], checkpoint: Checkpoint, tokenizer: Tokenizer | None
+) -> list[tuple[int, ...]]:
+    """The prompts as token ids, each checked against the model: non-empty, in its vocabulary and context.
+
+    Raises:
+        ValueError: a text prompt without a tokenizer, or a prompt that is empty, too long or
+            holds an id outside the vocabulary (the message gives the prompt's number, from 1).
+    """
+    from .reference import check_prompt
+
+    prompts: list[tuple[int, ...]] = []
+    for number, (kind, value) in enumerate(given, start=1):
+        if kind == PROMPT_IDS:
+            assert isinstance(value, tuple)
+            ids: tuple[int, ...] = value
+        elif tokenizer is None:
+            raise ValueError(
+                f"prompt {number} is text, but {checkpoint.directory} has no tokenizer.json: give it as --prompt-ids"
+            )
+        else:
+            assert isinstance(value, str)
+            ids = tuple(tokenizer.encode(value))
+        if not ids:
+            raise ValueError(f"prompt {number} is empty: a prompt needs at least one token")
+        check_prompt(ids, checkpoint.config, where=f"prompt {number}: ")
+        prompts.append(ids)
+    return prompts

@@ -1,27 +1,36 @@
-"""The main job: the reference tensor- and expert-parallel model, served over the protocol by several ranks.
+"""The main job: a MoE transformer from a checkpoint in the Hugging Face layout, served over the protocol by
+several ranks.
 
 Run ``python -m metrale_model_engine.demo`` (2 local ranks by default), or under
-``torchrun --nproc-per-node N -m metrale_model_engine.demo``.  Every rank loads the
-shipped weights (:mod:`metrale_model_engine.reference`) and keeps its shard: its
-attention heads and its experts.  The head serves a handful of prompts from the
-project's license texts with continuous batching (two of them arrive while the
-others run); the workers run :func:`~metrale_model_engine.run_worker`.  It prints
-each request's prompt and generated text, then tokens/s and how the head's decode
-step splits into compute, collectives and protocol (``--json PATH`` writes it all
-too).  Sync points compare every rank's KV bookkeeping as it goes and at the end.
+``torchrun --nproc-per-node N -m metrale_model_engine.demo``.  Every rank opens the
+checkpoint (``--model DIR``, a ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``;
+default the shipped model, :data:`~metrale_model_engine.reference.SHIPPED_MODEL`)
+and reads its own shard: its query and KV heads and its experts.  The head serves
+the prompts (``--prompt TEXT``, encoded by the model's ``tokenizer.json``, and
+``--prompt-ids 1,2,3``; by default a handful from the project's license texts, two of
+which arrive while the others run) with continuous batching, greedy unless
+``--temperature`` says otherwise; the workers run
+:func:`~metrale_model_engine.run_worker`.  It prints each request's prompt and
+generated text (its ids, without a tokenizer), then tokens/s and how the head's
+decode step splits into compute, collectives and protocol (``--json PATH`` writes it
+all too).  Sync points compare every rank's KV bookkeeping as it goes and at the end.
 
 Exit status: 0 when every rank served and agreed; 1 with one ``error: ...`` line
 when the run failed (a rank died or diverged); 2 with one ``error: ...`` line when
 it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
-the KV caches of ``--slots`` would not fit the machine's memory, or the ranks could
-not set up their link (``--transport shm`` with too little ``/dev/shm``, say; the
-line gives the root cause, once, whichever rank had it); 130 with the one line
-``interrupted`` on Ctrl-C (SIGINT), once every rank has gone.
+the checkpoint cannot be served (a missing or malformed file, an unsupported
+architecture or field, a missing or misshapen tensor: the line names which and
+where), the world size cannot split the model, a prompt is empty or outside the
+vocabulary, the weights and KV caches would not fit the machine's memory, or the
+ranks could not set up their link (``--transport shm`` with too little
+``/dev/shm``, say; the line gives the root cause, once, whichever rank had it); 130
+with the one line ``interrupted`` on Ctrl-C (SIGINT), once every rank has gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,21 +44,21 @@ from typing import TYPE_CHECKING, Final, NoReturn, TextIO
 from ._core.errors import EpSetupError
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
-from ._core.words import U32_MAX
+from ._demo_args import PROMPT_TEXT
+from ._demo_args import parse_args as _parse_args
 from ._demo_choices import (
     check_memory,
     cuda_devices,
     default_threads,
     device_and_backend,
+    prompt_ids,
     under_torchrun_env,
-    unshared_world_size,
 )
 from ._host.launch import INTERRUPTED
-from ._shm.segment import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     from ._engine.link import EpLink
-    from .reference import Completion, ReferenceLm
+    from .reference import Completion, ReferenceLm, Sampling
 
 __all__ = ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"]
 
@@ -61,112 +70,25 @@ PROMPTS: Final[tuple[str, ...]] = (
     "Unless required by applicable law",
     "The above copyright notice",
 )
-"""What the demo asks; the last :data:`LATE_PROMPTS` arrive at step :data:`LATE_STEP`, while the others run."""
+"""What the demo asks by default; the last :data:`LATE_PROMPTS` arrive at step :data:`LATE_STEP`, while the others
+run.  Prompts given on the command line all arrive at once."""
 LATE_PROMPTS: Final = 2
 LATE_STEP: Final = 6
-_CUT: Final = {
+_ENDED: Final = {
+    "stop": " (end of sequence)",
     "context": " (cut short: its slot's cache is full)",
     "error": " (failed)",
 }
 """What a request's line adds when it did not end with its ``--max-new-tokens``."""
 
 
-def _whole(text: str, least: int, most: int | None = None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-    if most is not None and value > most:
-        raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
-    return value
-
-
-def _world_size(text: str) -> int:
-    value = _whole(text, 1)
-    if value > MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE} (the most ranks one ring serves)")
-    return value
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose refusal is one ``error: ...`` line, as every other refusal of the demo."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (--help lists the options)\n")
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The demo's command line (``sys.argv[1:]`` by default); a bad argument exits 2 with one ``error:`` line.
 
     ``--json PATH`` is refused here when ``PATH``'s directory does not exist or ``PATH`` is a
-    directory, not after the run.
+    directory, not after the run; what needs the model is checked by :func:`main`, before any rank starts.
     """
-    parser = _OneLineParser(prog="python -m metrale_model_engine.demo", description=__doc__.split("\n\n")[0])
-    add = parser.add_argument
-    add(
-        "--world-size",
-        type=_world_size,
-        default=2,
-        help="local ranks, a divisor of the model's heads and experts (default 2; torchrun sets it)",
-    )
-    versions = [p.value for p in ProtocolVersion]
-    add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
-    add(
-        "--slots",
-        type=lambda t: _whole(t, 1, U32_MAX),
-        default=4,
-        help=f"sequences served at once (default 4; at most {U32_MAX}, a u32, and what the memory holds)",
-    )
-    add("--max-new-tokens", type=lambda t: _whole(t, 1), default=48, help="tokens generated per prompt (default 48)")
-    add("--prefill-chunk", type=lambda t: _whole(t, 1), default=16, help="most prompt tokens per prefill (default 16)")
-    add("--sync-every", type=lambda t: _whole(t, 1), default=16, help="steps between sync points (default 16)")
-    add(
-        "--device",
-        choices=["cpu", "cuda"],
-        default=None,
-        help="where each rank keeps its shard (default: cuda with a CUDA device per local rank, else cpu)",
-    )
-    add(
-        "--backend",
-        choices=["gloo", "nccl"],
-        default=None,
-        help="what carries the all-reduces (default: nccl on --device cuda, else gloo)",
-    )
-    add(
-        "--cuda-graphs",
-        action="store_true",
-        help="replay decode steps from CUDA graphs (one rank, --device cuda)",
-    )
-    add(
-        "--threads",
-        type=lambda t: _whole(t, 1),
-        default=None,
-        help="torch threads per rank (default: 1 per rank with several ranks, 2 with one; see the README)",
-    )
-    add(
-        "--transport",
-        choices=["auto", "shm", "torch"],
-        default="auto",
-        help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
-        "a host (auto, the default)",
-    )
-    add("--json", type=Path, default=None, metavar="PATH", help="also write the head's summary to PATH as JSON")
-    add(
-        "--check-kv",
-        action="store_true",
-        help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote",
-    )
-    args = parser.parse_args(argv)
-    unshared = unshared_world_size(args.world_size)
-    if unshared is not None:
-        parser.error(f"argument --world-size: {unshared}")
-    if args.json is not None and not args.json.resolve().parent.is_dir():
-        parser.error(f"argument --json: {str(args.json)!r} is in a directory that does not exist")
-    if args.json is not None and args.json.is_dir():
-        parser.error(f"argument --json: {str(args.json)!r} is a directory; name a file to write")
-    return args
+    return _parse_args(argv, description=__doc__.split("\n\n")[0])
 
 
 @dataclass(frozen=True)
@@ -184,6 +106,16 @@ class Work:
     device: str = "cpu"
     cuda_graphs: bool = False
     threads: int = 1
+    model: Path | None = None
+    """The checkpoint's directory; ``None``: the shipped model."""
+    dtype: str | None = None
+    """What the model runs in; ``None``: the checkpoint's own dtype."""
+    max_seq_len: int | None = None
+    prompts: tuple[tuple[int, ...], ...] = ()
+    """The prompts, as token ids; the last :attr:`late` of them arrive at step :data:`LATE_STEP`."""
+    late: int = 0
+    sampling: Sampling | None = None
+    """How every request picks its tokens; ``None``: greedy."""
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -221,6 +153,7 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     import torch
 
     from .reference import LmState, ReferenceLm
+    from .reference.checkpoint import DTYPES
 
     torch.set_num_threads(work.threads)
     device = None
@@ -231,6 +164,9 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     try:
         model = ReferenceLm(
             _open_link(world_size, work),
+            checkpoint=work.model,
+            dtype=None if work.dtype is None else DTYPES[work.dtype],
+            max_seq_len=work.max_seq_len,
             check_kv_values=work.check_kv,
             device=device,
             cuda_graphs=work.cuda_graphs,
@@ -272,32 +208,41 @@ def _open_link(world_size: int, work: Work) -> EpLink:
 
 
 def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
-    from .reference import Request, Server, decode_text, encode, run_summary, summary_lines
+    from .reference import GREEDY, Request, Server, Tokenizer, run_summary, summary_lines
 
     link = model.ep_link
+    checkpoint = model.checkpoint
+    tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
+    name = "the shipped model" if work.model is None else str(checkpoint.directory)
     _say(
-        f"[head] the reference MoE transformer ({sum(p.numel() for p in model.lm.parameters()):,} parameters on "
-        f"this rank, on {model.lm.embed.device}{', CUDA graphs' if work.cuda_graphs else ''}), {ranks}, protocol "
-        f"{link.protocol.value}; {work.slots} slots, prefill chunks of "
-        f"{work.prefill_chunk}; pids {' '.join(map(str, pids))}"
+        f"[head] {checkpoint.family.architecture} from {name} ({sum(p.numel() for p in model.lm.parameters()):,} "
+        f"parameters on this rank, {str(model.lm.embed.dtype).removeprefix('torch.')}, on {model.lm.embed.device}"
+        f"{', CUDA graphs' if work.cuda_graphs else ''}), {ranks}, protocol {link.protocol.value}; {work.slots} "
+        f"slots of {model.config.max_seq_len} positions, prefill chunks of {work.prefill_chunk}; "
+        f"pids {' '.join(map(str, pids))}"
     )
+
+    def shown(tokens: Sequence[int]) -> str:
+        return repr(list(tokens)) if tokenizer is None else repr(tokenizer.decode(tokens))
 
     def report(completion: Completion) -> None:
         request = completion.request
         late = f", arrived after step {completion.submitted_step}" if completion.submitted_step else ""
-        text = f"{decode_text(request.prompt)!r} -> {decode_text(completion.tokens)!r}"
-        _say(f"[request {request.id}{late}] {text}{_CUT.get(completion.finish_reason or '', '')}")
+        ended = _ENDED.get(completion.finish_reason or "", "")
+        _say(f"[request {request.id}{late}] {shown(request.prompt)} -> {shown(completion.tokens)}{ended}")
 
     server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
-    requests = [Request(i, tuple(encode(text)), work.max_new_tokens) for i, text in enumerate(PROMPTS)]
-    early, late = requests[:-LATE_PROMPTS], requests[-LATE_PROMPTS:]
+    sampling = work.sampling or GREEDY
+    requests = [Request(i, prompt, work.max_new_tokens, sampling) for i, prompt in enumerate(work.prompts)]
+    split = len(requests) - work.late
+    early, late = requests[:split], requests[split:]
     for request in early:
         server.submit(request)
     reported: set[int] = set()
     started = time.perf_counter()
     while server.busy or late:
-        if server.steps == LATE_STEP:
+        if server.steps == LATE_STEP or not server.busy:
             for request in late:
                 server.submit(request)
             late = []
@@ -307,7 +252,7 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
                 reported.add(completion.request.id)
                 report(completion)
     wall_s = time.perf_counter() - started
-    summary = run_summary(model, server, wall_s)
+    summary = run_summary(model, server, wall_s, tokenizer)
     for line in summary_lines(summary):
         _say(line)
     server.shutdown()  # a last sync point: it raises unless every rank's KV bookkeeping is the head's
@@ -332,24 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun = under_torchrun_env()
         world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-        device, backend = device_and_backend(args, local_ranks, cuda_devices())
-        if device == "cpu":
-            check_memory(args.slots, world_size, local_ranks)
+        work = _work(args, protocol, world_size, local_ranks)
+        device, backend = device_and_backend(args, local_ranks, cuda_devices(), _world_sizes(work))
     except (ImportError, ValueError, OSError) as error:
         return _cannot_start(error)
-    work = Work(
-        protocol,
-        args.transport,
-        args.slots,
-        args.max_new_tokens,
-        args.prefill_chunk,
-        args.sync_every,
-        args.json,
-        args.check_kv,
-        device,
-        args.cuda_graphs,
-        args.threads or default_threads(local_ranks),
-    )
+    work = dataclasses.replace(work, device=device)
     try:
         if torchrun:
             return _under_torchrun(backend, work)
@@ -365,6 +297,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
         print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
     return 1 if any(codes) else 0
+
+
+def _work(args: argparse.Namespace, protocol: ProtocolVersion, world_size: int, local_ranks: int) -> Work:
+    """What the ranks will do, once the checkpoint, the world size, the prompts and the memory are checked.
+
+    Raises:
+        ValueError: any of them cannot be served (a ``CheckpointError`` is one); the message is the line to print.
+    """
+    from .reference import Checkpoint, Sampling, Tokenizer
+    from .reference.checkpoint import DTYPES
+
+    checkpoint = Checkpoint.open(args.model, max_seq_len=args.max_seq_len)
+    config = checkpoint.config
+    if world_size not in config.world_sizes():
+        raise ValueError(
+            f"--world-size {world_size} cannot split the model: it must divide its {config.n_heads} attention heads "
+            f"and {config.n_experts} experts, and divide its {config.n_kv_heads} KV heads or be a multiple of them "
+            f"(world sizes that can: {', '.join(map(str, config.world_sizes()))})"
+        )
+    tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
+    given = [(PROMPT_TEXT, text) for text in PROMPTS] if args.prompts is None else args.prompts
+    prompts = prompt_ids(given, checkpoint, tokenizer)
+    dtype = checkpoint.dtype if args.dtype is None else DTYPES[args.dtype]
+    if args.device != "cuda":
+        check_memory(checkpoint, dtype, args.slots, world_size, local_ranks)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    return Work(
+        protocol,
+        args.transport,
+        args.slots,
+        args.max_new_tokens,
+        args.prefill_chunk,
+        args.sync_every,
+        args.json,
+        args.check_kv,
+        cuda_graphs=args.cuda_graphs,
+        threads=args.threads or default_threads(local_ranks),
+        model=args.model,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        prompts=tuple(prompts),
+        late=LATE_PROMPTS if args.prompts is None else 0,
+        sampling=None if sampling.greedy and args.seed is None else sampling,
+    )
+
+
+def _world_sizes(work: Work) -> list[int]:
+    from .reference import Checkpoint
+
+    return Checkpoint.open(work.model, max_seq_len=work.max_seq_len).config.world_sizes()
 
 
 def _interrupted() -> int:

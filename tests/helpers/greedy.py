@@ -1,20 +1,46 @@
-"""The reference model's greedy run that one rank and a sharded group must agree on (needs torch)."""
+"""The reference model's greedy run that one rank and a sharded group must agree on, and the shipped model built
+on one rank of a group (needs torch)."""
 
 from __future__ import annotations
 
 import torch
 
-from metrale_model_engine.reference import LmConfig, ShardedLm, encode
+from metrale_model_engine.reference import AllReduce, Checkpoint, ExpertRouting, ShardedLm
+from metrale_model_engine.reference.checkpoint import load_shard
 
 PROMPTS = ("Licensed under the", "Permission is hereby")
 
 GREEDY_STEPS = 24
 
 
-def shipped_model(shipped: tuple[LmConfig, dict[str, torch.Tensor]], num_slots: int = 4) -> ShardedLm:
-    config, full = shipped
-    model = ShardedLm(config, num_slots=num_slots)
-    model.load_full_state(full)
+def byte_ids(text: str) -> list[int]:
+    """``text`` as the shipped model's tokens: its UTF-8 bytes."""
+    return list(text.encode())
+
+
+def shipped_model(
+    shipped: Checkpoint,
+    num_slots: int = 4,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    all_reduce: AllReduce | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    routing: ExpertRouting = "auto",
+) -> ShardedLm:
+    """Rank ``rank`` of ``world_size`` of the shipped model, its shard read from the checkpoint."""
+    model = ShardedLm(
+        shipped.config,
+        num_slots=num_slots,
+        rank=rank,
+        world_size=world_size,
+        all_reduce=all_reduce,
+        dtype=dtype,
+        device=torch.device(device),
+        expert_routing=routing,
+    )
+    load_shard(model, shipped)
     return model
 
 
@@ -25,7 +51,7 @@ def ints(values: list[int]) -> torch.Tensor:
 def greedy_session(model: ShardedLm) -> dict[str, list[list[float]] | list[list[int]]]:
     """Prefill both prompts (the first in two chunks, in slot 2; the second in slot 0), then greedy-decode
     both in one batch; every step's logits and the tokens."""
-    first, second = (encode(prompt) for prompt in PROMPTS)
+    first, second = (byte_ids(prompt) for prompt in PROMPTS)
     model.prefill(2, ints(first[:7]), 0)
     rows = [model.prefill(2, ints(first[7:]), 7), model.prefill(0, ints(second), 0)]
     positions = [len(first), len(second)]

@@ -23,12 +23,12 @@ from metrale_model_engine.reference import (
     ReferenceLm,
     Request,
     Server,
-    encode,
     kv_digest,
 )
-from metrale_model_engine.reference.layers import ShardedBlock
+from metrale_model_engine.reference.model import ShardedBlock
 from metrale_model_engine.torch import open_link
 
+from helpers.greedy import byte_ids
 from helpers.rank_results import save
 
 SLOTS = 3
@@ -36,9 +36,9 @@ PREFILL_CHUNK = 8
 NEW_TOKENS = 10
 LATE_AFTER_STEP = 3
 TEXTS = ("Licensed under the", "Permission is hereby granted", "THE SOFTWARE IS", "you may not use this file")
-WORKLOAD = tuple(Request(i, tuple(encode(text)), NEW_TOKENS) for i, text in enumerate(TEXTS))
+WORKLOAD = tuple(Request(i, tuple(byte_ids(text)), NEW_TOKENS) for i, text in enumerate(TEXTS))
 """Requests 0 and 1 come first; 2 and 3 arrive after step :data:`LATE_AFTER_STEP`, while 0 and 1 run."""
-TAIL = Request(99, tuple(encode("Copyright")), 1)
+TAIL = Request(99, tuple(byte_ids("Copyright")), 1)
 """Left in its slot at the end, so the final digests compare a held slot."""
 QUIET = logging.getLogger("tests.serving.quiet")
 QUIET.setLevel(logging.CRITICAL)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,12 @@ def not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (("--world-size", "0"), "argument --world-size: must be at least 1, got 0"),
         (("--slots", "many"), "argument --slots: must be a whole number, got 'many'"),
-        (("--world-size", "3"), "argument --world-size: must divide the model's 4 attention heads and 4 experts"),
+        (("--prompt-ids", "1,x"), "argument --prompt-ids: a comma-separated list of token ids; an id must be a whole"),
+        (("--temperature", "-1"), "argument --temperature: must be in [0, 1e+06], got -1"),
+        (("--top-p", "0"), "argument --top-p: must be in (0, 1], got 0"),
+        (("--top-k", "-2"), "argument --top-k: must be at least 0, got -2"),
+        (("--seed", "x"), "argument --seed: must be a whole number, got 'x'"),
+        (("--dtype", "int8"), "argument --dtype: invalid choice: 'int8'"),
         (("--world-size", "65"), "argument --world-size: must be at most 64 (the most ranks one ring serves)"),
         (("--transport", "tcp"), "argument --transport: invalid choice: 'tcp'"),
         (("--json", "/nonexistent/x.json"), "argument --json: '/nonexistent/x.json' is in a directory that does not"),
@@ -121,9 +128,10 @@ def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
 
     for devices, ranks, expected in ((0, 1, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")):
         args = parse_args(["--world-size", str(ranks)])
-        assert device_and_backend(args, ranks, devices) == (expected, "nccl" if expected == "cuda" else "gloo")
-    assert device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2) == ("cuda", "gloo")
-    assert device_and_backend(parse_args(["--backend", "gloo"]), 2, 2) == ("cpu", "gloo")  # gloo: a CPU model
+        chosen = device_and_backend(args, ranks, devices, [1, 2, 4])
+        assert chosen == (expected, "nccl" if expected == "cuda" else "gloo")
+    assert device_and_backend(parse_args(["--device", "cuda", "--backend", "gloo"]), 2, 2, [1, 2]) == ("cuda", "gloo")
+    assert device_and_backend(parse_args(["--backend", "gloo"]), 2, 2, [1, 2]) == ("cpu", "gloo")  # gloo: a CPU model
 
 
 def test_protocol_flag() -> None:
@@ -138,16 +146,68 @@ def test_demo_refuses_slots_whose_caches_would_not_fit_before_any_rank_starts(
     assert main(["--slots", "4294967295"]) == 2
     out, err = capsys.readouterr()
     (line,) = err.splitlines()
-    assert out == "" and line.startswith("error: --slots 4294967295: the KV caches of 2 rank(s) would take "), line
-    assert "GiB of memory" in line
+    expected = "error: --slots 4294967295, --max-seq-len 256: the weights and KV caches of 2 rank(s) would take "
+    assert out == "" and line.startswith(expected), line
+    assert "GiB of memory (fewer --slots or a shorter --max-seq-len need less)" in line
 
 
-def test_missing_weights_end_the_demo_with_one_line(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A copy of the shipped model, to spoil."""
+    from metrale_model_engine.reference import SHIPPED_MODEL
+
+    return Path(shutil.copytree(SHIPPED_MODEL, tmp_path / "model"))
+
+
+def _ours() -> set[str]:
+    """Our segments in ``/dev/shm``."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {name for name in os.listdir("/dev/shm") if name.startswith("metrale-")}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--world-size", "3"), "--world-size 3 cannot split the model: it must divide its 4 attention heads and 4 "
+         "experts, and divide its 4 KV heads or be a multiple of them (world sizes that can: 1, 2, 4)"),
+        (("--prompt-ids", "1,2,256"), "prompt 1: prompt[2]=256 is outside the vocabulary (0 ..= 255)"),
+        (("--prompt", "a", "--prompt-ids", ""), "prompt 2 is empty: a prompt needs at least one token"),
+        (("--prompt", ""), "prompt 1 is empty: a prompt needs at least one token"),
+        (("--prompt-ids", ",".join(["7"] * 300)), "prompt 1: the prompt has 300 tokens, more than max_seq_len=256"),
+        (("--max-seq-len", "512"), "'max_position_embeddings' must cover the context asked for (512), got 256"),
+        (("--model", "/nonexistent/model"), "/nonexistent/model: no such directory"),
+    ],
+)  # fmt: skip
+def test_demo_refuses_what_the_model_cannot_serve_before_any_rank_starts(
+    args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from metrale_model_engine import demo, reference
+    before = _ours()
+    assert main(list(args)) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    assert out == "" and line.startswith("error: ") and message in line, line
+    assert _ours() == before  # nothing was made, nothing is left
 
-    monkeypatch.setattr(reference, "SHIPPED_WEIGHTS", tmp_path / "gone.bin")
-    assert demo.main(["--world-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "gone.bin" in err and err.count("\n") == 1, err
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (lambda model: (model / "tokenizer.json").unlink(), "prompt 1 is text, but {model} has no tokenizer.json: "
+         "give it as --prompt-ids"),
+        (lambda model: (model / "model.safetensors").unlink(), "{model}: no *.safetensors file"),
+        (lambda model: (model / "tokenizer.json").write_text("{}"), "{model}/tokenizer.json: not a tokenizer"),
+        (lambda model: (model / "config.json").write_text("{"), "{model}/config.json: not valid JSON"),
+        (lambda model: (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:-8]),
+         "{model}/model.safetensors: truncated: tensor 'model.norm.weight' needs bytes"),
+    ],
+)  # fmt: skip
+def test_demo_refuses_a_spoilt_checkpoint_in_one_line_naming_it(
+    spoil: object, message: str, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert callable(spoil)
+    spoil(model_dir)
+    assert main(["--model", str(model_dir), "--prompt", "Licensed"]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.splitlines()
+    assert out == "" and line.startswith(f"error: {message.format(model=model_dir)}"), line

@@ -29,7 +29,10 @@ def test_wheel_contents(wheel: Path) -> None:
     package = {n for n in names if n.startswith("metrale_model_engine/")}
     modules = ["__init__.py", "py.typed", "_engine/model.py", "_engine/link.py", "_engine/worker.py"]
     modules += ["_core/codec.py", "_shm/ring.py", "_torch/transport.py", "testing.py", "toy.py", "wire.py"]
-    for module in (*modules, "reference/tiny_moe.weights"):
+    shipped = [f"reference/tiny_moe/{name}" for name in ("config.json", "generation_config.json", "model.safetensors",
+                                                         "tokenizer.json")]  # fmt: skip
+    modules += [f"reference/checkpoint/{name}.py" for name in ("loader", "mixtral", "qwen3_moe")]
+    for module in (*modules, *shipped):
         assert f"metrale_model_engine/{module}" in package
     licenses = {Path(n).name for n in names if "/licenses/" in n}
     assert licenses == {"LICENSE-MIT", "LICENSE-APACHE"}

@@ -36,18 +36,17 @@ from metrale_model_engine.reference import (
     Server,
     check_decode,
     check_prefill,
-    decode_text,
-    encode,
     kv_digest,
     serving,
 )
-from metrale_model_engine.reference.layers import ShardedBlock
+from metrale_model_engine.reference.model import ShardedBlock
 from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, RunStopped
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
 
 from helpers import serving_sessions as sessions
+from helpers.greedy import byte_ids
 
 pytestmark = pytest.mark.torch
 
@@ -69,8 +68,8 @@ def solo_model(slots: int = 4) -> ReferenceLm:
 
 def test_one_rank_continues_license_text() -> None:
     server = Server(solo_model())
-    (completion,) = server.run([Request(0, tuple(encode("Licensed under the")), 28)]).values()
-    assert decode_text(completion.tokens).startswith(" Apache License, Version 2.0")
+    (completion,) = server.run([Request(0, tuple(byte_ids("Licensed under the")), 28)]).values()
+    assert bytes(completion.tokens).decode().startswith(" Apache License, Version 2.0")
     assert not solo_model().is_ep()
 
 
@@ -83,7 +82,7 @@ def test_requests_that_arrive_mid_run_get_the_tokens_they_get_alone(one_rank: tu
 
 
 def test_the_server_batches_queues_and_frees() -> None:
-    requests = [Request(i, tuple(encode(f"request {i}: Licensed")), 3) for i in range(5)]
+    requests = [Request(i, tuple(byte_ids(f"request {i}: Licensed")), 3) for i in range(5)]
     server = Server(solo_model(2), prefill_chunk=4)
     done = server.run(requests)
     # two slots; 19-token prompts take 5 chunks, the step of the last one decodes too, one more decode: 6 steps
@@ -98,13 +97,13 @@ def test_the_server_batches_queues_and_frees() -> None:
 def test_tokens_stream_as_they_are_chosen() -> None:
     seen: list[tuple[int, int]] = []
     server = Server(solo_model(), on_token=lambda request, token: seen.append((request.id, token)))
-    done = server.run([Request(7, tuple(encode("THE SOFTWARE")), 5)])
+    done = server.run([Request(7, tuple(byte_ids("THE SOFTWARE")), 5)])
     assert seen == [(7, token) for token in done[7].tokens]
 
 
 def test_a_sequence_ends_when_its_cache_is_full() -> None:
     model = solo_model()
-    prompt = tuple(encode("Licensed under the Apache License")) * 7  # 231 tokens of the 256 positions
+    prompt = tuple(byte_ids("Licensed under the Apache License")) * 7  # 231 tokens of the 256 positions
     done = Server(model, prefill_chunk=64).run([Request(0, prompt, 1000)])
     assert len(done[0].tokens) == model.config.max_seq_len - len(prompt) + 1  # the last token is never fed
 
@@ -391,7 +390,7 @@ def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: 
 
 
 def test_a_completion_says_why_it_ended() -> None:
-    prompt = tuple(encode("Licensed under the Apache License")) * 7  # 231 of the 256 positions
+    prompt = tuple(byte_ids("Licensed under the Apache License")) * 7  # 231 of the 256 positions
     done = Server(solo_model(), prefill_chunk=64).run([Request(0, prompt, 1000), Request(1, (76, 105), 3)])
     assert (done[0].finish_reason, done[1].finish_reason) == ("context", "length")
     assert len(done[1].tokens) == 3 and done[0].error is None
@@ -429,7 +428,9 @@ def clean_run(requests: list[Request]) -> dict[int, list[int]]:
     return {i: c.tokens for i, c in Server(solo_model(2), prefill_chunk=4).run(requests).items()}
 
 
-REQUESTS = [Request(i, tuple(encode(text)), 6) for i, text in enumerate(("Licensed under", "THE SOFTWARE", "you may"))]
+REQUESTS = [
+    Request(i, tuple(byte_ids(text)), 6) for i, text in enumerate(("Licensed under", "THE SOFTWARE", "you may"))
+]
 
 
 class FailsOnce(ReferenceLm):
@@ -500,10 +501,10 @@ def test_a_callback_that_raises_fails_its_request_only() -> None:
 def test_a_kv_cache_altered_after_the_write_changes_the_state_digest(caplog: pytest.LogCaptureFixture) -> None:
     model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), check_kv_values=True)
     server = Server(model, prefill_chunk=8)
-    server.run([Request(0, tuple(encode("Licensed under")), 4)])
+    server.run([Request(0, tuple(byte_ids("Licensed under")), 4)])
     slots = server.slots
     model.alloc(slots, 1)
-    model.prefill(slots, 1, list(encode("THE SOFTWARE")), 0, 12)
+    model.prefill(slots, 1, list(byte_ids("THE SOFTWARE")), 0, 12)
     model.decode(slots, [1], [65])
     digest = model.ep_link.state_digest
     assert digest is not None and digest(slots) == kv_digest(slots)  # intact: the bookkeeping's digest alone

@@ -137,41 +137,59 @@ REFERENCE_SURFACE = [
     "CMD_ALLOC",
     "CMD_DECODE",
     "CMD_PREFILL",
+    "Checkpoint",
+    "CheckpointError",
     "Completion",
     "DecodeGraphs",
     "DecodeStep",
-    "FinishReason",
     "EXIT_GRACE",
-    "FORMAT_VERSION",
+    "ExpertRouting",
+    "FinishReason",
+    "GREEDY",
     "LmConfig",
     "LmSlots",
     "LmState",
-    "MAGIC",
     "ReferenceLm",
     "Request",
     "RunStopped",
-    "SHIPPED_WEIGHTS",
+    "SHIPPED_MODEL",
+    "Sampler",
+    "Sampling",
     "ServedLm",
     "Server",
     "Shard",
     "ShardedLm",
     "TimeSpent",
-    "VOCAB_SIZE",
+    "Tokenizer",
     "check_decode",
     "check_prefill",
     "check_prompt",
     "check_world",
-    "decode_text",
-    "encode",
-    "init_full_state",
+    "decode_span",
     "kv_digest",
-    "load_weights",
-    "read_config",
     "run_summary",
-    "save_weights",
-    "shard_state",
-    "state_shapes",
     "summary_lines",
+]
+
+
+CHECKPOINT_SURFACE = [
+    "DTYPES",
+    "FAMILIES",
+    "MIXTRAL",
+    "QWEN3_MOE",
+    "SHIPPED_MODEL",
+    "Checkpoint",
+    "CheckpointError",
+    "Family",
+    "Piece",
+    "TensorEntry",
+    "Tokenizer",
+    "byte_tokenizer",
+    "export_state",
+    "load_shard",
+    "load_state",
+    "pieces",
+    "save_checkpoint",
 ]
 
 
@@ -180,6 +198,7 @@ def surfaces() -> dict[str, list[str]]:
     if importlib.util.find_spec("torch") is not None:
         found["metrale_model_engine.torch"] = TORCH_SURFACE
         found["metrale_model_engine.reference"] = REFERENCE_SURFACE
+        found["metrale_model_engine.reference.checkpoint"] = CHECKPOINT_SURFACE
     return found
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 
 import torch
 
-from metrale_model_engine.reference import LmConfig, ShardedLm, load_weights
+from metrale_model_engine.reference import Checkpoint
 from metrale_model_engine.torch import run_group
 
 from helpers.greedy import greedy_session, shipped_model
@@ -33,14 +33,12 @@ def sharded_session(rank: int, world_size: int, out: str) -> None:
     def all_reduce(tensor: torch.Tensor) -> None:
         torch.distributed.all_reduce(tensor)
 
-    config, full = load_weights()
-    model = ShardedLm(config, num_slots=3, rank=rank, world_size=world_size, all_reduce=all_reduce)
-    model.load_full_state(full)
+    model = shipped_model(Checkpoint.open(), 3, rank=rank, world_size=world_size, all_reduce=all_reduce)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(greedy_session(model)))
 
 
 @pytest.fixture(scope="module")
-def one_rank(shipped: tuple[LmConfig, dict[str, torch.Tensor]]) -> dict[str, list[list[float]] | list[list[int]]]:
+def one_rank(shipped: Checkpoint) -> dict[str, list[list[float]] | list[list[int]]]:
     torch.set_num_threads(1)
     return greedy_session(shipped_model(shipped))
 

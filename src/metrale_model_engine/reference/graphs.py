@@ -6,8 +6,10 @@ so it can be recorded once in a CUDA graph and replayed with one launch.  The gr
 reads its inputs from a static buffer and writes its logits to a static tensor; the
 KV cache is the model's own buffer, which every replay updates in place.
 
-One graph per batch size, recorded at the first step of that size (continuous
-batching visits the sizes ``1 ..= num_slots``); all of them share one memory pool.
+One graph per batch size and attention span (:func:`~.model.decode_span`: a power
+of two), recorded at the first step of that shape (continuous batching visits the
+sizes ``1 ..= num_slots``, and the spans as its sequences grow); all of them share
+one memory pool.
 Before it records, a size runs once eagerly on a side stream (as CUDA graph capture
 asks: allocator and library warm-up).  That run writes the step's keys and values,
 which the replay then writes again, equal: the step is done once as far as the
@@ -65,43 +67,44 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {device}")
         self._lm = lm
         self._device = device
-        self._recorded: dict[int, _Recorded] = {}
+        self._recorded: dict[tuple[int, int], _Recorded] = {}
         with torch.cuda.device(device):
             self._pool = torch.cuda.graph_pool_handle()
 
     @property
-    def batch_sizes(self) -> list[int]:
-        """The batch sizes recorded so far, ascending."""
+    def shapes(self) -> list[tuple[int, int]]:
+        """The ``(batch size, span)`` pairs recorded so far, ascending."""
         return sorted(self._recorded)
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        """One decode step of ``inputs`` ``[3, B]`` (int64: slots, tokens, positions; checked by the caller).
+    def __call__(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
+        """One decode step of ``inputs`` ``[3, B]`` (int64: slots, tokens, positions; checked by the caller),
+        attending over the first ``span`` positions (more than every position).
 
         Returns:
             The logits ``[B, vocab]``, a tensor of the caller's own (the graph's output is copied).
         """
-        batch = inputs.shape[1]
+        shape = (inputs.shape[1], span)
         with torch.cuda.device(self._device):
-            recorded = self._recorded.get(batch)
+            recorded = self._recorded.get(shape)
             if recorded is None:
-                recorded = self._recorded[batch] = self._record(inputs)
+                recorded = self._recorded[shape] = self._record(inputs, span)
             else:
                 recorded.inputs.copy_(inputs, non_blocking=True)
                 recorded.replay()
             return recorded.logits.clone()
 
-    def _record(self, inputs: torch.Tensor) -> _Recorded:
-        """Record the step for ``inputs``' batch size; the step itself runs (eagerly, then replayed)."""
+    def _record(self, inputs: torch.Tensor, span: int) -> _Recorded:
+        """Record the step for ``inputs``' batch size and ``span``; the step itself runs (eagerly, then replayed)."""
         static = torch.empty_like(inputs, device=self._device)  # the graph's own input buffer
         static.copy_(inputs, non_blocking=True)
         side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            self._lm.decode_step(static[0], static[1], static[2])
+            self._lm.decode_step(static[0], static[1], static[2], span=span)
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         with torch.cuda.graph(graph, pool=self._pool, stream=capture):
-            logits = self._lm.decode_step(static[0], static[1], static[2])
+            logits = self._lm.decode_step(static[0], static[1], static[2], span=span)
         graph.replay()
         return _Recorded(static, logits, graph.replay)

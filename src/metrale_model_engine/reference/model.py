@@ -1,35 +1,70 @@
 """The reference model on one rank: :class:`ShardedLm`, a shard (see :mod:`.config`) of the whole transformer.
 
-A rank's :class:`ShardedLm` has the ``state_dict()`` that :func:`~.config.shard_state`
-cuts out of the full state.
+Its weights come from a checkpoint in the Hugging Face layout
+(:mod:`metrale_model_engine.reference.checkpoint`), each rank reading its own part.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._core.namespace import PublicDir, public_dir
-from .config import LmConfig, check_world, shard_state
+from .config import LmConfig, check_world
+from .experts import ExpertRouting, ShardedMoe
 from .layers import (
     AllReduce,
     Attend,
     RotaryTables,
-    ShardedBlock,
+    ShardedAttention,
     attend_causal,
     attend_decode,
     attend_prefill,
     rms_norm,
 )
 
-__all__ = ["AllReduce", "ShardedLm"]
+__all__ = ["AllReduce", "ShardedBlock", "ShardedLm", "decode_span"]
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)
+
+
+class ShardedBlock(nn.Module):
+    """One layer: pre-norm attention, then a pre-norm mixture of experts, each summed over the ranks.
+
+    ``attn_norm`` and ``moe_norm`` are the RMSNorm gains, replicated, initially ones.
+    """
+
+    def __init__(self, attn: ShardedAttention, moe: ShardedMoe, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        width, like = attn.wo.shape[0], attn.wo
+        self.attn_norm: nn.Parameter = nn.Parameter(torch.ones(width, dtype=like.dtype, device=like.device))
+        self.attn = attn
+        self.moe_norm: nn.Parameter = nn.Parameter(torch.ones(width, dtype=like.dtype, device=like.device))
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend, all_reduce: AllReduce) -> torch.Tensor:
+        """The residual stream ``x`` ``[*N, D]`` after this layer; calls ``all_reduce`` twice.
+
+        ``factors``: the rows of :class:`RotaryTables` at the tokens' positions.
+        """
+        partial: torch.Tensor = self.attn(rms_norm(x, self.attn_norm, self.eps), factors, attend)
+        all_reduce(partial)
+        x = x + partial
+        partial = self.moe(rms_norm(x, self.moe_norm, self.eps))
+        all_reduce(partial)
+        return x + partial
+
+
+def decode_span(needed: int, max_seq_len: int) -> int:
+    """The positions a decode step attends over when its longest row needs ``needed``: a power of two,
+    at least 16, at most ``max_seq_len``; so that the cache read grows with the sequences, in few shapes."""
+    return min(max_seq_len, max(16, 1 << (needed - 1).bit_length()))
 
 
 def _no_reduce(_: torch.Tensor) -> None:
@@ -71,22 +106,24 @@ def _check_int(name: str, value: object, end: int) -> int:
 class ShardedLm(nn.Module):
     """Rank ``rank`` of ``world_size`` of the decoder-only MoE transformer, with a KV cache of ``num_slots`` slots.
 
-    Attention heads and experts are split over the ranks (see the package
-    docstring); embedding, norms, router and LM head are replicated.  Every call
-    of :meth:`forward`, :meth:`prefill` and :meth:`decode` calls ``all_reduce``
-    exactly ``2 * n_layers`` times, in the same order on every rank, so the ranks
-    must make the same calls with the same arguments.  Parameters start as zeros
-    (norm gains as ones): load weights with :meth:`load_full_state`.
+    Query heads, KV heads and experts are split over the ranks (:meth:`LmConfig.shard`);
+    embedding, norms, router and LM head are replicated.  Every call of
+    :meth:`forward`, :meth:`prefill` and :meth:`decode` calls ``all_reduce`` exactly
+    ``2 * n_layers`` times, in the same order on every rank, so the ranks must make
+    the same calls with the same arguments.  Parameters start as zeros (norm gains as
+    ones): a checkpoint's loader fills them
+    (:func:`~metrale_model_engine.reference.checkpoint.load_shard`).
 
     The KV cache holds, per layer, ``kv_cache`` of shape
-    ``[num_slots, max_seq_len, 2, local_heads, head_dim]`` (keys, then values; a
+    ``[num_slots, max_seq_len, 2, kv_heads, head_dim]`` (keys, then values; a
     non-persistent buffer, so ``state_dict()`` is the weights alone).  It knows no
     sequence lengths: callers pass positions, and a slot's entries past the
     position attended to are ignored.
 
-    No call reads a value of the device back to the host: index arguments are
-    checked when they are host (CPU) tensors, and trusted when they already live
-    on an accelerator (an index out of range there is a device-side assert).
+    No call reads a value of the device back to the host (with ``expert_routing``
+    ``"device"``, the default off the CPU: :mod:`.experts`): index arguments are
+    checked when they are host (CPU) tensors, and trusted when they already live on
+    an accelerator (an index out of range there is a device-side assert).
     :meth:`decode_step` is the decode without any check, for callers that checked
     the host values they built the tensors from (:class:`ReferenceLm` does), and for
     CUDA graphs (:mod:`.graphs`).
@@ -95,19 +132,22 @@ class ShardedLm(nn.Module):
         config: the model's shape.
         num_slots: the number of sequences the cache holds.
         rank: this rank, in ``0 ..= world_size - 1``.
-        world_size: the group size; it must divide ``n_heads`` and ``n_experts``.  One
-            rank is the plain model.
+        world_size: the group size; it must split the model (:func:`check_world`).
+            One rank is the plain model.
         all_reduce: in-place sum over the group; required when ``world_size > 1``.
             With one rank it may be given (it is then called as above) or not.
         dtype: of the weights, cache and activations (norms, rotations and routing
             weights are computed in at least float32).
         device: of the weights and cache; default torch's current default.
+        expert_routing: how the picked experts run (:mod:`.experts`); ``"auto"`` by default.
 
     Raises:
         TypeError: an argument has the wrong type.
         ValueError: ``num_slots < 1``, bad ``rank``/``world_size`` (see :func:`check_world`),
-            or ``all_reduce`` is missing while ``world_size > 1``.
+            ``all_reduce`` is missing while ``world_size > 1``, or an unknown ``expert_routing``.
     """
+
+    lm_head: nn.Parameter | None
 
     def __init__(
         self,
@@ -119,6 +159,7 @@ class ShardedLm(nn.Module):
         all_reduce: AllReduce | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        expert_routing: ExpertRouting = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(config, LmConfig):
@@ -136,34 +177,29 @@ class ShardedLm(nn.Module):
         self.num_slots = num_slots
         self.rank = rank
         self.world_size = world_size
+        self.shard = config.shard(rank, world_size)
         self._all_reduce: AllReduce = _no_reduce if all_reduce is None else all_reduce
         self.embed: nn.Parameter = nn.Parameter(
             torch.zeros(config.vocab_size, config.d_model, dtype=dtype, device=device)
         )
         self.layers: nn.ModuleList = nn.ModuleList(
-            ShardedBlock.build(config, rank, world_size, num_slots=num_slots, dtype=dtype, device=device)
+            ShardedBlock(
+                ShardedAttention(config, self.shard, num_slots=num_slots, dtype=dtype, device=device),
+                ShardedMoe(config, self.shard, routing=expert_routing, dtype=dtype, device=device),
+                eps=config.norm_eps,
+            )
             for _ in range(config.n_layers)
         )
         self.final_norm: nn.Parameter = nn.Parameter(torch.ones(config.d_model, dtype=dtype, device=device))
-        self.lm_head: nn.Parameter = nn.Parameter(
-            torch.zeros(config.vocab_size, config.d_model, dtype=dtype, device=device)
-        )
+        self.lm_head = None  # tied: the embedding is the LM head
+        if not config.tie_embeddings:
+            self.lm_head = nn.Parameter(torch.zeros(config.vocab_size, config.d_model, dtype=dtype, device=device))
         self.rotary: RotaryTables = RotaryTables(
             config.head_dim, config.max_seq_len, config.rope_base, dtype=dtype, device=device
         )
-        self.causal_bias: torch.Tensor
-        """``[S, S]``, non-persistent: added to the attention scores of position ``p`` for key position ``q``,
-        0 where ``q <= p``, ``-inf`` past it (a boolean mask would be turned into this on every call)."""
-        bias = torch.full((config.max_seq_len,) * 2, float("-inf"), dtype=dtype, device=device).triu(1)
-        self.register_buffer("causal_bias", bias, persistent=False)
-
-    def load_full_state(self, full: Mapping[str, torch.Tensor]) -> None:
-        """Load this rank's shard (:func:`shard_state`) of the unsharded ``full``, converted to the model's dtype.
-
-        Raises:
-            ValueError: ``full`` is not a full state of the model's config.
-        """
-        self.load_state_dict(shard_state(full, self.config, self.rank, self.world_size))
+        self.positions: torch.Tensor
+        """``0 .. max_seq_len - 1`` on the model's device, non-persistent: the masks are cut from it."""
+        self.register_buffer("positions", torch.arange(config.max_seq_len, device=device), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The training path: logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` (int64) at positions ``0 .. T-1``.
@@ -207,7 +243,8 @@ class ShardedLm(nn.Module):
                 f"start={start} + {tokens.shape[0]} tokens = {end} passes max_seq_len={self.config.max_seq_len}"
             )
         _check_in_range("tokens", _host_values(tokens), self.config.vocab_size)
-        attend = functools.partial(attend_prefill, slot, start, self.causal_bias)
+        visible = self.positions[None, :end] <= self.positions[start:end, None]  # [L, end]: key q for query p
+        attend = functools.partial(attend_prefill, slot, start, self._bias(visible))
         hidden = self._layers(self._embed(tokens), self.rotary.table[start:end], attend)
         return self._head(hidden[-1])
 
@@ -240,39 +277,54 @@ class ShardedLm(nn.Module):
                 f"slots, tokens and positions must have one length, got {slots.numel()}, "
                 f"{tokens.numel()} and {positions.numel()}"
             )
-        slot_values = _host_values(slots)
+        slot_values, position_values = _host_values(slots), _host_values(positions)
         _check_in_range("slots", slot_values, self.num_slots)
         _check_in_range("tokens", _host_values(tokens), self.config.vocab_size)
-        _check_in_range("positions", _host_values(positions), self.config.max_seq_len)
+        _check_in_range("positions", position_values, self.config.max_seq_len)
         if slot_values is not None and len(set(slot_values)) != len(slot_values):
             raise ValueError(f"slots must be distinct, got {slot_values}")
+        span = None if position_values is None else decode_span(max(position_values) + 1, self.config.max_seq_len)
         device = self.embed.device
         moved = (t.to(device, non_blocking=True) for t in (slots, tokens, positions))
-        return self.decode_step(*moved)
+        return self.decode_step(*moved, span=span)
 
     @torch.no_grad()
-    def decode_step(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode_step(
+        self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, span: int | None = None
+    ) -> torch.Tensor:
         """:meth:`decode` without its checks: the arguments on the model's device, their values trusted.
 
-        Launches a fixed sequence of kernels for a given batch size, reads nothing back
-        to the host and allocates only its own intermediates: a CUDA graph can hold it.
+        ``span``: the positions each row attends over, at least every ``positions[i] + 1``
+        (:func:`decode_span`); ``None``: all of ``max_seq_len``.  Launches a fixed
+        sequence of kernels for a given batch size and span, reads nothing back to the
+        host (with device routing) and allocates only its own intermediates: a CUDA
+        graph can hold it.
         """
-        attend = functools.partial(attend_decode, slots, positions, self.causal_bias[positions][:, None, None, :])
+        width = self.config.max_seq_len if span is None else span
+        visible = (self.positions[None, :width] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, W]
+        attend = functools.partial(attend_decode, slots, positions, self._bias(visible))
         hidden = self._layers(self._embed(tokens), self.rotary.table[positions], attend)
         return self._head(hidden)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens.to(self.embed.device, non_blocking=True), self.embed)
-
-    def _blocks(self) -> Iterator[ShardedBlock]:
+    def blocks(self) -> Iterator[ShardedBlock]:
+        """The layers, in order."""
         for block in self.layers:
             assert isinstance(block, ShardedBlock)
             yield block
 
+    def _bias(self, visible: torch.Tensor) -> torch.Tensor:
+        """``visible`` as the additive mask the attention kernels take, 0 or ``-inf``, made once for every layer
+        (a boolean mask would be turned into it in each)."""
+        return visible.to(self.embed.dtype).log()
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.to(self.embed.device, non_blocking=True), self.embed)
+
     def _layers(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend) -> torch.Tensor:
-        for block in self._blocks():
+        for block in self.blocks():
             x = block(x, factors, attend, self._all_reduce)
         return x
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(hidden, self.final_norm, self.config.norm_eps), self.lm_head)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(rms_norm(hidden, self.final_norm, self.config.norm_eps), head)

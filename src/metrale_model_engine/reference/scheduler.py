@@ -7,12 +7,15 @@ Each :meth:`Server.step`:
    prompt tokens (one ``prefill`` each); the chunk that ends the prompt yields the
    first generated token;
 3. runs one batched ``decode`` of every sequence that has a token to feed;
-4. frees the slots of finished requests (``max_new_tokens`` generated, the slot's
-   cache full, or failed); each :class:`Completion` says why it ended.
+4. frees the slots of finished requests (an end-of-sequence id generated,
+   ``max_new_tokens`` generated, the slot's cache full, or failed); each
+   :class:`Completion` says why it ended.
 
-Sampling is greedy (the largest logit; the lowest token on a tie).  Requests may
-be submitted between any two steps; tokens are streamed through ``on_token`` as
-they are chosen.  The server only calls the model's head methods, so the same code
+Each request picks its tokens by its own :class:`~.sampling.Sampling`: greedy by
+default (the largest logit; the lowest token on a tie), or drawn with its own
+seeded generator.  The head picks; its workers receive the token in the next
+decode command.  Requests may be submitted between any two steps; tokens are
+streamed through ``on_token`` as they are chosen.  The server only calls the model's head methods, so the same code
 serves a one-rank model and a multi-rank one: it never asks which it has.
 
 A step that raises leaves every request either as it was before the call that
@@ -38,6 +41,7 @@ from .. import EpLink, EpWorkerFailed, check_u32
 from .._core.namespace import PublicDir, public_dir
 from ..batching import prefill_chunks
 from .config import LmConfig
+from .sampling import GREEDY, Sampler, Sampling
 from .serving import TimeSpent
 from .state import LmSlots, LmState, check_prompt
 
@@ -47,22 +51,28 @@ __all__ = ["Completion", "DecodeStep", "FinishReason", "Request", "ServedLm", "S
 __dir__: PublicDir = public_dir(globals(), __all__)
 
 
-FinishReason = Literal["length", "context", "error"]
-"""Why a request ended: its ``max_new_tokens`` (``"length"``), its slot's cache full (``"context"``), a failure."""
+FinishReason = Literal["stop", "length", "context", "error"]
+"""Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its slot's
+cache full (``"context"``), a failure (``"error"``)."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """A prompt to continue by ``max_new_tokens`` greedy tokens (fewer if its slot's cache fills up).
+    """A prompt to continue by at most ``max_new_tokens`` tokens, picked as ``sampling`` says (greedy by default).
+
+    It ends early at an end-of-sequence id (the server's ``eos_token_ids``), or when
+    its slot's cache fills up.
 
     Raises:
-        TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int.
+        TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int, or
+            ``sampling`` is not a :class:`~.sampling.Sampling`.
         ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
     """
 
     id: int
     prompt: tuple[int, ...]
     max_new_tokens: int
+    sampling: Sampling = GREEDY
 
     def __post_init__(self) -> None:
         check_u32("id", self.id)
@@ -73,6 +83,8 @@ class Request:
             if type(token) is not int:
                 raise TypeError(f"request {self.id}: prompt[{index}] must be an int, got {type(token).__name__}")
         _check_count(f"request {self.id}: max_new_tokens", self.max_new_tokens)
+        if not isinstance(self.sampling, Sampling):
+            raise TypeError(f"request {self.id}: sampling must be a Sampling, got {type(self.sampling).__name__}")
 
 
 def _check_count(name: str, value: object) -> None:
@@ -92,10 +104,13 @@ class Completion:
     admitted_step: int | None = None
     finished_step: int | None = None
     finish_reason: FinishReason | None = None
-    """``"length"``: ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len``
-    positions) is full; ``"error"``: failed (see :attr:`error`); ``None`` while it waits or runs."""
+    """``"stop"``: it generated an end-of-sequence id (the last of :attr:`tokens`); ``"length"``:
+    ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
+    full; ``"error"``: failed (see :attr:`error`); ``None`` while it waits or runs."""
     error: str | None = None
     """Why it failed, ``"Type: message"``, when :attr:`finish_reason` is ``"error"``."""
+    seed: int | None = None
+    """The seed its tokens were drawn with (its sampling's, or one drawn for it); ``None`` when greedy."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,9 @@ class ServedLm(Protocol):
     @property
     def spent(self) -> TimeSpent: ...
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
         """Give slot ``seq_id`` a new, empty sequence on every rank."""
         ...
@@ -148,6 +166,7 @@ class _Running:
     seq_id: int
     chunks: deque[tuple[int, int]]
     """The prompt's chunks still to feed, ``(start, length)``."""
+    sampler: Sampler
     pending: int | None = None
     """The last token chosen, which the next decode feeds."""
     ended: FinishReason | None = None
@@ -164,9 +183,12 @@ class Server:
         sync_every: a sync point (:meth:`EpLink.sync` with the slots, which
             compares every rank's KV bookkeeping) after every that many steps;
             ``None``: none but :meth:`shutdown`'s.
+        eos_token_ids: the ids that end a request (the id is kept as its last token);
+            default the model's (its checkpoint's ``eos_token_id``).
 
     Raises:
-        TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` (unless ``None``) is not an int ``>= 1``.
+        TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` (unless ``None``) is not an int ``>= 1``,
+            or an ``eos_token_ids`` entry is not an int.
 
     A step that raises leaves every request untouched or failed (see the module);
     after a :class:`~metrale_model_engine.RunStopped` the run is over, and after
@@ -180,10 +202,17 @@ class Server:
         prefill_chunk: int = 16,
         on_token: Callable[[Request, int], None] | None = None,
         sync_every: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
     ) -> None:
         _check_count("prefill_chunk", prefill_chunk)
         if sync_every is not None:
             _check_count("sync_every", sync_every)
+        stops = model.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        for token in stops:
+            if type(token) is not int:
+                raise TypeError(f"eos_token_ids must hold ints, got {type(token).__name__} {token!r}")
+        self.eos_token_ids: frozenset[int] = frozenset(stops)
+        """The ids that end a request."""
         self.model: ServedLm = model
         self.prefill_chunk: int = prefill_chunk
         self.on_token: Callable[[Request, int], None] | None = on_token
@@ -287,10 +316,11 @@ class Server:
             self._allocated_at[free[0]] = self.model.ep_link.commands
             completion = self._waiting.popleft()
             completion.admitted_step = self.steps
-            prompt = completion.request.prompt
-            self._running.append(
-                _Running(completion, free.pop(0), deque(prefill_chunks(len(prompt), self.prefill_chunk)))
-            )
+            request = completion.request
+            sampler = Sampler(request.sampling)
+            completion.seed = None if request.sampling.greedy else sampler.seed
+            chunks = deque(prefill_chunks(len(request.prompt), self.prefill_chunk))
+            self._running.append(_Running(completion, free.pop(0), chunks, sampler))
 
     def _prefill(self) -> None:
         """One chunk for every request still prefilling; a chunk is taken off only once its prefill ran."""
@@ -302,7 +332,7 @@ class Server:
                 )
                 running.chunks.popleft()
                 if not running.chunks:
-                    self._choose(running, int(torch.argmax(logits)))
+                    self._choose(running, running.sampler(logits))
 
     def _release(self) -> None:
         """Free the slot of every request that ended, and say why it ended."""
@@ -331,12 +361,18 @@ class Server:
                 len(seq_ids), total, spent.protocol_s - before.protocol_s, spent.collectives_s - before.collectives_s
             )
         )
-        for running, token in zip(decoding, torch.argmax(logits, dim=-1).tolist(), strict=True):
+        if all(running.sampler.sampling.greedy for running in decoding):  # one argmax, one read of the batch
+            chosen = torch.argmax(logits, dim=-1).tolist()
+        else:
+            chosen = [running.sampler(row) for running, row in zip(decoding, logits, strict=True)]
+        for running, token in zip(decoding, chosen, strict=True):
             self._choose(running, token)
 
     def _choose(self, running: _Running, token: int) -> None:
         running.completion.tokens.append(token)
         running.pending = token
+        if token in self.eos_token_ids:
+            running.ended = "stop"
         if self.on_token is None:
             return
         try:

@@ -57,13 +57,13 @@ from .. import EpLink, LinkedEp, RunStopped, check_slot
 from .._core.namespace import PublicDir, public_dir
 from ..batching import recv_batch, send_batch
 from ..torch import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
+from .checkpoint import Checkpoint, load_shard
 from .config import LmConfig
+from .experts import ExpertRouting
 from .graphs import DecodeGraphs
-from .kv_check import KvLedger
 from .layers import AllReduce
-from .model import ShardedLm
-from .state import LmSlots, LmState, check_decode, check_prefill, check_prompt, held_state, kv_digest
-from .weights import load_weights
+from .model import ShardedLm, decode_span
+from .state import KvLedger, LmSlots, LmState, check_decode, check_prefill, check_prompt, held_state, kv_digest
 
 __all__ = [
     "CMD_ALLOC",
@@ -122,9 +122,12 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
 
     Args:
         link: this rank's link; its slot count is the model's.
-        weights: a weights file (:func:`~metrale_model_engine.reference.save_weights`);
-            default the shipped one.  Every rank loads it and keeps its shard.
-        dtype: of the weights, KV cache and activations.
+        checkpoint: a checkpoint directory in the Hugging Face layout, or one opened
+            already (:class:`~metrale_model_engine.reference.checkpoint.Checkpoint`);
+            default the shipped model.  Every rank opens it and reads its own shard alone.
+        dtype: of the weights, KV cache and activations; default the checkpoint's own.
+        max_seq_len: the context served (the KV cache's positions per slot); default
+            the model's ``max_position_embeddings``.  Ignored when ``checkpoint`` is opened already.
         device: where they live; by default the current CUDA device under NCCL, else
             torch's default.
         group: the process group of the all-reduces.
@@ -140,9 +143,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             rank whose cache was altered reports another state digest.  Default off.
         cuda_graphs: replay decode steps from CUDA graphs (:class:`~.graphs.DecodeGraphs`):
             one launch per step instead of one per kernel.  One rank, on a CUDA device.
+        expert_routing: how the picked experts run (:mod:`~metrale_model_engine.reference.experts`).
 
     Attributes:
         lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
+        checkpoint: what it was loaded from.
         spent: the time this rank spent sending commands and in all-reduces.
 
     Raises:
@@ -150,7 +155,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             :func:`~metrale_model_engine.reference.check_world`), or ``group`` is
             not the link's group.
         RuntimeError: several ranks, no ``all_reduce`` and torch.distributed is not initialised.
-        OSError: the weights file cannot be read.
+        CheckpointError: the checkpoint cannot be served (the message says which file and what).
+        OSError: a weights file cannot be read.
         ValueError: ``cuda_graphs`` with the model not on a CUDA device, or with several ranks.
     """
 
@@ -161,14 +167,16 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         self,
         link: EpLink,
         *,
-        weights: str | Path | None = None,
-        dtype: torch.dtype = torch.float32,
+        checkpoint: str | Path | Checkpoint | None = None,
+        dtype: torch.dtype | None = None,
+        max_seq_len: int | None = None,
         device: torch.device | None = None,
         group: dist.ProcessGroup | None = None,
         all_reduce: AllReduce | None = None,
         collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
         check_kv_values: bool = False,
         cuda_graphs: bool = False,
+        expert_routing: ExpertRouting = "auto",
     ) -> None:
         super().__init__()
         self.ep_link = link
@@ -178,18 +186,22 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             self._reduce = Collectives(link, group, timeout=collective_timeout).all_reduce
             if world_size > 1 and device is None and dist.get_backend(group) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
-        config, full = load_weights(weights, dtype=dtype)
+        opened = (
+            checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, max_seq_len=max_seq_len)
+        )
+        self.checkpoint: Checkpoint = opened
         reduce = self._all_reduce if world_size > 1 else None
         self.lm: ShardedLm = ShardedLm(
-            config,
+            opened.config,
             num_slots=link.num_slots,
             rank=rank,
             world_size=world_size,
             all_reduce=reduce,
-            dtype=dtype,
+            dtype=opened.dtype if dtype is None else dtype,
             device=device,
+            expert_routing=expert_routing,
         )
-        self.lm.load_full_state(full)
+        load_shard(self.lm, opened)
         self._device = self.lm.embed.device
         self._graphs = DecodeGraphs(self.lm) if cuda_graphs else None
         self.spent: TimeSpent = TimeSpent()
@@ -210,6 +222,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     def config(self) -> LmConfig:
         """The model's shape."""
         return self.lm.config
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a sequence (the checkpoint's ``eos_token_id``); empty when it has none."""
+        return frozenset(self.checkpoint.eos_token_ids)
 
     # -- head ------------------------------------------------------------------
 
@@ -299,10 +316,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         # one copy to the device, from pinned memory so that it does not make the host wait
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._device.type == "cuda")
         inputs = host.to(self._device, non_blocking=True)
+        span = decode_span(max(rows[2]) + 1, self.config.max_seq_len)  # from host values: no wait
         if self._graphs is not None:
-            logits = self._graphs(inputs)
+            logits = self._graphs(inputs, span)
         else:
-            logits = self.lm.decode_step(inputs[0], inputs[1], inputs[2])
+            logits = self.lm.decode_step(inputs[0], inputs[1], inputs[2], span=span)
         if self.kv_ledger is not None:
             self.kv_ledger.wrote_rows(inputs[0], inputs[2])
         for state, token in zip(states, tokens, strict=True):

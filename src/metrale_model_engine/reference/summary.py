@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 from .._core.namespace import PublicDir, public_dir
+from .checkpoint import Tokenizer
 from .scheduler import Server
 from .serving import ReferenceLm
-from .tokenizer import decode_text
 
 __all__ = ["run_summary", "summary_lines"]
 
 
-def run_summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, object]:
+def run_summary(
+    model: ReferenceLm, server: Server, wall_s: float, tokenizer: Tokenizer | None = None
+) -> dict[str, object]:
     """The run of ``server`` over ``model`` that took ``wall_s`` seconds: its link, its steps, every request.
 
     ``decode_step`` splits the head's decode steps into compute, collectives and
     protocol (shares of their total time); it counts none when every request ended
-    with its prefill.  Call it on the head, before ``server.shutdown()``.
+    with its prefill.  ``requests`` holds every request in the order submitted: its
+    prompt's ids and generated ``tokens`` (an end-of-sequence id included when
+    generated), why it finished, the seed it was sampled with (``null`` when
+    greedy), and with a ``tokenizer`` their text (``null`` without).  Call it on the
+    head, before ``server.shutdown()``.
     """
+
+    def text(tokens: Sequence[int]) -> str | None:
+        return None if tokenizer is None else tokenizer.decode(tokens)
+
     link = model.ep_link
     generated = sum(len(c.tokens) for c in server.completions.values())
     steps = server.decode_steps
@@ -54,13 +65,15 @@ def run_summary(model: ReferenceLm, server: Server, wall_s: float) -> dict[str, 
         "requests": [
             {
                 "id": c.request.id,
-                "prompt": decode_text(c.request.prompt),
+                "prompt": text(c.request.prompt),
+                "prompt_ids": list(c.request.prompt),
                 "tokens": c.tokens,
-                "text": decode_text(c.tokens),
+                "text": text(c.tokens),
+                "finish_reason": c.finish_reason,
+                "seed": c.seed,
                 "submitted_step": c.submitted_step,
                 "admitted_step": c.admitted_step,
                 "finished_step": c.finished_step,
-                "finish_reason": c.finish_reason,
             }
             for c in server.completions.values()
         ],

@@ -1,0 +1,52 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): its tensor names and the fields of its ``config.json``.
+
+Honoured: the shared fields (:func:`~.family.read_shared`), ``head_dim``, the
+per-head RMSNorm of queries and keys (``self_attn.q_norm``, ``k_norm``, always
+present), ``norm_topk_prob``, ``num_experts`` and ``moe_intermediate_size`` (an
+expert's width).  Refused: ``attention_bias``, ``mlp_only_layers`` or a
+``decoder_sparse_step`` other than 1 (dense layers between the sparse ones), and
+sliding-window attention over less than the context served.  ``intermediate_size``
+is the width of those dense layers alone, so it is accounted for, unused.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from ..._core.namespace import PublicDir, public_dir
+from ..config import LmConfig
+from .family import HARMLESS, Family, check_window, make_config, read_shared
+from .fields import ConfigFields
+
+__all__ = ["QWEN3_MOE"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
+
+def _read(fields: ConfigFields, max_seq_len: int | None) -> LmConfig:
+    values = read_shared(fields, max_seq_len, rope_theta=1e4)
+    values["n_experts"] = fields.integer("num_experts", fields.integer("num_local_experts", 128))
+    values["d_expert"] = fields.integer("moe_intermediate_size")
+    values["norm_topk_prob"] = fields.flag("norm_topk_prob", False)
+    values["qk_norm"] = True
+    if fields.flag("attention_bias", False):
+        fields.refuse("attention_bias", "the projections have no biases here")
+    if fields.integer("decoder_sparse_step", 1) != 1:
+        fields.refuse("decoder_sparse_step", "every layer is a mixture of experts here (a step of 1)")
+    only_dense = fields.value("mlp_only_layers")
+    if only_dense not in (None, []):
+        fields.refuse("mlp_only_layers", "every layer is a mixture of experts here (no dense layers)")
+    fields.value("intermediate_size")  # the dense layers' width: none are served
+    config = make_config(fields, values)
+    if fields.flag("use_sliding_window", False):
+        check_window(fields, "sliding_window", config.max_seq_len)
+    fields.value("sliding_window")  # without use_sliding_window, transformers ignores it too
+    fields.value("max_window_layers")  # ditto
+    fields.finish(HARMLESS)
+    return config
+
+
+QWEN3_MOE: Final = Family("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj"), _read)
+"""Qwen3-MoE's names: ``model.layers.N.mlp.gate`` routes, ``mlp.experts.E.gate_proj`` / ``up_proj`` /
+``down_proj`` are an expert's projections, ``self_attn.q_norm`` / ``k_norm`` the per-head norms."""

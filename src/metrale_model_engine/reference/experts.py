@@ -1,0 +1,145 @@
+"""The experts of the reference model: :class:`ShardedMoe`, one rank's experts of a top-k mixture of SwiGLU experts.
+
+Routing is replicated: every rank computes the router's softmax over every expert
+(in float32) and picks the same ``top_k`` per token; with ``norm_topk_prob`` the
+picked weights are renormalised to sum to 1 (Mixtral, and Qwen3-MoE by its
+config), else they are the softmax's own.  A rank adds the weighted outputs of
+the picked experts it holds.
+
+Three ways to run the picked experts, the same sums to rounding
+(:attr:`ShardedMoe.routing`, ``"auto"`` by default):
+
+* **on the host** (``"host"``; ``"auto"`` on the CPU, where reading the routing
+  costs no device wait): each picked expert runs on its own tokens, as
+  ``transformers`` does, so a step reads only the weights of the experts it picked;
+* **gathered** (``"device"``, when a batch picks fewer experts than the rank holds:
+  ``tokens * top_k < experts``): each token's picked experts' weights are gathered
+  by index and applied as batched products (gpt-fast's Mixtral), reading those
+  experts alone and nothing back to the host;
+* **dense** (``"device"``, larger batches): every local expert runs on every token,
+  weighed by a gate that is zero where the router did not pick it: a fixed shape
+  and no host sync, ``experts / top_k`` times the products of the routed way.
+
+On a device other than the CPU, ``"auto"`` is ``"device"``: a decode step then
+reads nothing back and a CUDA graph can hold it (:mod:`.graphs`).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._core.namespace import PublicDir, public_dir
+from .config import LmConfig, Shard
+from .layers import compute_dtype
+
+__all__ = ["ExpertRouting", "ShardedMoe"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
+
+ExpertRouting = Literal["auto", "host", "device"]
+"""How :class:`ShardedMoe` runs the picked experts (see the module)."""
+ROUTINGS: Final[tuple[ExpertRouting, ...]] = ("auto", "host", "device")
+
+
+class ShardedMoe(nn.Module):
+    """Experts ``shard.first_expert ..`` of a top-k mixture of SwiGLU experts (see the module).
+
+    The router ``[n_experts, D]`` is replicated.  Expert ``e`` computes
+    ``down[e] @ (silu(gate[e] @ x) * (up[e] @ x))``, its gate and up projections
+    held as one matrix: ``w_in`` ``[E, 2F, D]`` (the gate's rows, then the up
+    projection's), for this rank's ``E`` experts; their down projections side by side
+    in ``w_out`` ``[D, E, F]`` (``w_out[:, e]`` is expert ``e``'s), so that one matrix
+    product of every expert's gated hidden state also sums the experts.
+
+    Raises:
+        ValueError: ``routing`` is not one of ``"auto"``, ``"host"``, ``"device"``.
+    """
+
+    def __init__(
+        self,
+        config: LmConfig,
+        shard: Shard,
+        *,
+        routing: ExpertRouting = "auto",
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None:
+        super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"expert routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        self.routing: ExpertRouting = routing
+        self.top_k, self.norm_topk_prob = config.top_k, config.norm_topk_prob
+        self.first_expert, self.local_experts = shard.first_expert, shard.experts
+        d_model, d_expert = config.d_model, config.d_expert
+        self.router: nn.Parameter = nn.Parameter(torch.zeros(config.n_experts, d_model, dtype=dtype, device=device))
+        self.w_in: nn.Parameter = nn.Parameter(
+            torch.zeros(shard.experts, 2 * d_expert, d_model, dtype=dtype, device=device)
+        )
+        self.w_out: nn.Parameter = nn.Parameter(
+            torch.zeros(d_model, shard.experts, d_expert, dtype=dtype, device=device)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts picked for each token of ``x`` ``[N, D]`` and their weights, both ``[N, top_k]``.
+
+        The weights are in :func:`~.layers.compute_dtype`; with ``norm_topk_prob`` they sum to 1 per token
+        (the softmax over the picked experts' logits: the same as the whole softmax, picked and renormalised).
+        """
+        logits = F.linear(x, self.router).to(compute_dtype(x.dtype))
+        if self.norm_topk_prob:
+            top, experts = logits.topk(self.top_k, dim=-1)
+            return experts, top.softmax(dim=-1)
+        weights, experts = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, ``x``'s shape ``[*N, D]`` (the way chosen as the module says)."""
+        flat = x.reshape(-1, x.shape[-1])
+        experts, weights = self.route(flat)
+        if self.routing == "host" or (self.routing == "auto" and flat.device.type == "cpu"):
+            out = self._by_expert(flat, experts, weights)
+        elif flat.shape[0] * self.top_k < self.local_experts:
+            out = self._gathered(flat, experts, weights)
+        else:
+            out = self._dense(flat, experts, weights)
+        return out.view_as(x)
+
+    def _by_expert(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each picked local expert on its own tokens, in expert order (reads the routing on the host)."""
+        out = torch.zeros_like(flat)
+        local = experts - self.first_expert
+        for expert in torch.unique(local).tolist():
+            if not 0 <= expert < self.local_experts:
+                continue  # another rank's
+            token, pick = (local == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(flat[token], self.w_in[expert]).chunk(2, dim=-1)
+            hidden = F.linear(F.silu(gate) * up, self.w_out[:, expert])
+            out.index_add_(0, token, (hidden * weights[token, pick, None]).to(out.dtype))
+        return out
+
+    def _gathered(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token's picked experts' weights, gathered by index (a pick held by another rank weighs 0)."""
+        if self.local_experts < self.router.shape[0]:  # some picks are other ranks': read one of ours, weigh 0
+            local = experts - self.first_expert
+            owned = (local >= 0) & (local < self.local_experts)
+            experts, weights = local.clamp(0, self.local_experts - 1), weights * owned
+        hidden = torch.matmul(self.w_in[experts], flat[:, None, :, None])  # [N, k, 2F, 1]
+        gate, up = hidden.squeeze(-1).chunk(2, dim=-1)
+        down = self.w_out[:, experts].permute(1, 2, 0, 3)  # [N, k, D, F]
+        outputs = torch.matmul(down, (F.silu(gate) * up)[..., None]).squeeze(-1)  # [N, k, D]
+        return torch.matmul(weights.to(flat.dtype)[:, None, :], outputs).squeeze(1)  # the weighted sum over k
+
+    def _dense(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, weighed by its gate (zero where it was not picked)."""
+        gates = weights.new_zeros(flat.shape[0], self.router.shape[0]).scatter_(1, experts, weights)
+        local = gates[:, self.first_expert : self.first_expert + self.local_experts].to(flat.dtype)  # [N, E]
+        hidden = F.linear(flat, self.w_in.flatten(0, 1)).view(flat.shape[0], self.local_experts, -1)
+        gate, up = hidden.chunk(2, dim=-1)
+        gated = F.silu(gate) * up * local[..., None]  # [N, E, F]
+        return F.linear(gated.flatten(1), self.w_out.flatten(1))

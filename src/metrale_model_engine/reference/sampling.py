@@ -1,0 +1,105 @@
+"""How the head picks a request's next token from its logits: :class:`Sampling`, and :class:`Sampler` that applies it.
+
+Greedy by default (the largest logit; the lowest id on a tie).  Otherwise, as
+``transformers`` orders its logits processors: the logits divided by
+``temperature``, cut to the ``top_k`` largest, then to the smallest set of most
+probable tokens whose probability reaches ``top_p``; one token is drawn from what
+is left by the request's own generator, seeded with ``seed``.  The head samples
+and its workers receive the token in the next command, so a seed gives the same
+tokens at every world size (the logits agree there to rounding).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from .._core.namespace import PublicDir, public_dir
+
+__all__ = ["GREEDY", "Sampler", "Sampling"]
+
+
+__dir__: PublicDir = public_dir(globals(), __all__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling: greedy when ``temperature`` is 0 (the default), else drawn (see the module).
+
+    Attributes:
+        temperature: the logits are divided by it; 0 picks the largest logit.
+        top_k: keep the ``top_k`` largest logits; 0 keeps all.
+        top_p: keep the smallest set of most probable tokens whose probability reaches
+            ``top_p`` (nucleus sampling); 1 keeps all.
+        seed: the request's generator's seed, a u63; ``None``: drawn at random when
+            the request is sampled (and kept in its :class:`Sampler`).
+
+    Raises:
+        TypeError: a field has the wrong type (``bool`` is not a number).
+        ValueError: ``temperature`` negative or not finite, ``top_k`` negative, ``top_p``
+            not in ``(0, 1]``, or ``seed`` outside ``0 ..= 2**63 - 1``.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if type(value) not in (int, float):
+                raise TypeError(f"Sampling.{name} must be a number, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"Sampling.temperature must be finite and at least 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
+        for name, value in (("top_k", self.top_k), ("seed", self.seed)):
+            if value is None and name == "seed":
+                continue
+            if type(value) is not int:
+                raise TypeError(f"Sampling.{name} must be an int, got {type(value).__name__} {value!r}")
+        if self.top_k < 0:
+            raise ValueError(f"Sampling.top_k must be at least 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"Sampling.seed must be in 0 ..= 2**63 - 1, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether it picks the largest logit (``temperature == 0``)."""
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+"""The default: the largest logit."""
+
+
+class Sampler:
+    """Picks one request's tokens, one call per token, with the request's own generator (see the module)."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.seed: int = secrets.randbits(63) if sampling.seed is None else sampling.seed
+        """The seed in use: the request's, or the one drawn for it."""
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """The next token for ``logits`` (``[vocab]``, any device and floating dtype)."""
+        sampling = self.sampling
+        if sampling.greedy:
+            return int(torch.argmax(logits))
+        scores = logits.detach().to("cpu", torch.float64) / sampling.temperature
+        if 0 < sampling.top_k < scores.numel():
+            scores[scores < torch.topk(scores, sampling.top_k).values[-1]] = -math.inf
+        probabilities = torch.softmax(scores, dim=-1)
+        if sampling.top_p < 1:
+            ordered, order = torch.sort(probabilities, descending=True)
+            before = torch.cumsum(ordered, dim=0) - ordered  # the probability of the tokens ahead of each
+            probabilities[order[before >= sampling.top_p]] = 0.0
+        cumulative = torch.cumsum(probabilities, dim=0)
+        draw = float(torch.rand((), dtype=torch.float64, generator=self._generator)) * float(cumulative[-1])
+        return int(torch.searchsorted(cumulative, draw, right=True))  # never a token of probability 0
