@@ -22,7 +22,7 @@ from metrale_model_engine import EpLink
 from metrale_model_engine.reference import LmState, ReferenceLm
 from metrale_model_engine.transport import SoloTransport
 
-PROMPT = tuple("Licensed under the Apache License, Version 2.0 (the".encode())  # the shipped model: byte ids
+PROMPT = tuple(b"Licensed under the Apache License, Version 2.0 (the")  # the shipped model: byte ids
 
 
 def filled(batch: int, check: bool) -> tuple[ReferenceLm, list[LmState | None]]:
