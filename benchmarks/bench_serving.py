@@ -23,25 +23,31 @@ step, on CUDA its times eager and graphed and the GPU's busy time.  Prints a tab
 and the targets (met or missed), and writes ``bench_serving.json`` and
 ``bench_serving.png`` to ``--out``.
 
-Run: ``python benchmarks/bench_serving.py`` (about 2 minutes on 2 cores);
-``--quick`` for a smoke run (about 20 s).
+Then the main job on real architectures against ``transformers``' own ``generate``
+(``real_model.py``: a random Mixtral and Qwen3-MoE of about 118 M parameters, at 1
+and 2 ranks, with the roofline of a batch-1 decode step), when ``transformers`` is
+installed (the ``test-torch`` extra).
+
+Run: ``python benchmarks/bench_serving.py`` (about 5 minutes on 2 cores; ``--part
+protocol`` or ``--part real`` for one of the two); ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing
 import os
 import platform
 import random
-import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypedDict
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -61,17 +67,15 @@ from metrale_model_engine.transport import SoloTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_step
+import real_model
 from output import DEFAULT_OUT, plotting_available, say_written
+from serving_report import RoundResult, analyse, report
 
 from peers import ShmEventChannel, ShmEventHandle
 
 PATHS: Final = ("world 1", "ours shm", "ours gloo", "peer pickle", "peer shm+event")
 CMD_END_ROUND: Final = 0x0000BEEF
 """The benchmark's own command: the round is over (workers leave their loop, the link stays up)."""
-TARGET_SHARE: Final = 0.02
-"""The protocol's share of a decode step at the full batch, over shared memory: at most this."""
-TARGET_PROTOCOL_US: Final = 25.0
-"""The head's protocol time of that step (the decode command's send), median, in microseconds: at most this."""
 SOURCE: Final = (Path(__file__).resolve().parents[1] / "LICENSE-APACHE").read_text()
 
 
@@ -79,23 +83,6 @@ Call = tuple[Any, ...]
 """A peer call: ``("alloc", seq_id)``, ``("free", seq_id)``, ``("prefill", ...)``, ``("decode", ...)``."""
 Send = Callable[[list[Call]], None]
 Receive = Callable[[], Any]
-
-
-class RoundResult(TypedDict):
-    tokens: int
-    wall_s: float
-    tokens_per_s: float
-    outputs: list[list[int]]
-    steps: list[tuple[int, float, float, float]]
-    """Each decode step: batch, total, protocol and collectives seconds."""
-
-
-@dataclass
-class Findings:
-    paths: dict[str, dict[str, float]]
-    ratios: dict[str, float]
-    targets: dict[str, tuple[float, bool]]
-    outputs_identical: bool
 
 
 @dataclass(frozen=True)
@@ -268,131 +255,10 @@ def rank_main(rank: int, world_size: int, work: Workload, rounds: int, handle: S
     channel.close()
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def analyse(samples: dict[str, list[RoundResult]], work: Workload) -> Findings:
-    """Per path: tokens/s, and the decode steps at the full batch split; paired ratios; the targets."""
-    reference = samples["world 1"][0]["outputs"]
-    same = all(run["outputs"] == reference for runs in samples.values() for run in runs)
-    table: dict[str, dict[str, float]] = {}
-    for path, runs in samples.items():
-        full = [step for run in runs for step in run["steps"] if step[0] == work.slots]
-        total, protocol, collectives = (median([step[i] for step in full]) for i in (1, 2, 3))
-        table[path] = {
-            "tokens_per_s": median([run["tokens_per_s"] for run in runs]),
-            "full_batch_steps": len(full),
-            "step_ms": total * 1e3,
-            "protocol_us": protocol * 1e6,
-            "collectives_ms": collectives * 1e3,
-            "compute_ms": median([s[1] - s[2] - s[3] for s in full]) * 1e3,
-            "protocol_share": sum(s[2] for s in full) / sum(s[1] for s in full) if full else float("nan"),
-        }
-
-    def paired(a: str, b: str) -> float:
-        """Median over rounds of a's tokens/s over b's (the rounds ran side by side)."""
-        pairs = zip(samples[a], samples[b], strict=True)
-        return median([x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs])
-
-    ratios = {
-        "ours shm / peer pickle, tokens/s": paired("ours shm", "peer pickle"),
-        "ours shm / peer shm+event, tokens/s": paired("ours shm", "peer shm+event"),
-        "ours shm / ours gloo, tokens/s": paired("ours shm", "ours gloo"),
-        "ours shm / world 1, tokens/s": paired("ours shm", "world 1"),
-        "peer pickle / ours shm, protocol time of a full decode step": (
-            table["peer pickle"]["protocol_us"] / table["ours shm"]["protocol_us"]
-        ),
-        "peer shm+event / ours shm, protocol time of a full decode step": (
-            table["peer shm+event"]["protocol_us"] / table["ours shm"]["protocol_us"]
-        ),
-    }
-    share = table["ours shm"]["protocol_share"]
-    targets = {
-        f"ours shm: protocol share of a decode step at batch {work.slots}, at most {TARGET_SHARE:.0%}": (
-            share,
-            share <= TARGET_SHARE,
-        ),
-        f"ours shm: the head's protocol time of a decode step at batch {work.slots}, median us, at most "
-        f"{TARGET_PROTOCOL_US:g}": (
-            table["ours shm"]["protocol_us"],
-            table["ours shm"]["protocol_us"] <= TARGET_PROTOCOL_US,
-        ),
-        "ours shm ahead of peer pickle (tokens/s ratio above 1)": (
-            ratios["ours shm / peer pickle, tokens/s"],
-            ratios["ours shm / peer pickle, tokens/s"] > 1,
-        ),
-        "ours shm ahead of peer shm+event (tokens/s ratio above 1)": (
-            ratios["ours shm / peer shm+event, tokens/s"],
-            ratios["ours shm / peer shm+event, tokens/s"] > 1,
-        ),
-    }
-    return Findings(table, ratios, targets, same)
-
-
-def report(found: Findings, work: Workload, out: Path, plots: bool) -> None:
-    table = found.paths
-    shape = f"{work.requests} requests, {work.prompt_tokens}-token prompts, {work.new_tokens} new tokens"
-    print(f"\nworkload: {shape}, {work.slots} slots, prefill chunks of {work.prefill_chunk}; at batch {work.slots}:")
-    print(f"{'path':<16}{'tokens/s':>10}{'step ms':>9}{'compute ms':>12}{'collect. ms':>13}{'protocol us':>13}"
-          f"{'protocol':>10}")  # fmt: skip
-    for path, row in table.items():
-        print(f"{path:<16}{row['tokens_per_s']:>10.0f}{row['step_ms']:>9.2f}{row['compute_ms']:>12.2f}"
-              f"{row['collectives_ms']:>13.2f}{row['protocol_us']:>13.1f}{row['protocol_share']:>9.2%}")  # fmt: skip
-    print("\nratios (tokens/s paired by round):")
-    for name, value in found.ratios.items():
-        print(f"  {name}: {value:.2f}x")
-    print(f"outputs identical on every path and round: {found.outputs_identical}")
-    for name, (value, met) in found.targets.items():
-        print(f"target: {name}: {value:.4g} ({'met' if met else 'MISSED'})")
-    if plots:
-        plot(table, work, out / "bench_serving.png")
-
-
-def plot(table: dict[str, dict[str, float]], work: Workload, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(table)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    bottom = [0.0] * len(names)
-    for part, key, colour in (("compute", "compute_ms", "#4C72B0"), ("collectives", "collectives_ms", "#DD8452"),
-                              ("protocol", "protocol_us", "#C44E52")):  # fmt: skip
-        heights = [table[n][key] / (1e3 if key == "protocol_us" else 1) for n in names]
-        left.bar(names, heights, bottom=bottom, label=part, color=colour)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    left.set_ylabel("ms per decode step (median)")
-    left.set_title(f"the head's decode step at batch {work.slots}")
-    left.legend()
-    right.bar(names, [table[n]["tokens_per_s"] for n in names], color="#55A868")
-    right.set_ylabel("generated tokens/s (median of rounds)")
-    right.set_title(f"{work.requests} requests x {work.new_tokens} new tokens")
-    for axis in (left, right):
-        axis.tick_params(axis="x", labelrotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of a small workload")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5; a warm-up round first)")
-    parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
-    )
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="where the model's own step is measured (default cpu)"
-    )
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: this machine has no CUDA device")
-    plots = plotting_available()
+def protocol_part(args: argparse.Namespace, plots: bool) -> dict[str, object]:
+    """The command paths side by side on the reference model, and its own decode step: printed, and as JSON."""
     work = Workload(32, 64, 64, 16, 16) if not args.quick else Workload(8, 32, 8, 4, 16)
     rounds = 1 if args.quick else args.rounds
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
     context = multiprocessing.get_context("spawn")
     channel = ShmEventChannel.create(1, size=1 << 20, context=context)
     try:
@@ -412,24 +278,63 @@ def main() -> None:
     for name, value in step.items():
         print(f"  {name}: {value:.4g}")
     report(found, work, args.out, plots)
-    meta: dict[str, object] = {
+    if not found.outputs_identical:
+        raise SystemExit("the paths generated different tokens: the benchmark is invalid")
+    targets = {name: {"value": value, "met": met} for name, (value, met) in found.targets.items()}
+    return {"paths": found.paths, "ratios": found.ratios, "model_step": step, "targets": targets,
+            "outputs_identical": found.outputs_identical, "workload": work.__dict__, "rounds": rounds}  # fmt: skip
+
+
+def real_part(args: argparse.Namespace) -> dict[str, object]:
+    """Both families against transformers (``real_model``), when transformers is installed: printed, and as JSON."""
+    if importlib.util.find_spec("transformers") is None:
+        print("\ntransformers is not installed (pip install -e '.[test-torch]'): no real architecture measured")
+        return {}
+    with tempfile.TemporaryDirectory(prefix="metrale-real-") as root:
+        found = real_model.measure(lambda *call: run_group(*call, timeout=1800.0), Path(root), args.quick)
+    real_model.report(found)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of a small workload")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5; a warm-up round first)")
+    parser.add_argument(
+        "--part",
+        choices=["all", "protocol", "real"],
+        default="all",
+        help="the command paths on the reference model, the real architectures, or both (default)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the model's own step is measured (default cpu)"
+    )
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
+    plots = plotting_available()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    document: dict[str, object] = {}
+    if args.part in ("all", "protocol"):
+        document.update(protocol_part(args, plots))
+    if args.part in ("all", "real"):
+        document["real_model"] = real_part(args)
+    document["meta"] = {
         "argv": sys.argv[1:],
-        "workload": work.__dict__,
-        "rounds": rounds,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "took_s": round(time.monotonic() - started, 1),
     }
-    targets = {name: {"value": value, "met": met} for name, (value, met) in found.targets.items()}
-    document = {"paths": found.paths, "ratios": found.ratios, "model_step": step, "targets": targets,
-                "outputs_identical": found.outputs_identical, "meta": meta}  # fmt: skip
     (args.out / "bench_serving.json").write_text(json.dumps(document, indent=1) + "\n")
-    say_written(args.out / "bench_serving.json", *([args.out / "bench_serving.png"] if plots else []))
-    print(f"took {meta['took_s']} s")
-    if not found.outputs_identical:
-        raise SystemExit("the paths generated different tokens: the benchmark is invalid")
+    drawn = [args.out / "bench_serving.png"] if plots and args.part != "real" else []
+    say_written(args.out / "bench_serving.json", *drawn)
+    print(f"took {document['meta']['took_s']} s")  # type: ignore[index]
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ from metrale_model_engine.reference import LmState, ReferenceLm
 from metrale_model_engine.torch import count_ops
 from metrale_model_engine.transport import SoloTransport
 
-MAX_LAUNCHES: Final = 80
-"""Ops that are not views per decode step, on the CPU counter: at most this."""
+MAX_LAUNCHES: Final = 88
+"""Ops that are not views per decode step, on the CPU counter: at most this (as ``tests/in_process/
+test_reference_device.py`` holds it)."""
 CUDA_TARGETS_MS: Final = {"eager step ms": 0.6, "graphed step ms": 0.2, "GPU busy ms per step": 0.15}
 """On an H200-class GPU at world size 1, batch 16: each at most this many milliseconds."""
 PROMPT: Final = [76, 105, 99, 101, 110, 115, 101, 100]  # "Licensed"
@@ -31,7 +32,9 @@ PROMPT: Final = [76, 105, 99, 101, 110, 115, 101, 100]  # "Licensed"
 
 def _filled(device: torch.device, batch: int, graphs: bool) -> tuple[ReferenceLm, list[LmState | None]]:
     """A one-rank model on ``device`` with ``batch`` slots, each holding the prompt."""
-    model = ReferenceLm(EpLink(SoloTransport(), num_slots=batch), device=device, cuda_graphs=graphs)
+    model = ReferenceLm(  # its experts run as on a GPU, reading nothing back, on the CPU too: what is counted
+        EpLink(SoloTransport(), num_slots=batch), device=device, cuda_graphs=graphs, expert_routing="device"
+    )
     slots: list[LmState | None] = [None] * batch
     for seq_id in range(batch):
         model.alloc(slots, seq_id)

@@ -83,8 +83,8 @@ def test_a_decode_step_never_waits_for_the_device_and_launches_few_ops(
     layers = shipped.config.n_layers
     if batch * 2 < 4:  # gathered: qkv, wo, router; the picked experts' in, out and weighted sum
         assert (count.launches["mm"], count.launches["bmm"]) == (1 + 3 * layers, 3 * layers)
-    else:  # dense: qkv, wo, router, every expert's in and out; the LM head
-        assert count.launches["mm"] == 1 + 5 * layers
+    else:  # dense: qkv, wo, router, every expert's out stacked; every expert's in, batched by expert; the LM head
+        assert (count.launches["mm"], count.launches["bmm"]) == (1 + 4 * layers, layers)
 
 
 def test_a_prefill_chunk_and_the_training_path_never_wait(shipped: Checkpoint) -> None:

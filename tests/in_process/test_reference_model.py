@@ -154,7 +154,7 @@ def test_shards_are_the_slices_of_the_whole_model(shipped: Checkpoint) -> None:
         keys = whole["layers.1.attn.wqkv"][4 * width : 8 * width]
         assert torch.equal(k, keys[rank * width : (rank + 1) * width])
         assert torch.equal(shard["layers.1.moe.router"], whole["layers.1.moe.router"])
-    for name, dim in {"layers.1.attn.wo": 1, "layers.1.moe.w_in": 0, "layers.1.moe.w_out": 1}.items():
+    for name, dim in {"layers.1.attn.wo": 1, "layers.1.moe.w_in": 0, "layers.1.moe.w_out": 0}.items():
         assert torch.equal(torch.cat([shard[name] for shard in shards], dim=dim), whole[name])
 
 

@@ -9,7 +9,7 @@ one rank does, so the head's logits match one rank's to :data:`LOGIT_TOLERANCE`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -40,7 +40,7 @@ from metrale_model_engine.reference import (
     serving,
 )
 from metrale_model_engine.reference.model import ShardedBlock
-from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, RunStopped
+from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, Chunk, RunStopped
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
@@ -81,17 +81,51 @@ def test_requests_that_arrive_mid_run_get_the_tokens_they_get_alone(one_rank: tu
     assert all(len(tokens) == sessions.NEW_TOKENS for tokens in batched.values())
 
 
-def test_the_server_batches_queues_and_frees() -> None:
+@pytest.mark.parametrize(
+    ("fuse", "admitted", "finished"),
+    [
+        # two slots; 19-token prompts take 5 chunks, the step of the last one decodes too, one more decode: 6 steps
+        (False, [1, 1, 7, 7, 13], [6, 6, 12, 12, 18]),
+        # one forward a step: the first token comes with the last chunk, two decodes follow: 7 steps
+        (True, [1, 1, 8, 8, 15], [7, 7, 14, 14, 21]),
+    ],
+)
+def test_the_server_batches_queues_and_frees(fuse: bool, admitted: list[int], finished: list[int]) -> None:
     requests = [Request(i, tuple(byte_ids(f"request {i}: Licensed")), 3) for i in range(5)]
-    server = Server(solo_model(2), prefill_chunk=4)
+    server = Server(solo_model(2), prefill_chunk=4, fuse=fuse)
     done = server.run(requests)
-    # two slots; 19-token prompts take 5 chunks, the step of the last one decodes too, one more decode: 6 steps
-    assert [done[i].admitted_step for i in range(5)] == [1, 1, 7, 7, 13]
-    assert [done[i].finished_step for i in range(5)] == [6, 6, 12, 12, 18]
+    assert [done[i].admitted_step for i in range(5)] == admitted
+    assert [done[i].finished_step for i in range(5)] == finished
     assert all(c.finished_step is not None and len(c.tokens) == 3 for c in done.values())
     assert server.slots == [None, None] and not server.busy
     assert max(step.batch for step in server.decode_steps) == 2
     assert all(step.total_s >= step.protocol_s + step.collectives_s for step in server.decode_steps)
+    unfused = Server(solo_model(2), prefill_chunk=4, fuse=False).run(requests)
+    assert [done[i].tokens for i in range(5)] == [unfused[i].tokens for i in range(5)]
+
+
+def test_one_rank_fuses_a_steps_prefills_and_decode_into_one_forward() -> None:
+    model = solo_model(3)
+    calls: list[str] = []
+    for name in ("prefill", "decode", "fused_step"):
+        method = getattr(model, name)
+
+        def noted(*args: object, _name: str = name, _method: Callable[..., torch.Tensor] = method) -> torch.Tensor:
+            calls.append(_name)
+            return _method(*args)
+
+        setattr(model, name, noted)
+    server = Server(model, prefill_chunk=8)
+    assert server.fuse
+    done = server.run([Request(i, tuple(byte_ids(text)), 4) for i, text in enumerate(("Licensed", "THE", "you"))])
+    assert set(calls) == {"fused_step"} and len(calls) == server.steps == 4  # a prefill, then 3 decodes, all at once
+    assert [len(c.tokens) for c in done.values()] == [4, 4, 4]
+    with pytest.raises(RuntimeError, match=r"fused_step is the one-rank path: with several ranks \(is_ep\(\)\)"):
+        ReferenceLm(EpLink(RecordingTransport(2), num_slots=2), all_reduce=print).fused_step([None] * 2, [], [0], [1])
+    with pytest.raises(ValueError, match="a fused step names each slot once, got \\[0, 0\\]"):
+        model.fused_step(server.slots, [(0, (1, 2), 0, 2)], [0], [5])
+    with pytest.raises(ValueError, match=r"fuse=True: a model of several ranks \(is_ep\(\)\) sends each prefill"):
+        Server(ReferenceLm(EpLink(RecordingTransport(2), num_slots=2), all_reduce=print), fuse=True)
 
 
 def test_tokens_stream_as_they_are_chosen() -> None:
@@ -447,17 +481,23 @@ class FailsOnce(ReferenceLm):
         self._maybe_fail("decode")
         return super().decode(slots, seq_ids, tokens)
 
+    def fused_step(
+        self, slots: LmSlots, chunks: Sequence[Chunk], seq_ids: Sequence[int], tokens: Sequence[int]
+    ) -> torch.Tensor:
+        self._maybe_fail("fused_step")
+        return super().fused_step(slots, chunks, seq_ids, tokens)
+
     def _maybe_fail(self, call: str) -> None:
         if call == self.which and not getattr(self, "failed", False):
             self.failed = True
             raise self.error
 
 
-@pytest.mark.parametrize("which", ["prefill", "decode"])
+@pytest.mark.parametrize("which", ["prefill", "decode", "fused_step"])
 def test_a_step_that_raises_leaves_every_request_untouched_and_the_server_goes_on(which: str) -> None:
     model = FailsOnce(EpLink(SoloTransport(), num_slots=2))
     model.which = which
-    server = Server(model, prefill_chunk=4)
+    server = Server(model, prefill_chunk=4, fuse=which == "fused_step")
     for request in REQUESTS:
         server.submit(request)
     with pytest.raises(RuntimeError, match="a send that failed before it began"):
@@ -472,7 +512,7 @@ def test_a_worker_failure_fails_the_request_of_its_slot_and_the_others_go_on() -
     model = FailsOnce(EpLink(SoloTransport(), num_slots=2))
     model.which = "decode"
     model.error = EpWorkerFailed([WorkerFailure(1, 3, 1, CMD_PREFILL, "KeyError: 'slot 1 is free'")])
-    server = Server(model, prefill_chunk=4)
+    server = Server(model, prefill_chunk=4, fuse=False)  # the commands of several ranks, one by one
     with pytest.raises(EpWorkerFailed):
         server.run(REQUESTS)
     done = server.run()

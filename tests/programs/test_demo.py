@@ -52,7 +52,8 @@ def test_the_demo_serves_license_text_on_two_ranks_and_every_rank_agrees(tmp_pat
     assert (summary["ranks"], summary["transport"], summary["backend"]) == (2, "ShmTransport", "gloo")
     assert [r["id"] for r in summary["requests"]] == list(range(6))
     for request, prompt in zip(summary["requests"], PROMPTS, strict=True):
-        assert request["prompt"] == prompt and len(request["tokens"]) == 48
+        assert request["prompt"] == prompt and request["prompt_ids"] == list(prompt.encode())
+        assert len(request["tokens"]) == 48 and request["finish_reason"] == "length" and request["seed"] is None
         assert request["text"] == bytes(request["tokens"]).decode("utf-8", errors="replace")
     shares = summary["decode_step"]
     assert abs(shares["compute_share"] + shares["collectives_share"] + shares["protocol_share"] - 1) < 1e-3
@@ -63,8 +64,19 @@ def test_a_bad_argument_ends_the_program_with_one_line_and_exit_2() -> None:
     result = demo("--world-size", "3")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines() == [
-        "error: argument --world-size: must divide the model's 4 attention heads and 4 experts (1, 2, 4), "
-        "got 3 (--help lists the options)"
+        "error: --world-size 3 cannot split the model: it must divide its 4 attention heads and 4 experts, and "
+        "divide its 4 KV heads or be a multiple of them (world sizes that can: 1, 2, 4)"
+    ]
+
+
+def test_a_bad_checkpoint_ends_the_program_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Every kind of spoilt checkpoint is refused in this process (``tests/in_process/test_demo.py``)."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    result = demo("--model", str(tmp_path))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [
+        f"error: {tmp_path}/config.json: architectures=['LlamaForCausalLM'] is not supported: the architectures "
+        "served are MixtralForCausalLM, Qwen3MoeForCausalLM"
     ]
 
 

@@ -80,3 +80,42 @@ def test_a_request_cut_short_by_its_slot_says_so(tmp_path: Path, capfd: pytest.C
     reasons = {request["id"]: request["finish_reason"] for request in summary["requests"]}
     assert set(reasons.values()) == {"context"} and len(cut) == len(reasons) == 6  # every prompt + 240 > 256
     assert all(len(r["tokens"]) < 240 for r in summary["requests"])
+
+
+def test_a_users_checkpoint_serves_the_tokens_of_transformers(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A Qwen3-MoE checkpoint without a tokenizer, prompts given as ids, in the order given; transformers stops at
+    the checkpoint's end-of-sequence id as the demo does."""
+    pytest.importorskip("transformers", reason="the test-torch extra is not installed")
+    from helpers import oracle
+
+    directory = oracle.write_checkpoint(tmp_path / "qwen", "qwen3_moe")
+    free, _ = oracle.reference_tokens(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": free[1][3]}))
+    prompts = [",".join(map(str, prompt)) for prompt in oracle.PROMPTS[:3]]
+    expected, _ = oracle.reference_tokens(directory, oracle.PROMPTS[:3], stop_at_eos=True)
+    args = ["--model", str(directory), "--max-new-tokens", str(oracle.NEW_TOKENS)]
+    for prompt in prompts:
+        args += ["--prompt-ids", prompt]
+    requests = served(tmp_path, "qwen", *args, "--world-size", "2")["requests"]
+    assert [r["tokens"] for r in requests] == expected
+    assert [r["prompt_ids"] for r in requests] == [list(p) for p in oracle.PROMPTS[:3]]
+    assert [r["finish_reason"] for r in requests] == ["stop" if t[-1] == free[1][3] else "length" for t in expected]
+    assert requests[1]["finish_reason"] == "stop"
+    assert all(r["text"] is None and r["prompt"] is None for r in requests)  # no tokenizer: ids only
+    assert served(tmp_path, "qwen1", *args, "--world-size", "1")["requests"] == requests
+    out = capfd.readouterr().out  # the head's lines, from this process at one rank
+    assert f"[head] Qwen3MoeForCausalLM from {directory} (" in out
+    assert f"[request 1] {list(oracle.PROMPTS[1])} -> {expected[1]} (end of sequence)" in out
+
+
+def test_prompts_and_sampling_from_the_command_line_at_every_world_size(tmp_path: Path) -> None:
+    args = ("--prompt", "Permission is", "--prompt-ids", "76,105", "--temperature", "9", "--seed", "5", *SHORT)
+    runs = [served(tmp_path, f"sampled{size}", *args, "--world-size", str(size)) for size in ("1", "2")]
+    assert runs[0]["requests"] == runs[1]["requests"]
+    first, second = runs[0]["requests"]
+    assert (first["prompt"], first["prompt_ids"], second["prompt"]) == ("Permission is", list(b"Permission is"), "Li")
+    assert first["seed"] == second["seed"] == 5 and first["text"] == bytes(first["tokens"]).decode(errors="replace")
+    greedy = served(tmp_path, "greedy", "--prompt", "Permission is", *SHORT)["requests"][0]
+    assert greedy["tokens"] != first["tokens"] and greedy["seed"] is None

@@ -45,8 +45,9 @@ job each: :mod:`.config` (the shape and the sharding rule), :mod:`.layers`,
 replayed from CUDA graphs), :mod:`.checkpoint` (the Hugging Face layout),
 :mod:`.state` (a slot's state, the checks every rank makes of a command, the
 digests of sync points), :mod:`.serving` (:class:`ReferenceLm`, the network served
-over the protocol), :mod:`.scheduler` (:class:`Server`, continuous batching on the
-head), :mod:`.sampling` and :mod:`.summary`.  Everything is exported here.
+over the protocol), :mod:`.requests` (a request, its completion, how its tokens are
+picked), :mod:`.scheduler` (:class:`Server`, continuous batching on the head) and
+:mod:`.summary`.  Everything is exported here.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ from .experts import ExpertRouting
 from .graphs import DecodeGraphs
 from .layers import AllReduce
 from .model import ShardedLm, decode_span
-from .sampling import GREEDY, Sampler, Sampling
-from .scheduler import Completion, DecodeStep, FinishReason, Request, ServedLm, Server
+from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling
+from .scheduler import DecodeStep, ServedLm, Server
 from .serving import (
     CMD_ALLOC,
     CMD_DECODE,

@@ -51,10 +51,11 @@ class ShardedMoe(nn.Module):
     """Experts ``shard.first_expert ..`` of a top-k mixture of SwiGLU experts (see the module).
 
     The router ``[n_experts, D]`` is replicated.  Expert ``e`` computes
-    ``down[e] @ (silu(gate[e] @ x) * (up[e] @ x))``, its gate and up projections
-    held as one matrix: ``w_in`` ``[E, 2F, D]`` (the gate's rows, then the up
-    projection's), for this rank's ``E`` experts; their down projections side by side
-    in ``w_out`` ``[D, E, F]`` (``w_out[:, e]`` is expert ``e``'s), so that one matrix
+    ``down[e] @ (silu(gate[e] @ x) * (up[e] @ x))``; this rank's ``E`` experts are held
+    transposed, as the right-hand side of ``x @ w`` (which the CPU's BLAS runs 15-25%
+    faster than ``x @ w.T`` for a few rows, measured): ``w_in`` ``[E, D, 2F]`` (the gate's
+    columns, then the up projection's) and ``w_out`` ``[E, F, D]``, so that
+    ``w_out.flatten(0, 1)`` is every expert's down projection stacked, and one matrix
     product of every expert's gated hidden state also sums the experts.
 
     Raises:
@@ -79,10 +80,10 @@ class ShardedMoe(nn.Module):
         d_model, d_expert = config.d_model, config.d_expert
         self.router: nn.Parameter = nn.Parameter(torch.zeros(config.n_experts, d_model, dtype=dtype, device=device))
         self.w_in: nn.Parameter = nn.Parameter(
-            torch.zeros(shard.experts, 2 * d_expert, d_model, dtype=dtype, device=device)
+            torch.zeros(shard.experts, d_model, 2 * d_expert, dtype=dtype, device=device)
         )
         self.w_out: nn.Parameter = nn.Parameter(
-            torch.zeros(d_model, shard.experts, d_expert, dtype=dtype, device=device)
+            torch.zeros(shard.experts, d_expert, d_model, dtype=dtype, device=device)
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,17 +112,25 @@ class ShardedMoe(nn.Module):
         return out.view_as(x)
 
     def _by_expert(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each picked local expert on its own tokens, in expert order (reads the routing on the host)."""
-        out = torch.zeros_like(flat)
-        local = experts - self.first_expert
-        for expert in torch.unique(local).tolist():
-            if not 0 <= expert < self.local_experts:
-                continue  # another rank's
-            token, pick = (local == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(flat[token], self.w_in[expert]).chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, self.w_out[:, expert])
-            out.index_add_(0, token, (hidden * weights[token, pick, None]).to(out.dtype))
-        return out
+        """Each picked local expert on its own tokens (reads the routing on the host): the picks sorted by
+        expert, each expert's products over its run of them, then each token's weighted sum, its experts added
+        in their order, as ``transformers`` adds them."""
+        local = (experts - self.first_expert).flatten()  # [N * k]: each token's picks side by side
+        order = torch.argsort(local, stable=True)  # by expert; another rank's picks first (below 0) or last
+        counts = torch.bincount(local.clamp(-1, self.local_experts) + 1, minlength=self.local_experts + 2).tolist()
+        picks = order[counts[0] : len(order) - counts[-1]]  # the picks of this rank's experts, by expert
+        used = [(expert, count) for expert, count in enumerate(counts[1:-1]) if count]
+        if not used:  # every pick is another rank's
+            return torch.zeros_like(flat)
+        token = torch.div(picks, self.top_k, rounding_mode="floor")
+        sizes = [count for _, count in used]
+        rows = torch.split(flat[token], sizes)
+        hidden = torch.cat([torch.mm(part, self.w_in[expert]) for (expert, _), part in zip(used, rows, strict=True)])
+        gate, up = hidden.chunk(2, dim=-1)
+        gated = torch.split(F.silu(gate) * up, sizes)
+        out = torch.cat([torch.mm(part, self.w_out[expert]) for (expert, _), part in zip(used, gated, strict=True)])
+        weighed = (out * weights.flatten()[picks, None]).to(flat.dtype)
+        return torch.zeros_like(flat).index_add_(0, token, weighed)
 
     def _gathered(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's picked experts' weights, gathered by index (a pick held by another rank weighs 0)."""
@@ -129,17 +138,16 @@ class ShardedMoe(nn.Module):
             local = experts - self.first_expert
             owned = (local >= 0) & (local < self.local_experts)
             experts, weights = local.clamp(0, self.local_experts - 1), weights * owned
-        hidden = torch.matmul(self.w_in[experts], flat[:, None, :, None])  # [N, k, 2F, 1]
-        gate, up = hidden.squeeze(-1).chunk(2, dim=-1)
-        down = self.w_out[:, experts].permute(1, 2, 0, 3)  # [N, k, D, F]
-        outputs = torch.matmul(down, (F.silu(gate) * up)[..., None]).squeeze(-1)  # [N, k, D]
+        hidden = torch.matmul(flat[:, None, None, :], self.w_in[experts])  # [N, k, 1, 2F]
+        gate, up = hidden.chunk(2, dim=-1)
+        outputs = torch.matmul(F.silu(gate) * up, self.w_out[experts]).squeeze(2)  # [N, k, D]
         return torch.matmul(weights.to(flat.dtype)[:, None, :], outputs).squeeze(1)  # the weighted sum over k
 
     def _dense(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every local expert on every token, weighed by its gate (zero where it was not picked)."""
         gates = weights.new_zeros(flat.shape[0], self.router.shape[0]).scatter_(1, experts, weights)
         local = gates[:, self.first_expert : self.first_expert + self.local_experts].to(flat.dtype)  # [N, E]
-        hidden = F.linear(flat, self.w_in.flatten(0, 1)).view(flat.shape[0], self.local_experts, -1)
+        hidden = torch.matmul(flat, self.w_in)  # [E, N, 2F]
         gate, up = hidden.chunk(2, dim=-1)
-        gated = F.silu(gate) * up * local[..., None]  # [N, E, F]
-        return F.linear(gated.flatten(1), self.w_out.flatten(1))
+        gated = F.silu(gate) * up * local.t()[..., None]  # [E, N, F]
+        return torch.mm(gated.transpose(0, 1).flatten(1), self.w_out.flatten(0, 1))

@@ -18,7 +18,7 @@ head width, ``S`` ``max_seq_len``, ``W`` the positions a decode step attends ove
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ __all__ = [
     "attend_causal",
     "attend_decode",
     "attend_prefill",
+    "attend_split",
     "compute_dtype",
     "rms_norm",
 ]
@@ -195,6 +196,8 @@ def attend_decode(
     layer: ShardedAttention,
     q: torch.Tensor,
     kv: torch.Tensor,
+    *,
+    consecutive: slice | None = None,
 ) -> torch.Tensor:
     """Decode's :data:`Attend` (bind ``slots``, ``positions``, ``mask``): ``B`` rows of one token, ``q`` ``[B, h, d]``.
 
@@ -202,10 +205,25 @@ def attend_decode(
     attends to that slot's positions ``0 ..= positions[i]``: over the first ``W``
     positions of the slot's cache (``W >= positions[i] + 1`` for every row), the
     positions past its own masked out by ``mask`` (``[B, 1, 1, W]``, added to the
-    scores: 0 or ``-inf``), so every batch of one ``W`` has one shape.
+    scores: 0 or ``-inf``), so every batch of one ``W`` has one shape.  When the
+    slots are ``consecutive`` (ascending: that slice of the slot ids), their caches
+    are read in place instead of gathered.
     """
     layer.kv_cache[slots, positions] = kv
     span = mask.shape[-1]
-    keys, values = (_heads_first(part) for part in layer.kv_cache[slots, :span].unbind(2))  # [B, g, W, d]
+    rows = layer.kv_cache[slots if consecutive is None else consecutive, :span]
+    keys, values = (_heads_first(part) for part in rows.unbind(2))  # [B, g, W, d]
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
     return out[:, :, 0]  # [B, h, d]
+
+
+def attend_split(
+    parts: Sequence[tuple[Attend, int]], layer: ShardedAttention, q: torch.Tensor, kv: torch.Tensor
+) -> torch.Tensor:
+    """An :data:`Attend` of several (bind ``parts``): ``(attend, count)`` pairs, each over the next ``count`` tokens
+    of the call (a fused step's decode rows, then each prefill chunk); their outputs in the same order."""
+    outputs, first = [], 0
+    for attend, count in parts:
+        outputs.append(attend(layer, q[first : first + count], kv[first : first + count]))
+        first += count
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -7,7 +7,7 @@ Its weights come from a checkpoint in the Hugging Face layout
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from .layers import (
     attend_causal,
     attend_decode,
     attend_prefill,
+    attend_split,
     rms_norm,
 )
 
@@ -305,6 +306,49 @@ class ShardedLm(nn.Module):
         attend = functools.partial(attend_decode, slots, positions, self._bias(visible))
         hidden = self._layers(self._embed(tokens), self.rotary.table[positions], attend)
         return self._head(hidden)
+
+    @torch.no_grad()
+    def fused_step(
+        self, chunks: Sequence[tuple[int, int, Sequence[int]]], rows: Sequence[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """Prefill chunks and decode rows of distinct slots in one forward: the single-device fused path.
+
+        Each chunk ``(slot, start, tokens)`` is a :meth:`prefill`, each row ``(slot, token,
+        position)`` a row of :meth:`decode`; the layers' weights are read once for all
+        of them (rows of consecutive slots, ascending, read their caches in place).
+        Their values are trusted (the caller checked them, as
+        :class:`~metrale_model_engine.reference.ReferenceLm` does).
+
+        Returns:
+            The logits ``[len(rows) + len(chunks), vocab]``: the rows', then each chunk's after its last token.
+        """
+        tokens = [token for _, token, _ in rows]
+        positions = [position for _, _, position in rows]
+        for _, start, chunk in chunks:
+            tokens.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+        inputs = torch.tensor([tokens, positions], dtype=torch.int64).to(self.embed.device, non_blocking=True)
+        parts: list[tuple[Attend, int]] = []
+        if rows:
+            ids = [slot for slot, _, _ in rows]
+            slots = torch.tensor(ids, dtype=torch.int64).to(self.embed.device)
+            consecutive = slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
+            span = decode_span(max(positions[: len(rows)]) + 1, self.config.max_seq_len)
+            row_positions = inputs[1, : len(rows)]
+            visible = (self.positions[None, :span] <= row_positions[:, None])[:, None, None, :]
+            bias = self._bias(visible)
+            attend = functools.partial(attend_decode, slots, row_positions, bias, consecutive=consecutive)
+            parts.append((attend, len(rows)))
+        last = list(range(len(rows)))
+        for slot, start, chunk in chunks:
+            end = start + len(chunk)
+            visible = self.positions[None, :end] <= self.positions[start:end, None]
+            parts.append((functools.partial(attend_prefill, slot, start, self._bias(visible)), len(chunk)))
+            last.append(last[-1] + len(chunk) if last else len(chunk) - 1)
+        hidden = self._layers(
+            self._embed(inputs[0]), self.rotary.table[inputs[1]], functools.partial(attend_split, parts)
+        )
+        return self._head(hidden[last])
 
     def blocks(self) -> Iterator[ShardedBlock]:
         """The layers, in order."""

@@ -32,85 +32,23 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .. import EpLink, EpWorkerFailed, check_u32
+from .. import EpLink, EpWorkerFailed
 from .._core.namespace import PublicDir, public_dir
 from ..batching import prefill_chunks
 from .config import LmConfig
-from .sampling import GREEDY, Sampler, Sampling
-from .serving import TimeSpent
+from .requests import Completion, FinishReason, Request, Sampler, check_count
+from .serving import Chunk, TimeSpent
 from .state import LmSlots, LmState, check_prompt
 
 __all__ = ["Completion", "DecodeStep", "FinishReason", "Request", "ServedLm", "Server"]
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)
-
-
-FinishReason = Literal["stop", "length", "context", "error"]
-"""Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its slot's
-cache full (``"context"``), a failure (``"error"``)."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """A prompt to continue by at most ``max_new_tokens`` tokens, picked as ``sampling`` says (greedy by default).
-
-    It ends early at an end-of-sequence id (the server's ``eos_token_ids``), or when
-    its slot's cache fills up.
-
-    Raises:
-        TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int, or
-            ``sampling`` is not a :class:`~.sampling.Sampling`.
-        ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
-    """
-
-    id: int
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    sampling: Sampling = GREEDY
-
-    def __post_init__(self) -> None:
-        check_u32("id", self.id)
-        object.__setattr__(self, "prompt", tuple(self.prompt))
-        if not self.prompt:
-            raise ValueError(f"request {self.id}: the prompt is empty")
-        for index, token in enumerate(self.prompt):
-            if type(token) is not int:
-                raise TypeError(f"request {self.id}: prompt[{index}] must be an int, got {type(token).__name__}")
-        _check_count(f"request {self.id}: max_new_tokens", self.max_new_tokens)
-        if not isinstance(self.sampling, Sampling):
-            raise TypeError(f"request {self.id}: sampling must be a Sampling, got {type(self.sampling).__name__}")
-
-
-def _check_count(name: str, value: object) -> None:
-    if type(value) is not int:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
-@dataclass
-class Completion:
-    """What a request got: its generated tokens, the steps at which it was admitted and finished, and why it ended."""
-
-    request: Request
-    tokens: list[int] = field(default_factory=list)
-    submitted_step: int = 0
-    admitted_step: int | None = None
-    finished_step: int | None = None
-    finish_reason: FinishReason | None = None
-    """``"stop"``: it generated an end-of-sequence id (the last of :attr:`tokens`); ``"length"``:
-    ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
-    full; ``"error"``: failed (see :attr:`error`); ``None`` while it waits or runs."""
-    error: str | None = None
-    """Why it failed, ``"Type: message"``, when :attr:`finish_reason` is ``"error"``."""
-    seed: int | None = None
-    """The seed its tokens were drawn with (its sampling's, or one drawn for it); ``None`` when greedy."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +81,10 @@ class ServedLm(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
+    def is_ep(self) -> bool:
+        """Whether several ranks share the model (each command then runs its own forward)."""
+        ...
+
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
         """Give slot ``seq_id`` a new, empty sequence on every rank."""
         ...
@@ -158,6 +100,16 @@ class ServedLm(Protocol):
     def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """One decode step: slot ``seq_ids[i]`` feeds ``tokens[i]``; the logits, one row per slot."""
         ...
+
+    def fused_step(
+        self, slots: LmSlots, chunks: Sequence[Chunk], seq_ids: Sequence[int], tokens: Sequence[int]
+    ) -> torch.Tensor:
+        """One rank: ``chunks`` prefilled and a decode step, in one forward; the rows' logits, then the chunks'."""
+        ...
+
+
+Forward = Callable[[LmSlots, Sequence[int], Sequence[int]], torch.Tensor]
+"""``forward(slots, seq_ids, tokens)``: a step's forward, decoding ``tokens`` in slots ``seq_ids``."""
 
 
 @dataclass
@@ -185,10 +137,14 @@ class Server:
             ``None``: none but :meth:`shutdown`'s.
         eos_token_ids: the ids that end a request (the id is kept as its last token);
             default the model's (its checkpoint's ``eos_token_id``).
+        fuse: run each step's prefill chunks and decode as one forward; default (``None``):
+            when the model is one rank (``is_ep()`` false).  Several ranks cannot: each of
+            their commands runs its own forward.
 
     Raises:
         TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` (unless ``None``) is not an int ``>= 1``,
             or an ``eos_token_ids`` entry is not an int.
+        ValueError: ``fuse=True`` for a model of several ranks.
 
     A step that raises leaves every request untouched or failed (see the module);
     after a :class:`~metrale_model_engine.RunStopped` the run is over, and after
@@ -203,16 +159,21 @@ class Server:
         on_token: Callable[[Request, int], None] | None = None,
         sync_every: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        fuse: bool | None = None,
     ) -> None:
-        _check_count("prefill_chunk", prefill_chunk)
+        check_count("prefill_chunk", prefill_chunk)
         if sync_every is not None:
-            _check_count("sync_every", sync_every)
+            check_count("sync_every", sync_every)
         stops = model.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
         for token in stops:
             if type(token) is not int:
                 raise TypeError(f"eos_token_ids must hold ints, got {type(token).__name__} {token!r}")
         self.eos_token_ids: frozenset[int] = frozenset(stops)
         """The ids that end a request."""
+        if fuse and model.is_ep():
+            raise ValueError("fuse=True: a model of several ranks (is_ep()) sends each prefill and decode alone")
+        self.fuse: bool = not model.is_ep() if fuse is None else fuse
+        """Whether a step's prefill chunks and decode run as one forward."""
         self.model: ServedLm = model
         self.prefill_chunk: int = prefill_chunk
         self.on_token: Callable[[Request, int], None] | None = on_token
@@ -267,6 +228,10 @@ class Server:
     def step(self) -> None:
         """One scheduling step: admit, one prefill chunk each, one batched decode, free the finished.
 
+        With one rank (``is_ep()`` false, and ``fuse`` not off) the chunks and the decode
+        run as one forward (:meth:`ReferenceLm.fused_step`, the single-GPU fused path); a
+        request whose prompt ends there decodes from the next step on.
+
         Raises:
             RuntimeError: the server was shut down.
             EpWorkerFailed: workers reported failed commands: the requests of those
@@ -279,10 +244,13 @@ class Server:
         try:
             self._reset()
             self._admit()
-            self._prefill()
-            decoding = [running for running in self._running if running.pending is not None and not self._ends(running)]
-            if decoding:
-                self._decode(decoding)
+            if self.fuse:
+                self._fused()
+            else:
+                self._prefill()
+                decoding = self._decoding()
+                if decoding:
+                    self._pick(decoding, self._timed(decoding, self.model.decode))
             self._release()
         except EpWorkerFailed as reported:
             self._fail_reported(reported)
@@ -344,23 +312,47 @@ class Server:
             completion.finished_step = self.steps
             self._running.remove(running)
 
-    def _decode(self, decoding: list[_Running]) -> None:
+    def _fused(self) -> None:
+        """One rank: every prefilling request's next chunk and every decoding request's token, in one forward."""
+        prefilling = [running for running in self._running if running.chunks and running.ended is None]
+        decoding = self._decoding()
+        if not prefilling and not decoding:
+            return
+        chunks = [(r.seq_id, r.completion.request.prompt, *r.chunks[0]) for r in prefilling]
+
+        def forward(slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+            return self.model.fused_step(slots, chunks, seq_ids, tokens)
+
+        logits = self._timed(decoding, forward)
+        for running, row in zip(prefilling, logits[len(decoding) :], strict=True):
+            running.chunks.popleft()
+            if not running.chunks:
+                self._choose(running, running.sampler(row))
+        self._pick(decoding, logits[: len(decoding)])
+
+    def _decoding(self) -> list[_Running]:
+        """The requests with a token to feed, by slot (a fused step reads consecutive slots' caches in place)."""
+        decoding = [running for running in self._running if running.pending is not None and not self._ends(running)]
+        return sorted(decoding, key=lambda running: running.seq_id)
+
+    def _timed(self, decoding: list[_Running], forward: Forward) -> torch.Tensor:
+        """``forward(slots, seq_ids, tokens)`` of the decoding requests' tokens, its time kept as a
+        :class:`DecodeStep` when it decodes any."""
         model = self.model
         seq_ids = [running.seq_id for running in decoding]
-        tokens: list[int] = []
-        for running in decoding:
-            assert running.pending is not None  # only sequences with a token to feed decode
-            tokens.append(running.pending)
+        tokens = [running.pending for running in decoding if running.pending is not None]
         before = model.spent.copy()
         started = time.perf_counter()
-        logits = model.decode(self.slots, seq_ids, tokens)
+        logits = forward(self.slots, seq_ids, tokens)
         total = time.perf_counter() - started
         spent = model.spent
-        self.decode_steps.append(
-            DecodeStep(
-                len(seq_ids), total, spent.protocol_s - before.protocol_s, spent.collectives_s - before.collectives_s
-            )
-        )
+        if decoding:
+            protocol, collectives = spent.protocol_s - before.protocol_s, spent.collectives_s - before.collectives_s
+            self.decode_steps.append(DecodeStep(len(seq_ids), total, protocol, collectives))
+        return logits
+
+    def _pick(self, decoding: list[_Running], logits: torch.Tensor) -> None:
+        """Each decoding request's next token, from its row of ``logits``."""
         if all(running.sampler.sampling.greedy for running in decoding):  # one argmax, one read of the batch
             chosen = torch.argmax(logits, dim=-1).tolist()
         else:

@@ -70,6 +70,7 @@ __all__ = [
     "CMD_DECODE",
     "CMD_PREFILL",
     "EXIT_GRACE",
+    "Chunk",
     "LmSlots",
     "LmState",
     "ReferenceLm",
@@ -92,6 +93,9 @@ CMD_ALLOC: Final = 0xFFFFFFF1
 CMD_DECODE: Final = 0xFFFFFFE0
 """A batched decode step: a count, the slot ids, one token per slot."""
 _LOGGER = logging.getLogger("metrale_model_engine.reference")
+
+Chunk = tuple[int, Sequence[int], int, int]
+"""A prefill chunk of a fused step: ``(seq_id, prompt, start, length)``, as :meth:`ReferenceLm.prefill` takes it."""
 
 
 @dataclass
@@ -278,6 +282,49 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         self._send(send_batch, self.ep_link, CMD_DECODE, seq_ids, tokens)
         with self.ep_link.collective():
             return self.forward_decode(states, tokens)
+
+    def fused_step(
+        self, slots: LmSlots, chunks: Sequence[Chunk], seq_ids: Sequence[int], tokens: Sequence[int]
+    ) -> torch.Tensor:
+        """One rank: prefill chunks and a decode step in one forward, the single-GPU fused path.
+
+        Each chunk ``(seq_id, prompt, start, length)`` is a :meth:`prefill`; slot
+        ``seq_ids[i]`` feeds ``tokens[i]`` as in :meth:`decode`; every slot at most once.
+        Everything is checked before anything runs; the states record their tokens
+        once the forward has written them.
+
+        Returns:
+            The logits ``[len(seq_ids) + len(chunks), vocab]``: the decode rows', then each chunk's.
+
+        Raises:
+            RuntimeError: several ranks share the model (``is_ep()``): the scheduler sends
+                each command alone there, as Metrale's does.
+            IndexError, KeyError, TypeError, ValueError: as :func:`check_prefill` and
+                :func:`check_decode`, or a slot named twice (nothing runs).
+        """
+        if self.is_ep():
+            raise RuntimeError(
+                "fused_step is the one-rank path: with several ranks (is_ep()) each prefill and decode is a command "
+                "of its own"
+            )
+        named = [seq_id for seq_id, *_ in chunks] + list(seq_ids)
+        if len(set(named)) != len(named):
+            raise ValueError(f"a fused step names each slot once, got {named}")
+        states = [check_prefill(slots, seq_id, prompt, start, length, self.config) for seq_id, prompt, start, length
+                  in chunks]  # fmt: skip
+        rows = check_decode(slots, seq_ids, tokens, self.config) if seq_ids else []
+        parts = [(seq_id, start, prompt[start : start + length]) for seq_id, prompt, start, length in chunks]
+        logits = self.lm.fused_step(parts, [(s.seq_id, t, s.length) for s, t in zip(rows, tokens, strict=True)])
+        for state, (seq_id, start, chunk) in zip(states, parts, strict=True):
+            if self.kv_ledger is not None:
+                self.kv_ledger.wrote_chunk(seq_id, start, start + len(chunk))
+            state.extend(chunk)
+        if self.kv_ledger is not None and rows:
+            at = torch.tensor([[s.seq_id for s in rows], [s.length for s in rows]], device=self._device)
+            self.kv_ledger.wrote_rows(at[0], at[1])
+        for state, token in zip(rows, tokens, strict=True):
+            state.append(token)
+        return logits
 
     def _send(self, send: Callable[..., None], *args: object) -> None:
         """Run ``send(*args)``, one command to the workers, counting its time as protocol (one rank: nothing)."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 from safetensors import safe_open
@@ -117,23 +117,38 @@ class Checkpoint:
 def load_shard(model: ShardedLm, checkpoint: Checkpoint) -> None:
     """Read ``model``'s shard of ``checkpoint`` (its rank's slices alone) into its parameters, in their dtype.
 
+    The files are mapped (``safetensors``' ``safe_open``) one layer at a time, so
+    at its peak a rank holds its shard and the pages of one layer's slices.
+
     Raises:
         ValueError: ``model``'s config is not the checkpoint's.
         OSError: a file cannot be read.
     """
     if model.config != checkpoint.config:
         raise ValueError(f"the model's config {model.config} is not the checkpoint's, {checkpoint.config}")
+    opened: dict[Path, Any] = {}
+    layer: str | None = None
     with ExitStack() as files:
-        opened: dict[Path, object] = {}
 
         def read(piece: Piece) -> torch.Tensor:
+            nonlocal layer
+            if _layer_of(piece) != layer:  # a new layer: the last one's pages go
+                files.close()
+                opened.clear()
+                layer = _layer_of(piece)
             file = checkpoint.tensors[piece.name].file
             if file not in opened:
                 opened[file] = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            part: torch.Tensor = opened[file].get_slice(piece.name)[piece.part]  # type: ignore[attr-defined]
+            part: torch.Tensor = opened[file].get_slice(piece.name)[piece.part]
             return part
 
         fill(model, checkpoint.family, read)
+
+
+def _layer_of(piece: Piece) -> str:
+    """``"layers.N"`` for a piece of layer ``N``, ``""`` for the embedding, the final norm and the LM head."""
+    parts = piece.target.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else ""
 
 
 def _family(fields: ConfigFields) -> Family:

@@ -42,6 +42,8 @@ class Piece:
     """The parameter it goes into (a name of ``ShardedLm.named_parameters()``)."""
     into: Index
     """Where in that parameter."""
+    transposed: bool = False
+    """Whether the parameter holds it transposed (an expert's matrices)."""
 
 
 def pieces(config: LmConfig, family: Family, shard: Shard) -> list[Piece]:
@@ -49,8 +51,8 @@ def pieces(config: LmConfig, family: Family, shard: Shard) -> list[Piece]:
 
     Query heads are rows of ``q_proj`` and columns of ``o_proj``; KV heads rows of
     ``k_proj`` and ``v_proj`` (all three stacked into ``wqkv``); an expert's gate and
-    up projections stack into ``w_in``, its down projection is a column block of ``w_out``;
-    everything else is read whole.
+    up projections are the two halves of its ``w_in``, its down projection its ``w_out``, each
+    transposed; everything else is read whole.
     """
     width, head, expert = config.d_model, config.head_dim, config.d_expert
     h, g = shard.heads, shard.kv_heads
@@ -81,9 +83,9 @@ def pieces(config: LmConfig, family: Family, shard: Shard) -> list[Piece]:
         for local in range(shard.experts):
             gate, up, down = family.expert(layer, shard.first_expert + local)
             found += [
-                Piece(gate, (expert, width), (), f"{target}moe.w_in", (local, slice(0, expert))),
-                Piece(up, (expert, width), (), f"{target}moe.w_in", (local, slice(expert, 2 * expert))),
-                Piece(down, (width, expert), (), f"{target}moe.w_out", (slice(None), local)),
+                Piece(gate, (expert, width), (), f"{target}moe.w_in", (local, slice(None), slice(0, expert)), True),
+                Piece(up, (expert, width), (), f"{target}moe.w_in", (local, slice(None), slice(expert, None)), True),
+                Piece(down, (width, expert), (), f"{target}moe.w_out", (local,), True),
             ]
     found.append(Piece("model.norm.weight", (width,), (), "final_norm", ()))
     if not config.tie_embeddings:
@@ -101,7 +103,7 @@ def fill(model: ShardedLm, family: Family, read: Read) -> None:
     with torch.no_grad():
         for piece in pieces(model.config, family, model.shard):
             place = parameters[piece.target][piece.into]
-            part = read(piece)
+            part = read(piece).t() if piece.transposed else read(piece)
             if tuple(part.shape) != tuple(place.shape):  # the tensor's whole shape was checked: a bug if not
                 raise AssertionError(f"{piece.name}{list(piece.part)} has shape {tuple(part.shape)}, not {place.shape}")
             place.copy_(part)
@@ -131,7 +133,8 @@ def export_state(model: ShardedLm, family: Family) -> dict[str, torch.Tensor]:
     if model.world_size != 1:
         raise ValueError(f"only a one-rank model holds every weight; this is rank {model.rank} of {model.world_size}")
     parameters = dict(model.named_parameters())
-    return {
-        piece.name: parameters[piece.target][piece.into].detach().to("cpu", copy=True).contiguous()
-        for piece in pieces(model.config, family, model.shard)
-    }
+    found = {}
+    for piece in pieces(model.config, family, model.shard):
+        held = parameters[piece.target][piece.into].detach()
+        found[piece.name] = (held.t() if piece.transposed else held).to("cpu", copy=True).contiguous()
+    return found

@@ -1,25 +1,30 @@
-"""How the head picks a request's next token from its logits: :class:`Sampling`, and :class:`Sampler` that applies it.
+"""What a request asks and gets: :class:`Request` (a prompt, how many tokens, how to pick them), its
+:class:`Completion`, and how the head picks each token from its logits: :class:`Sampling`, applied by a
+:class:`Sampler`.
 
 Greedy by default (the largest logit; the lowest id on a tie).  Otherwise, as
 ``transformers`` orders its logits processors: the logits divided by
 ``temperature``, cut to the ``top_k`` largest, then to the smallest set of most
-probable tokens whose probability reaches ``top_p``; one token is drawn from what
-is left by the request's own generator, seeded with ``seed``.  The head samples
-and its workers receive the token in the next command, so a seed gives the same
-tokens at every world size (the logits agree there to rounding).
+probable tokens whose probability reaches ``top_p`` (of equally probable tokens,
+the lower id counts first); one token is drawn from what is left by the request's
+own generator, seeded with ``seed``.  The head samples and its workers receive the
+token in the next command, so a seed gives the same tokens at every world size (the
+logits agree there to rounding).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
+from .. import check_u32
 from .._core.namespace import PublicDir, public_dir
 
-__all__ = ["GREEDY", "Sampler", "Sampling"]
+__all__ = ["GREEDY", "Completion", "FinishReason", "Request", "Sampler", "Sampling"]
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)
@@ -97,9 +102,72 @@ class Sampler:
             scores[scores < torch.topk(scores, sampling.top_k).values[-1]] = -math.inf
         probabilities = torch.softmax(scores, dim=-1)
         if sampling.top_p < 1:
-            ordered, order = torch.sort(probabilities, descending=True)
+            ordered, order = torch.sort(probabilities, descending=True, stable=True)  # a tie: the lower id first
             before = torch.cumsum(ordered, dim=0) - ordered  # the probability of the tokens ahead of each
             probabilities[order[before >= sampling.top_p]] = 0.0
         cumulative = torch.cumsum(probabilities, dim=0)
         draw = float(torch.rand((), dtype=torch.float64, generator=self._generator)) * float(cumulative[-1])
         return int(torch.searchsorted(cumulative, draw, right=True))  # never a token of probability 0
+
+
+FinishReason = Literal["stop", "length", "context", "error"]
+"""Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its slot's
+cache full (``"context"``), a failure (``"error"``)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt to continue by at most ``max_new_tokens`` tokens, picked as ``sampling`` says (greedy by default).
+
+    It ends early at an end-of-sequence id (the server's ``eos_token_ids``), or when
+    its slot's cache fills up.
+
+    Raises:
+        TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int, or
+            ``sampling`` is not a :class:`~.sampling.Sampling`.
+        ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
+    """
+
+    id: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+
+    def __post_init__(self) -> None:
+        check_u32("id", self.id)
+        object.__setattr__(self, "prompt", tuple(self.prompt))
+        if not self.prompt:
+            raise ValueError(f"request {self.id}: the prompt is empty")
+        for index, token in enumerate(self.prompt):
+            if type(token) is not int:
+                raise TypeError(f"request {self.id}: prompt[{index}] must be an int, got {type(token).__name__}")
+        check_count(f"request {self.id}: max_new_tokens", self.max_new_tokens)
+        if not isinstance(self.sampling, Sampling):
+            raise TypeError(f"request {self.id}: sampling must be a Sampling, got {type(self.sampling).__name__}")
+
+
+def check_count(name: str, value: object) -> None:
+    """Raise unless ``value`` is an int ``>= 1`` (``TypeError``, ``ValueError``), named ``name``."""
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+@dataclass
+class Completion:
+    """What a request got: its generated tokens, the steps at which it was admitted and finished, and why it ended."""
+
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    submitted_step: int = 0
+    admitted_step: int | None = None
+    finished_step: int | None = None
+    finish_reason: FinishReason | None = None
+    """``"stop"``: it generated an end-of-sequence id (the last of :attr:`tokens`); ``"length"``:
+    ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
+    full; ``"error"``: failed (see :attr:`error`); ``None`` while it waits or runs."""
+    error: str | None = None
+    """Why it failed, ``"Type: message"``, when :attr:`finish_reason` is ``"error"``."""
+    seed: int | None = None
+    """The seed its tokens were drawn with (its sampling's, or one drawn for it); ``None`` when greedy."""

@@ -1,0 +1,86 @@
+"""Rank programs for checkpoints in the Hugging Face layout; each runs in a process of ``torch.run_group``.
+
+:func:`serve_prompts` serves the oracle's prompts from a checkpoint and the head
+saves the tokens; :func:`load_and_measure` saves what loading a rank's shard cost
+its memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from metrale_model_engine import EpLink, run_worker
+from metrale_model_engine.reference import Checkpoint, LmState, ReferenceLm, Request, Sampling, Server
+from metrale_model_engine.torch import open_link
+from metrale_model_engine.transport import SoloTransport
+
+from helpers.oracle import NEW_TOKENS, PROMPTS
+from helpers.rank_results import save
+
+SLOTS = 3
+QUIET = logging.getLogger("tests.checkpoints.quiet")
+QUIET.setLevel(logging.CRITICAL)
+
+
+def served_tokens(model: ReferenceLm, sampling: Sampling | None = None) -> list[list[int]]:
+    """The head's tokens for the oracle's prompts, every one of their new tokens (no end-of-sequence stop)."""
+    server = Server(model, prefill_chunk=5, sync_every=4, eos_token_ids=())
+    requests = [Request(i, prompt, NEW_TOKENS, sampling or Sampling()) for i, prompt in enumerate(PROMPTS)]
+    done = server.run(requests)
+    server.shutdown()  # a sync point: every rank's KV bookkeeping is the head's
+    return [done[i].tokens for i in range(len(PROMPTS))]
+
+
+def serve_prompts(
+    rank: int, world_size: int, directory: str, transport: str, out: str, sampling: Sampling | None = None
+) -> None:
+    """Serve the oracle's prompts from ``directory`` in float32 over ``transport``; the head saves the tokens."""
+    torch.set_num_threads(1)
+    link = open_link(transport, num_slots=SLOTS, command_timeout=60.0) if world_size > 1 else None
+    with ReferenceLm(link or EpLink(SoloTransport(), num_slots=SLOTS), checkpoint=directory,
+                     dtype=torch.float32) as model:  # fmt: skip
+        if rank == 0:
+            save(out, rank, tokens=served_tokens(model, sampling), transport=type(model.ep_link.transport).__name__)
+        else:
+            slots: list[LmState | None] = [None] * SLOTS
+            summary = run_worker(model, slots, logger=QUIET)
+            save(out, rank, failed=summary.commands_failed)
+
+
+def _memory(key: str) -> int:
+    """A figure of ``/proc/self/status``, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> None:
+    """Load this rank's shard of ``directory``; save how far its resident memory rose meanwhile, at its peak.
+
+    The peak is the kernel's high-water mark (``VmHWM``), reset just before the
+    load (``/proc/self/clear_refs``), against the resident set just before.
+    """
+    torch.set_num_threads(1)
+    link = open_link("torch", num_slots=1, command_timeout=60.0)
+    before = _memory("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    with ReferenceLm(link, checkpoint=directory) as model:
+        grew = _memory("VmHWM") - before
+        save(out, rank, grew=grew, shard=model.checkpoint.shard_bytes(rank, world_size, torch.float32))
+        if rank == 0:
+            link.shutdown_workers()
+        else:
+            slots: list[LmState | None] = [None]
+            run_worker(model, slots, logger=QUIET)
+
+
+def open_and_measure(directory: str) -> int:
+    """How far this process's resident memory rises, at its peak, while it opens ``directory`` (a launcher's check)."""
+    before = _memory("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    Checkpoint.open(directory)
+    return _memory("VmHWM") - before
