@@ -75,8 +75,10 @@ class ShardedMoe(nn.Module):
         if routing not in ROUTINGS:
             raise ValueError(f"expert routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.routing: ExpertRouting = routing
-        self.top_k, self.norm_topk_prob = config.top_k, config.norm_topk_prob
-        self.first_expert, self.local_experts = shard.first_expert, shard.experts
+        self.top_k: int = config.top_k
+        self.norm_topk_prob: bool = config.norm_topk_prob
+        self.first_expert: int = shard.first_expert
+        self.local_experts: int = shard.experts
         d_model, d_expert = config.d_model, config.d_expert
         self.router: nn.Parameter = nn.Parameter(torch.zeros(config.n_experts, d_model, dtype=dtype, device=device))
         self.w_in: nn.Parameter = nn.Parameter(

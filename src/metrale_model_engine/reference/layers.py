@@ -121,8 +121,10 @@ class ShardedAttention(nn.Module):
         self, config: LmConfig, shard: Shard, *, num_slots: int, dtype: torch.dtype, device: torch.device | None
     ) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = shard.heads, shard.kv_heads, config.head_dim
-        self.eps = config.norm_eps
+        self.heads: int = shard.heads
+        self.kv_heads: int = shard.kv_heads
+        self.head_dim: int = config.head_dim
+        self.eps: float = config.norm_eps
         rows = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.wqkv: nn.Parameter = nn.Parameter(torch.zeros(rows, config.d_model, dtype=dtype, device=device))
         self.wo: nn.Parameter = nn.Parameter(

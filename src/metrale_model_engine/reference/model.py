@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._core.namespace import PublicDir, public_dir
-from .config import LmConfig, check_world
+from .config import LmConfig, Shard, check_world
 from .experts import ExpertRouting, ShardedMoe
 from .layers import (
     AllReduce,
@@ -178,7 +178,8 @@ class ShardedLm(nn.Module):
         self.num_slots = num_slots
         self.rank = rank
         self.world_size = world_size
-        self.shard = config.shard(rank, world_size)
+        self.shard: Shard = config.shard(rank, world_size)
+        """What this rank holds."""
         self._all_reduce: AllReduce = _no_reduce if all_reduce is None else all_reduce
         self.embed: nn.Parameter = nn.Parameter(
             torch.zeros(config.vocab_size, config.d_model, dtype=dtype, device=device)
