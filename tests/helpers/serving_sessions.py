@@ -63,7 +63,7 @@ class LoggedLm(ReferenceLm):
 def drive(model: LoggedLm) -> tuple[dict[int, list[int]], Server]:
     """Serve :data:`WORKLOAD` with a sync point every step, then leave :data:`TAIL` prefilled in a slot."""
     model.logits = []
-    server = Server(model, prefill_chunk=PREFILL_CHUNK, sync_every=1)
+    server = Server(model, prefill_chunk=PREFILL_CHUNK, sync_every=1, fuse=False)  # one rank steps as several do
     for request in WORKLOAD[:2]:
         server.submit(request)
     while server.busy or server.steps <= LATE_AFTER_STEP:

@@ -32,6 +32,15 @@ def as_started_by_hand(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+STEPS = ("submitted_step", "admitted_step", "finished_step")
+"""When a request came, was admitted and ended: one rank fuses prefills into decode steps, so its steps differ."""
+
+
+def generated(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """What each request was asked and generated, without the steps at which it happened."""
+    return [{key: value for key, value in request.items() if key not in STEPS} for request in summary["requests"]]
+
+
 def served(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
     """Run the demo with ``args``; it must exit 0; its summary."""
     path = tmp_path / f"{name}.json"
@@ -65,7 +74,7 @@ def test_every_world_size_generates_the_same_text(
     assert two_ranks["transport"] == "ShmTransport"
     summary = served(tmp_path, "other", *args, *SHORT)
     assert summary["transport"] == transport
-    assert summary["requests"] == two_ranks["requests"]
+    assert generated(summary) == generated(two_ranks)
     if transport == "SoloTransport":
         out = capfd.readouterr().out
         assert "[head] one rank: the single-GPU path, no command sent (is_ep() is false)" in out
@@ -104,7 +113,7 @@ def test_a_users_checkpoint_serves_the_tokens_of_transformers(
     assert [r["finish_reason"] for r in requests] == ["stop" if t[-1] == free[1][3] else "length" for t in expected]
     assert requests[1]["finish_reason"] == "stop"
     assert all(r["text"] is None and r["prompt"] is None for r in requests)  # no tokenizer: ids only
-    assert served(tmp_path, "qwen1", *args, "--world-size", "1")["requests"] == requests
+    assert generated(served(tmp_path, "qwen1", *args, "--world-size", "1")) == generated({"requests": requests})
     out = capfd.readouterr().out  # the head's lines, from this process at one rank
     assert f"[head] Qwen3MoeForCausalLM from {directory} (" in out
     assert f"[request 1] {list(oracle.PROMPTS[1])} -> {expected[1]} (end of sequence)" in out
@@ -113,7 +122,7 @@ def test_a_users_checkpoint_serves_the_tokens_of_transformers(
 def test_prompts_and_sampling_from_the_command_line_at_every_world_size(tmp_path: Path) -> None:
     args = ("--prompt", "Permission is", "--prompt-ids", "76,105", "--temperature", "9", "--seed", "5", *SHORT)
     runs = [served(tmp_path, f"sampled{size}", *args, "--world-size", str(size)) for size in ("1", "2")]
-    assert runs[0]["requests"] == runs[1]["requests"]
+    assert generated(runs[0]) == generated(runs[1])
     first, second = runs[0]["requests"]
     assert (first["prompt"], first["prompt_ids"], second["prompt"]) == ("Permission is", list(b"Permission is"), "Li")
     assert first["seed"] == second["seed"] == 5 and first["text"] == bytes(first["tokens"]).decode(errors="replace")
