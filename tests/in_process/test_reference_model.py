@@ -33,6 +33,7 @@ import torch
 
 from metrale_model_engine.reference import Checkpoint, LmConfig, ShardedLm, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
+from metrale_model_engine.torch import count_ops
 
 from helpers.greedy import byte_ids, greedy_session, ints, shipped_model
 
@@ -324,3 +325,13 @@ def test_training_writes_a_checkpoint_that_loads(script: ModuleType, tmp_path: P
 def test_the_shipped_weights_learned_the_licenses(script: ModuleType, shipped: Checkpoint) -> None:
     mit = ints(byte_ids((ROOT / "LICENSE-MIT").read_text()))
     assert script.corpus_loss(shipped_model(shipped), mit, 128) < 1.0
+
+
+def test_a_batch_1_step_on_the_cpu_reads_only_the_picked_experts(shipped: Checkpoint) -> None:
+    """Counted: per layer the query/key/value and output products, the router, and two products for each of the
+    ``top_k`` experts picked (of 4); then the LM head.  Running every expert would make 3 + 2 * 4 a layer."""
+    model = shipped_model(shipped)
+    model.prefill(0, ints(byte_ids("Licensed under")), 0)
+    _, count = count_ops(lambda: model.decode(ints([0]), ints([32]), ints([14])))
+    config = shipped.config
+    assert count.launches["mm"] == 1 + (3 + 2 * config.top_k) * config.n_layers
