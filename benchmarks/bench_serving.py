@@ -291,7 +291,8 @@ def real_part(args: argparse.Namespace) -> dict[str, object]:
         print("\ntransformers is not installed (pip install -e '.[test-torch]'): no real architecture measured")
         return {}
     with tempfile.TemporaryDirectory(prefix="metrale-real-") as root:
-        found = real_model.measure(lambda *call: run_group(*call, timeout=1800.0), Path(root), args.quick)
+        rounds = 1 if args.quick else args.real_rounds
+        found = real_model.measure(lambda *call: run_group(*call, timeout=1800.0), Path(root), args.quick, rounds)
     real_model.report(found)
     return found
 
