@@ -56,6 +56,9 @@ GOAL_BANDWIDTH: Final = 0.5
 
 @dataclass(frozen=True)
 class RealWorkload:
+    """The requests: ``requests`` of them, prompts and new tokens of ``shortest`` to ``longest`` each, from
+    ``seed``; ours serve them over ``slots`` slots, transformers in batches of ``slots``."""
+
     requests: int = 32
     shortest: int = 8
     longest: int = 64

@@ -223,7 +223,7 @@ ROUTER = "model.layers.1.block_sparse_moe.gate.weight"
         ("mixtral", lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [2, -1]}'),
          "generation_config.json: eos_token_id [2, -1] must be ids of the vocabulary"),
         ("mixtral", lambda d: (d / "config.json").unlink(), "config.json: no such file"),
-        ("mixtral", lambda d: (d / "config.json").write_text("[1]"), "config.json: holds a JSON list, not an object"),
+        ("mixtral", lambda d: (d / "config.json").write_text("[1]"), "config.json: a JSON list, not an object"),
         ("mixtral", lambda d: (d / "config.json").write_text("{"), "config.json: not valid JSON"),
         ("mixtral", lambda d: (d / "model.safetensors").unlink(), ": no *.safetensors file (and no model.safetensors"),
         ("mixtral", _tensors(lambda state: state.__delitem__(ROUTER)), f": no tensor '{ROUTER}' in any of its files"),
@@ -237,7 +237,7 @@ ROUTER = "model.layers.1.block_sparse_moe.gate.weight"
         ("mixtral", _bytes(lambda raw: raw[:5]), "model.safetensors: truncated: 5 bytes, less than the 8-byte header"),
         ("mixtral", _bytes(lambda raw: struct.pack("<Q", 2**40) + raw[8:]), "model.safetensors: corrupt or truncated: "
          "its header length is 1099511627776 bytes"),
-        ("mixtral", _bytes(lambda raw: raw[:8] + b"\xff" + raw[9:]), "model.safetensors: corrupt: its header is not"),
+        ("mixtral", _bytes(lambda raw: raw[:8] + b"\xff" + raw[9:]), "model.safetensors: corrupt header: not valid"),
     ],
 )  # fmt: skip
 def test_a_bad_checkpoint_is_refused_in_one_line_naming_it(

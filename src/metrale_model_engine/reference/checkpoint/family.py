@@ -56,9 +56,32 @@ class Family:
     """A layer's MoE module: ``model.layers.N.<moe>.gate`` is the router, ``<moe>.experts.E`` the experts."""
     expert_weights: tuple[str, str, str]
     """An expert's gate, up and down projections, e.g. ``("w1", "w3", "w2")``."""
-    read: Callable[[ConfigFields, int | None], LmConfig]
-    """``read(fields, max_seq_len)``: the model's shape, serving ``max_seq_len`` positions (``None``: all of the
-    model's ``max_position_embeddings``); raises :class:`~.files.CheckpointError` on a field it does not honour."""
+    expert_count: tuple[str, ...]
+    """The names the number of experts goes by in ``config.json`` (``transformers`` 5 writes one, the Hub another)."""
+    expert_width: str
+    """The field of an expert's hidden width."""
+    rope_theta: float
+    """RoPE's base when ``config.json`` names none (``transformers``' default for the family)."""
+    own_fields: Callable[[ConfigFields, dict[str, object]], None]
+    """Reads the family's own fields into the :class:`LmConfig` values, and refuses those it does not honour."""
+
+    def read(self, fields: ConfigFields, max_seq_len: int | None) -> LmConfig:
+        """The model's shape, serving ``max_seq_len`` positions (``None``: all of ``max_position_embeddings``).
+
+        Raises:
+            CheckpointError: a field is missing, wrong, or not honoured here; any field left unread.
+        """
+        values = read_shared(fields, max_seq_len, rope_theta=self.rope_theta)
+        named = [name for name in self.expert_count if fields.has(name)] or [self.expert_count[0]]  # none: missing
+        counts = [fields.integer(name) for name in named]
+        if len(set(counts)) > 1:
+            fields.wrong(named[0], counts[0], f"must equal {named[1]}={counts[1]} (both count the experts)")
+        values["n_experts"] = counts[0]
+        values["d_expert"] = fields.integer(self.expert_width)
+        self.own_fields(fields, values)
+        config = make_config(fields, values)
+        fields.finish(HARMLESS)
+        return config
 
     def layer(self, index: int) -> str:
         """The prefix of layer ``index``'s tensor names."""
@@ -131,9 +154,12 @@ def make_config(fields: ConfigFields, values: dict[str, object]) -> LmConfig:
         raise CheckpointError(f"{fields.path}: its fields make no model: {told.replace('LmConfig.', '')}") from None
 
 
-def check_window(fields: ConfigFields, name: str, max_seq_len: int) -> None:
-    """Refuse a sliding window (field ``name``) shorter than the context served: every position then sees all."""
-    if fields.has(name) and fields.integer(name) < max_seq_len:
+def check_window(fields: ConfigFields, name: str, values: dict[str, object]) -> None:
+    """Refuse a sliding window (field ``name``) shorter than the context served (``values``' ``max_seq_len``):
+    a window that covers it lets every position see all, as full attention does."""
+    served = values["max_seq_len"]
+    assert isinstance(served, int)
+    if fields.has(name) and fields.integer(name) < served:
         fields.refuse(
             name,
             f"sliding-window attention is not implemented; serve at most {fields.value(name)} positions "

@@ -59,12 +59,17 @@ def read_json(path: Path) -> dict[str, object]:
         raise CheckpointError(f"{path}: no such file") from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
+    return _object(text, f"{path}: ")
+
+
+def _object(raw: bytes, where: str) -> dict[str, object]:
+    """``raw`` as a JSON object; ``where`` begins a refusal."""
     try:
-        value = json.loads(text)
+        value = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+        raise CheckpointError(f"{where}not valid JSON ({error})") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+        raise CheckpointError(f"{where}a JSON {type(value).__name__}, not an object")
     return value
 
 
@@ -132,12 +137,7 @@ def _header(file: Path) -> dict[str, TensorEntry]:
             raw = stream.read(length)
     except OSError as error:
         raise CheckpointError(f"{file}: cannot be read ({error.strerror or error})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{file}: corrupt: its header is not JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: corrupt: its header is a JSON {type(header).__name__}, not an object")
+    header = _object(raw, f"{file}: corrupt header: ")
     data = size - _LENGTH.size - length
     return {name: _entry(file, name, fields, data) for name, fields in header.items() if name != "__metadata__"}
 

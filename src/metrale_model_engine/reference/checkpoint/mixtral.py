@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Final
 
 from ..._core.namespace import PublicDir, public_dir
-from ..config import LmConfig
-from .family import HARMLESS, Family, check_window, make_config, read_shared
+from .family import Family, check_window
 from .fields import ConfigFields
 
 __all__ = ["MIXTRAL"]
@@ -22,16 +21,19 @@ __all__ = ["MIXTRAL"]
 __dir__: PublicDir = public_dir(globals(), __all__)
 
 
-def _read(fields: ConfigFields, max_seq_len: int | None) -> LmConfig:
-    values = read_shared(fields, max_seq_len, rope_theta=1e6)
-    values["n_experts"] = fields.integer("num_local_experts", fields.integer("num_experts", 8))
-    values["d_expert"] = fields.integer("intermediate_size")
-    config = make_config(fields, values)
-    check_window(fields, "sliding_window", config.max_seq_len)
-    fields.finish(HARMLESS)
-    return config
+def _sliding_window(fields: ConfigFields, values: dict[str, object]) -> None:
+    check_window(fields, "sliding_window", values)
 
 
-MIXTRAL: Final = Family("MixtralForCausalLM", "mixtral", "block_sparse_moe", ("w1", "w3", "w2"), _read)
+MIXTRAL: Final = Family(
+    architecture="MixtralForCausalLM",
+    model_type="mixtral",
+    moe="block_sparse_moe",
+    expert_weights=("w1", "w3", "w2"),
+    expert_count=("num_local_experts", "num_experts"),
+    expert_width="intermediate_size",
+    rope_theta=1e6,
+    own_fields=_sliding_window,
+)
 """Mixtral's names: ``model.layers.N.block_sparse_moe.gate`` routes, ``experts.E.w1`` / ``w3`` / ``w2`` are an
 expert's gate, up and down projections."""

@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Final
 
 from ..._core.namespace import PublicDir, public_dir
-from ..config import LmConfig
-from .family import HARMLESS, Family, check_window, make_config, read_shared
+from .family import Family, check_window
 from .fields import ConfigFields
 
 __all__ = ["QWEN3_MOE"]
@@ -24,29 +23,31 @@ __all__ = ["QWEN3_MOE"]
 __dir__: PublicDir = public_dir(globals(), __all__)
 
 
-def _read(fields: ConfigFields, max_seq_len: int | None) -> LmConfig:
-    values = read_shared(fields, max_seq_len, rope_theta=1e4)
-    values["n_experts"] = fields.integer("num_experts", fields.integer("num_local_experts", 128))
-    values["d_expert"] = fields.integer("moe_intermediate_size")
+def _own_fields(fields: ConfigFields, values: dict[str, object]) -> None:
     values["norm_topk_prob"] = fields.flag("norm_topk_prob", False)
     values["qk_norm"] = True
     if fields.flag("attention_bias", False):
         fields.refuse("attention_bias", "the projections have no biases here")
     if fields.integer("decoder_sparse_step", 1) != 1:
         fields.refuse("decoder_sparse_step", "every layer is a mixture of experts here (a step of 1)")
-    only_dense = fields.value("mlp_only_layers")
-    if only_dense not in (None, []):
+    if fields.value("mlp_only_layers") not in (None, []):
         fields.refuse("mlp_only_layers", "every layer is a mixture of experts here (no dense layers)")
     fields.value("intermediate_size")  # the dense layers' width: none are served
-    config = make_config(fields, values)
     if fields.flag("use_sliding_window", False):
-        check_window(fields, "sliding_window", config.max_seq_len)
+        check_window(fields, "sliding_window", values)
     fields.value("sliding_window")  # without use_sliding_window, transformers ignores it too
     fields.value("max_window_layers")  # ditto
-    fields.finish(HARMLESS)
-    return config
 
 
-QWEN3_MOE: Final = Family("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj"), _read)
+QWEN3_MOE: Final = Family(
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    moe="mlp",
+    expert_weights=("gate_proj", "up_proj", "down_proj"),
+    expert_count=("num_experts", "num_local_experts"),
+    expert_width="moe_intermediate_size",
+    rope_theta=1e4,
+    own_fields=_own_fields,
+)
 """Qwen3-MoE's names: ``model.layers.N.mlp.gate`` routes, ``mlp.experts.E.gate_proj`` / ``up_proj`` /
 ``down_proj`` are an expert's projections, ``self_attn.q_norm`` / ``k_norm`` the per-head norms."""
