@@ -30,7 +30,6 @@ with the one line ``interrupted`` on Ctrl-C (SIGINT), once every rank has gone.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -58,7 +57,7 @@ from ._host.launch import INTERRUPTED
 
 if TYPE_CHECKING:
     from ._engine.link import EpLink
-    from .reference import Completion, ReferenceLm, Sampling
+    from .reference import Checkpoint, Completion, ReferenceLm, Sampling
 
 __all__ = ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"]
 
@@ -277,11 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun = under_torchrun_env()
         world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-        work = _work(args, protocol, world_size, local_ranks)
-        device, backend = device_and_backend(args, local_ranks, cuda_devices(), _world_sizes(work))
+        checkpoint = _checkpoint(args, world_size)
+        device, backend = device_and_backend(args, local_ranks, cuda_devices(), checkpoint.config.world_sizes())
+        work = _work(args, checkpoint, protocol, device, world_size, local_ranks)
     except (ImportError, ValueError, OSError) as error:
         return _cannot_start(error)
-    work = dataclasses.replace(work, device=device)
     try:
         if torchrun:
             return _under_torchrun(backend, work)
@@ -299,14 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(codes) else 0
 
 
-def _work(args: argparse.Namespace, protocol: ProtocolVersion, world_size: int, local_ranks: int) -> Work:
-    """What the ranks will do, once the checkpoint, the world size, the prompts and the memory are checked.
+def _checkpoint(args: argparse.Namespace, world_size: int) -> Checkpoint:
+    """The checkpoint, opened and checked (its headers alone), and ``world_size`` checked against it.
 
     Raises:
-        ValueError: any of them cannot be served (a ``CheckpointError`` is one); the message is the line to print.
+        ValueError: it cannot be served (a ``CheckpointError`` is one), or by that many ranks.
     """
-    from .reference import Checkpoint, Sampling, Tokenizer
-    from .reference.checkpoint import DTYPES
+    from .reference import Checkpoint
 
     checkpoint = Checkpoint.open(args.model, max_seq_len=args.max_seq_len)
     config = checkpoint.config
@@ -316,11 +314,30 @@ def _work(args: argparse.Namespace, protocol: ProtocolVersion, world_size: int, 
             f"and {config.n_experts} experts, and divide its {config.n_kv_heads} KV heads or be a multiple of them "
             f"(world sizes that can: {', '.join(map(str, config.world_sizes()))})"
         )
+    return checkpoint
+
+
+def _work(
+    args: argparse.Namespace,
+    checkpoint: Checkpoint,
+    protocol: ProtocolVersion,
+    device: str,
+    world_size: int,
+    local_ranks: int,
+) -> Work:
+    """What the ranks will do, once the prompts and (on the CPU) the memory they need are checked.
+
+    Raises:
+        ValueError: a prompt, or the memory, cannot be served; the message is the line to print.
+    """
+    from .reference import Sampling, Tokenizer
+    from .reference.checkpoint import DTYPES
+
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     given = [(PROMPT_TEXT, text) for text in PROMPTS] if args.prompts is None else args.prompts
     prompts = prompt_ids(given, checkpoint, tokenizer)
-    dtype = checkpoint.dtype if args.dtype is None else DTYPES[args.dtype]
-    if args.device != "cuda":
+    if device == "cpu":
+        dtype = checkpoint.dtype if args.dtype is None else DTYPES[args.dtype]
         check_memory(checkpoint, dtype, args.slots, world_size, local_ranks)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return Work(
@@ -332,6 +349,7 @@ def _work(args: argparse.Namespace, protocol: ProtocolVersion, world_size: int, 
         args.sync_every,
         args.json,
         args.check_kv,
+        device=device,
         cuda_graphs=args.cuda_graphs,
         threads=args.threads or default_threads(local_ranks),
         model=args.model,
@@ -341,12 +359,6 @@ def _work(args: argparse.Namespace, protocol: ProtocolVersion, world_size: int, 
         late=LATE_PROMPTS if args.prompts is None else 0,
         sampling=None if sampling.greedy and args.seed is None else sampling,
     )
-
-
-def _world_sizes(work: Work) -> list[int]:
-    from .reference import Checkpoint
-
-    return Checkpoint.open(work.model, max_seq_len=work.max_seq_len).config.world_sizes()
 
 
 def _interrupted() -> int:

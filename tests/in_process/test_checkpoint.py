@@ -255,6 +255,13 @@ def test_what_does_not_change_the_arithmetic_is_served(written: dict[str, Path],
     directory = _copy(written["mixtral"], tmp_path)
     _set(sliding_window=4096, attention_dropout=0.1, rope_theta=10000.0, rope_scaling=None)(directory)
     assert Checkpoint.open(directory).config == Checkpoint.open(written["mixtral"]).config
+    _set(torch_dtype="bfloat16", dtype=None)(directory)  # transformers 4's name for the dtype
+    assert Checkpoint.open(directory).dtype == torch.bfloat16
+    _set(num_experts=4)(directory)  # the count under its other name too: they agree
+    assert Checkpoint.open(directory).config.n_experts == 4
+    _set(num_experts=8)(directory)
+    with pytest.raises(CheckpointError, match="'num_local_experts' must equal num_experts=8 .both count the experts"):
+        Checkpoint.open(directory)
 
 
 def test_an_index_is_followed_and_checked(tmp_path: Path) -> None:

@@ -82,7 +82,8 @@ class Checkpoint:
             raise CheckpointError(f"{path}: no such directory" if not path.exists() else f"{path}: not a directory")
         fields = ConfigFields(path / "config.json", read_json(path / "config.json"))
         family = _family(fields)
-        dtype_name = fields.value("dtype") or fields.value("torch_dtype")
+        named_dtypes = [fields.value("dtype"), fields.value("torch_dtype")]  # transformers 5's name, then 4's
+        dtype_name = next((name for name in named_dtypes if name is not None), None)
         eos = fields.value("eos_token_id")
         fields.value("bos_token_id")  # the tokenizer adds it, as its special tokens say
         config = family.read(fields, max_seq_len)
