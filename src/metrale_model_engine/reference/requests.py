@@ -124,7 +124,7 @@ class Request:
 
     Raises:
         TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int, or
-            ``sampling`` is not a :class:`~.sampling.Sampling`.
+            ``sampling`` is not a :class:`Sampling`.
         ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
     """
 

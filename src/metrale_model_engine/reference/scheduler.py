@@ -11,7 +11,7 @@ Each :meth:`Server.step`:
    ``max_new_tokens`` generated, the slot's cache full, or failed); each
    :class:`Completion` says why it ended.
 
-Each request picks its tokens by its own :class:`~.sampling.Sampling`: greedy by
+Each request picks its tokens by its own :class:`~.requests.Sampling`: greedy by
 default (the largest logit; the lowest token on a tie), or drawn with its own
 seeded generator.  The head picks; its workers receive the token in the next
 decode command.  Requests may be submitted between any two steps; tokens are

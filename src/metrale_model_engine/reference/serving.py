@@ -142,7 +142,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         collective_timeout: seconds one all-reduce may wait for the other ranks
             before the run stops (see :class:`~metrale_model_engine.torch.Collectives`).
         check_kv_values: make sync points deeper: each rank also checks that its
-            KV cache still holds what its forwards wrote (:class:`~.kv_check.KvLedger`;
+            KV cache still holds what its forwards wrote (:class:`~.state.KvLedger`;
             a digest per write, a reduction of the cache at each sync point), and a
             rank whose cache was altered reports another state digest.  Default off.
         cuda_graphs: replay decode steps from CUDA graphs (:class:`~.graphs.DecodeGraphs`):
