@@ -302,6 +302,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of a small workload")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5; a warm-up round first)")
     parser.add_argument(
+        "--real-rounds", type=int, default=3, help="rounds of the real architectures (default 3; each way once a round)"
+    )
+    parser.add_argument(
         "--part",
         choices=["all", "protocol", "real"],
         default="all",
