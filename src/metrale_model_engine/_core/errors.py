@@ -38,8 +38,15 @@ def describe_command(number: int, seq_id: int, cmd: int) -> str:
 
 
 def error_text(error: BaseException) -> str:
-    """How the protocol shows an error: ``"Type: message"``, or the type alone."""
-    message = str(error)
+    """How the protocol shows an error: ``"Type: message"``, or the type alone.
+
+    Total: an exception whose ``str()`` itself raises is shown as such, never raised
+    again on the way to the head.
+    """
+    try:
+        message = str(error)
+    except Exception as failure:  # noqa: BLE001  (a user's __str__: whatever it raises, say so)
+        message = f"<its str() raised {type(failure).__name__}>"
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
