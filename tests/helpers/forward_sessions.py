@@ -18,6 +18,7 @@ from collections.abc import MutableSequence
 from typing import cast
 
 import torch
+import torch.distributed as dist
 
 from metrale_model_engine import EpLink, LinkedEp, RunStopped, SequenceState, run_worker
 from metrale_model_engine.torch import Collectives, open_link
@@ -37,9 +38,16 @@ Slots = MutableSequence[SequenceState | None]
 
 
 class Summing(LinkedEp[SequenceState]):
-    """Each FORWARD command sums ``rank + 1`` over the ranks, with one all-reduce; the head checks the sum."""
+    """Each FORWARD command sums ``rank + 1`` over the ranks, with one all-reduce; the head checks the sum.
 
-    __slots__ = ("collectives", "ep_link", "fault", "out", "victim")
+    The pattern slightly wrong, on every rank: ``forgot`` leaves ``ep_collective_commands``
+    empty; ``direct`` calls ``torch.distributed.all_reduce`` instead of ``Collectives``;
+    ``closed-socket`` runs a collective of the model's own (counted with
+    ``check_collective``, then ``torch.distributed``), which a worker that leaves fails
+    with "Connection closed by peer".
+    """
+
+    __slots__ = ("collectives", "ep_link", "fault", "out", "reduce", "victim")
     ep_collective_commands = frozenset({FORWARD})
 
     def __init__(self, link: EpLink, fault: str, victim: int, out: str) -> None:
@@ -48,10 +56,18 @@ class Summing(LinkedEp[SequenceState]):
         self.fault = fault if link.rank == victim else ""
         self.victim = victim
         self.out = out
+        self.reduce = {"direct": self._direct, "closed-socket": self._own}.get(fault, self.collectives.all_reduce)
+
+    def _direct(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def _own(self, tensor: torch.Tensor) -> None:
+        self.ep_link.check_collective("an all-reduce")
+        dist.all_reduce(tensor)
 
     def forward(self, step: int) -> float:
         mine = self.ep_link.rank == self.victim and step == FAULTY_STEP
-        if mine and self.fault == "before":
+        if mine and self.fault in ("before", "closed-socket"):
             self._struck()
             raise KeyError("slot 0 is free on this worker")
         if mine and self.fault in ("stop", "kill"):
@@ -60,11 +76,16 @@ class Summing(LinkedEp[SequenceState]):
         if mine and self.fault == "skip":
             self._struck()
             return 0.0  # a bug that skips the forward, and its all-reduce with it
+        if mine and self.fault == "hang":
+            self._struck()
+            time.sleep(COLLECTIVE_TIMEOUT + 5.0)  # hung in its forward, running: no signal shows it
+        if self.fault in ("forgot", "direct") and step == 1:
+            self._struck()  # the first forward of the run: the mistake shows there, on every rank
         tensor = torch.full((4, 4), float(self.ep_link.rank + 1))
         if mine and self.fault == "inside":
             self._struck()  # a list where a tensor belongs: the backend's call refuses it, inside the all-reduce
             self.collectives.all_reduce(cast(torch.Tensor, tensor.tolist()))
-        self.collectives.all_reduce(tensor)
+        self.reduce(tensor)
         if mine and self.fault == "after":
             self._struck()
             raise ValueError("a bug after the all-reduce")
@@ -91,10 +112,19 @@ class Summing(LinkedEp[SequenceState]):
         self.forward(step)
 
 
+class Forgot(Summing):
+    """The README's model without its declaration: ``ep_collective_commands`` forgotten."""
+
+    __slots__ = ()
+    ep_collective_commands = frozenset()
+
+
 def forward_fault(rank: int, world_size: int, kind: str, fault: str, victim: int, out: str) -> None:
     """Run :data:`STEPS` commands with ``fault`` planted on rank ``victim``; save how each rank ended."""
     torch.set_num_threads(1)
-    model = Summing(open_link(kind, num_slots=2, command_timeout=30.0), fault, victim, out)
+    model = (Forgot if fault == "forgot" else Summing)(
+        open_link(kind, num_slots=2, command_timeout=30.0), fault, victim, out
+    )
     pids = model.ep_link.gather_u32(os.getpid())
     try:
         if rank == 0:
@@ -107,7 +137,7 @@ def forward_fault(rank: int, world_size: int, kind: str, fault: str, victim: int
             save(out, rank, error=None, summary=summary, at=time.time())
     except RunStopped as error:
         save(out, rank, kind=type(error).__name__, message=str(error), failures=error.failures, at=time.time())
-        if fault == "stop" and rank == 0:  # the stopped worker cannot end by itself: end it, as an operator would
+        if fault in ("stop", "hang") and rank == 0:  # it cannot end by itself (soon): end it, as an operator would
             os.kill(pids[victim], signal.SIGKILL)
         raise SystemExit(1) from None
     except Exception as error:  # noqa: BLE001  (the error under test, whatever it is)

@@ -34,7 +34,12 @@ def describe_command(number: int, seq_id: int, cmd: int) -> str:
 
     A command word from ``0x10000`` up is shown in hex (``cmd=0xfffffff0``), as such words are written.
     """
-    return f"command {number} (seq_id={seq_id}, cmd={cmd if cmd < 0x10000 else hex(cmd)})"
+    return f"command {number} (seq_id={seq_id}, cmd={command_word(cmd)})"
+
+
+def command_word(cmd: int) -> str:
+    """How messages show a command word: in decimal below ``0x10000``, in hex from there (``0xfffffff0``)."""
+    return str(cmd) if cmd < 0x10000 else hex(cmd)
 
 
 def error_text(error: BaseException) -> str:

@@ -160,6 +160,23 @@ class NamesSilentRanks(Protocol):
         ...
 
 
+@runtime_checkable
+class PretendGroup(Protocol):
+    """A transport that plays its whole group in one process: the ranks other than this one are pretend.
+
+    Optional: the in-memory doubles of :mod:`metrale_model_engine.testing`
+    (``RecordingTransport``, ``ReplayTransport``) give it.  A model's collectives
+    over a link on such a transport have one participant, this process:
+    ``metrale_model_engine.torch.Collectives`` needs no process group there, and
+    its all-reduce leaves the tensor as it is (the sum over one rank), after the
+    same checks and counts as over a real group.
+    """
+
+    def pretend_state(self, digest: int | None) -> None:
+        """Head, at a sync point: its own state digest (``None``: none compared), which pretend workers answer."""
+        ...
+
+
 class WorkerEnd:
     """A base for a transport that is only ever a worker: the head's calls refuse.
 

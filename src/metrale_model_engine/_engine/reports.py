@@ -12,12 +12,15 @@ from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailur
 from .._core.transport import EpTransport, NamesSilentRanks
 from .._host.liveness import ProcessWatch
 from .agreement import read_answers
-from .run_state import RunState
+from .run_state import CommandStream, RunState
 from .settings import LinkSettings
-from .stream import CommandStream
 
 EXIT_GRACE: Final = 5.0
 """Seconds the head looks for the worker behind a failed collective (a failing worker takes a moment to exit)."""
+DEATH_GRACE: Final = 0.2
+"""Seconds a failure the backend raised looks for the worker behind it: a killed worker's sockets close a
+moment before its process shows as exited (the kernel closes its files first), and a report a worker left
+in a group's store is read at most every 10 ms."""
 _CHECK_PAUSE: Final = 0.001
 """Seconds between two looks of :meth:`WorkerReports.stopped_workers`."""
 _NOT_SENT: Final = "; nothing of the command being sent was sent"
@@ -174,6 +177,20 @@ class WorkerReports:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+
+    def forward_failed(self, error: BaseException) -> RunStopped:
+        """The head's forward failed inside ``EpLink.collective()`` with ``error``: stop the run; return what to raise.
+
+        Its workers first, as :meth:`collective_failed` does: one that reported a
+        failure that stops the run, or exited, is named, since the head's error may
+        be only what its leaving caused (an all-reduce the model ran itself, failed
+        with "Connection closed by peer"); else the head's own error.
+        """
+        where = describe_command(self._stream.commands, *self._stream.command)
+        failures, exited = self.stopped_workers(DEATH_GRACE)
+        if exited or any(failure.stopped for failure in failures):
+            return self.stop(self.why(failures, exited), failures, exited, where=f" in {where}")
+        return self.stop(f"its own forward of {where} failed: {error_text(error)}", failures, ())
 
     def collective_failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
         """``EpLink.collective_failed`` on the head: look for the worker behind it, stop the run, name it."""

@@ -9,12 +9,12 @@ from typing_extensions import Buffer
 
 from .._core.codec import Ack, WireError, encode_sync
 from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
-from .._core.transport import EpTransport
+from .._core.transport import EpTransport, PretendGroup
 from .._core.words import check_u32
 from .agreement import HeadFigures, differences, disagreement_of_values, read_answers
 from .reports import WorkerReports
+from .run_state import CommandStream
 from .settings import LinkSettings
-from .stream import CommandStream
 
 Send = Callable[[Sequence[Buffer]], None]
 """The link's send of one message (its checks, the transport, the stream's digest)."""
@@ -53,6 +53,8 @@ class SyncPoints:
         assert reports is not None  # the link checked the role
         self._number += 1
         number = self._number
+        if isinstance(self._transport, PretendGroup):
+            self._transport.pretend_state(mine)
         self._send((encode_sync(number, mine is not None),))
         failures: list[WorkerFailure] = []
         acks: dict[int, Ack] = {}

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.checks import check_seconds
+from .._core.transport import PretendGroup
 from .._engine.link import EpLink
 from .._engine.reports import EXIT_GRACE
 
@@ -49,7 +50,17 @@ class Collectives:
     watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), which ends the process; the
     ``timeout`` is the watchdog's bound for this collective.
 
-    With one rank it does nothing and needs no process group.
+    The safe pattern holds itself: each all-reduce first passes the link's check
+    (:meth:`EpLink.check_collective <metrale_model_engine.EpLink.check_collective>`),
+    which refuses one that nothing declared (a worker's command not in
+    ``ep_collective_commands``; the head's forward outside ``link.collective()``)
+    and counts it, so that a declared forward that ran none is refused as well.
+
+    With one rank it does nothing and needs no process group.  Over a link on a
+    pretend group (:class:`~metrale_model_engine.transport.PretendGroup`: the
+    doubles of :mod:`metrale_model_engine.testing`, a scheduler's tests) it has one
+    participant, this process: it needs no process group, and an all-reduce leaves
+    the tensor as it is, after the link's checks.
 
     Args:
         link: this rank's link; the group's ranks must be the link's.
@@ -81,7 +92,7 @@ class Collectives:
         # The world group is looked up at each call, not held: a gloo group still referenced when
         # the interpreter tears down can abort the process (see metrale_model_engine.torch).
         self._group = group
-        self._solo = link.world_size == 1
+        self._solo = link.world_size == 1 or isinstance(link.transport, PretendGroup)
         if self._solo:
             return
         if not dist.is_initialized():
@@ -99,13 +110,17 @@ class Collectives:
         return self._link
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place, on every rank (nothing with one rank).
+        """Sum ``tensor`` over the ranks, in place, on every rank (nothing with one participant).
 
         Raises:
+            EpCommandRefused: on a worker, in a command that ``ep_collective_commands``
+                does not declare (see the class).
             RunStopped: the all-reduce failed or timed out: a rank died, refused its
                 command, stalls or skipped its forward (the message says what the
-                link knows); or the run had stopped already.
+                link knows); on the head, it ran outside ``link.collective()`` after a
+                command was sent; or the run had stopped already.
         """
+        self._link.check_collective("an all-reduce")
         if self._solo:
             return
         try:  # the group in no local variable: a traceback kept by the caller must not keep it alive
