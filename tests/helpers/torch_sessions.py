@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import time
 from array import array
 from collections.abc import MutableSequence
@@ -408,3 +410,37 @@ def last_words(rank: int, world_size: int, out: str) -> None:
         transport.gather([2])  # looked before the worker leaves more
     save(out, rank, looks=looks)
     transport.close()
+
+
+def severed_wait(rank: int, world_size: int, out: str) -> None:
+    """Rank 0 waits in an all-reduce that rank 1 never joins; a thread severs gloo's connections after 0.5 s.
+
+    Rank 0 holds a TCP connection of its own too (to a listener of its own), which
+    must stay: it saves how long its wait took, what ended it, and whether its own
+    connection still carries a byte.
+    """
+    from metrale_model_engine._torch.heartbeat import tcp_store
+    from metrale_model_engine._torch.severing import sever_group_connections
+
+    if rank == 1:
+        time.sleep(8)  # in no all-reduce: only the severing can end the head's wait in time
+        return
+    store = tcp_store(dist.group.WORLD.get_group_store() if dist.group.WORLD is not None else None)
+    assert store is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        own = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        severed: list[int] = []
+        threading.Timer(0.5, lambda: severed.append(sever_group_connections(store))).start()
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+            ended = "it completed"
+        except RuntimeError as error:
+            ended = str(error)
+        seconds = time.monotonic() - started
+        own.sendall(b"x")
+        save(out, 0, seconds=seconds, ended=ended, severed=severed, own=accepted.recv(1))
+        own.close()
+        accepted.close()
+    os._exit(0)  # rank 1 still sleeps; the group cannot be torn down

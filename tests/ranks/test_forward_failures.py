@@ -165,3 +165,23 @@ def test_the_pattern_slightly_wrong_stops_every_rank_at_once_named(kind: str, fa
     assert results[1]["kind"] == "EpCommandRefused", results[1]
     assert all(results[rank]["kind"] == "RunStopped" for rank in range(2, world_size))
     assert_bounded(results, struck)  # milliseconds: not the collective timeout, not for ever
+
+
+def test_a_worker_stopped_past_head_lost_after_in_its_forward_is_lost_and_the_run_stops_then(tmp_path: Path) -> None:
+    codes, results, struck = run("torch", "lost", 2, tmp_path)  # heartbeats: the group's own transport
+    assert codes == [1, -9]  # the head ended the stopped worker, as an operator would
+    message = str(results[0]["message"])
+    assert message.startswith(f"head: the run stopped in {COMMAND}: an all-reduce failed: worker rank(s) [1] are lost")
+    assert "past head_lost_after" in message, message
+    took = float(results[0]["at"]) - struck  # type: ignore[arg-type]
+    # Its bound, not the all-reduce's 30 s: a beat of the worker may have come just before it stopped.
+    assert sessions.HEAD_LOST_AFTER - 0.5 <= took < sessions.HEAD_LOST_AFTER + BOUND, took
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_paused_inside_its_forward_for_less_than_head_lost_after_loses_nothing(
+    kind: str, tmp_path: Path
+) -> None:
+    codes, results, _ = run(kind, "pause", 2, tmp_path)
+    assert codes == [0, 0], results
+    assert results[0]["sums"] == [3.0] * sessions.STEPS  # every forward summed both ranks

@@ -161,6 +161,20 @@ class NamesSilentRanks(Protocol):
 
 
 @runtime_checkable
+class NamesLostRanks(Protocol):
+    """A head transport that finds workers lost: silent past a bound while the head waited on them.
+
+    Optional (:class:`~metrale_model_engine.torch.TorchTransport` gives it, by its
+    workers' heartbeats and ``head_lost_after``).  Once workers are lost the
+    transport has ended the head's wait; the link stops the run, naming them.
+    """
+
+    def lost_ranks(self) -> dict[int, float]:
+        """The worker ranks found lost, each with the seconds it had been silent then; empty while none is."""
+        ...
+
+
+@runtime_checkable
 class PretendGroup(Protocol):
     """A transport that plays its whole group in one process: the ranks other than this one are pretend.
 

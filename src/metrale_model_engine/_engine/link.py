@@ -12,7 +12,7 @@ from .._core.errors import RunStopped
 from .._core.protocol import ProtocolVersion
 from .._core.tokens import ArrayInterface, TokenArray, as_u32_buffer, token_count
 from .._core.transport import EpTransport
-from .._core.words import CMD_SHUTDOWN, check_u32
+from .._core.words import check_u32
 from .forward import ForwardCollectives
 from .model import S
 from .reader import CommandReader, RunCommand, StateDigest
@@ -250,9 +250,10 @@ class EpLink(ForwardCollectives):
     def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
         """Head: a sync point (:meth:`sync`), then the shutdown header; every worker's loop then ends.
 
-        The shutdown header goes out even when the sync point raises, then the sync
-        point's error is raised: a head cannot shut down past a failure it was not
-        told of.  Idempotent; after it, other sends raise :class:`EpSendError`.
+        The shutdown header goes out even when the sync point raises (without
+        waiting, once a worker is dead or silent), then the sync point's error is
+        raised: a head cannot shut down past a failure it was not told of.
+        Idempotent; after it, other sends raise :class:`EpSendError`.
 
         Raises:
             EpWorkerFailed, EpDivergenceError, RunStopped: as :meth:`sync`.
@@ -266,9 +267,10 @@ class EpLink(ForwardCollectives):
         self._scope.open = False
         try:
             self.sync(slots)
-        finally:
-            sender.send((encode_header(0, CMD_SHUTDOWN),))
-            sender.shut_down = True
+        except BaseException as failure:
+            sender.shutdown(failure)  # the sync point's error says what went wrong, not this send's
+            raise
+        sender.shutdown(None)
 
     def check_workers(self, timeout: float = 0.0) -> None:
         """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.

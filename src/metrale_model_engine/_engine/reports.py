@@ -9,7 +9,7 @@ from typing import Final
 from .._core.checks import check_seconds
 from .._core.codec import WireError
 from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
-from .._core.transport import EpTransport, NamesSilentRanks
+from .._core.transport import EpTransport, NamesLostRanks, NamesSilentRanks
 from .._host.liveness import ProcessWatch
 from .agreement import read_answers
 from .run_state import CommandStream, RunState
@@ -160,6 +160,20 @@ class WorkerReports:
         quiet = [rank for rank in ranks if rank not in exited]
         return "; ".join(filter(None, [self.why((), exited), silent_text(quiet) if quiet else ""]))
 
+    def lost(self) -> tuple[str, list[int]]:
+        """The workers the transport found lost (silent past ``head_lost_after`` while the head waited on them):
+        the clause that names them and how long each was silent, and their ranks; ``("", [])`` when none is."""
+        transport = self._transport
+        lost = transport.lost_ranks() if isinstance(transport, NamesLostRanks) else {}
+        if not lost:
+            return "", []
+        each = ", ".join(f"{seconds:.1f} s (rank {rank})" for rank, seconds in sorted(lost.items()))
+        clause = (
+            f"worker rank(s) {sorted(lost)} are lost: no heartbeat for {each}, past head_lost_after "
+            "(their host is unreachable, or they died)"
+        )
+        return clause, sorted(lost)
+
     def exited(self) -> list[int]:
         """The worker ranks of the head's host whose process has exited."""
         if self._watch is None:
@@ -197,6 +211,10 @@ class WorkerReports:
         where = describe_command(self._stream.commands, *self._stream.command)
         limit = check_seconds("grace", grace, allow_zero=True)
         assert limit is not None
+        lost, ranks = self.lost()
+        if lost:  # its wait ended because they are: no grace to wait
+            failures, exited = self.stopped_workers(0.0)
+            return self.stop(f"{what} failed: {lost}", failures, [*ranks, *exited], where=f" in {where}")
         halted = self.halted()  # a worker that cannot run will not report or exit: no grace to wait
         failures, exited = self.stopped_workers(0.0 if halted else limit)
         silent = [] if failures or exited or halted else self.silent()

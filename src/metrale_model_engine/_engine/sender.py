@@ -8,8 +8,8 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-from .._core.codec import encode_close
-from .._core.errors import EpError, EpRoleError, EpSendError, RunStopped
+from .._core.codec import encode_close, encode_header
+from .._core.errors import EpError, EpLinkError, EpRoleError, EpSendError, RunStopped
 from .._core.tokens import as_u32_buffer
 from .._core.transport import EpTransport, TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
@@ -80,6 +80,28 @@ class HeadSender:
         except Exception as error:  # noqa: BLE001  (the workers may be gone: the transport's close is what is left)
             _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
 
+    def shutdown(self, failure: BaseException | None) -> None:
+        """Send the shutdown header; every later send raises.
+
+        ``failure``: what the sync point before it raised, the error to raise then.
+        The header still goes out, best effort (a failure is only logged), and
+        without waiting when the link itself failed (a worker dead, silent or lost).
+        """
+        message = (encode_header(0, CMD_SHUTDOWN),)
+        try:
+            if failure is None:
+                self.send(message)
+            elif isinstance(failure, EpLinkError):
+                self._send(message, 0.0)
+            else:  # the workers answered: they are in step, and wait for it
+                self._send(message, self._settings.command_timeout)
+        except Exception as error:
+            if failure is None:
+                raise
+            _LOGGER.debug("the head could not send the shutdown header after a failed sync point: %s", error)
+        finally:
+            self.shut_down = True
+
     def require_head(self) -> None:
         """Raise ``EpRoleError`` on a worker."""
         if self._settings.rank:
@@ -116,7 +138,10 @@ class HeadSender:
         reports = self._reports
         assert reports is not None
         ours = isinstance(error, (EpError, TransportClosed, TransportTimeout, TransportCorrupt))
-        failures, exited = reports.stopped_workers(0.0 if ours else DEATH_GRACE)
+        lost, ranks = reports.lost()
+        failures, exited = reports.stopped_workers(0.0 if ours or lost else DEATH_GRACE)
+        if lost:
+            return reports.stop(lost, failures, [*ranks, *exited], note="; the send failed")
         why = reports.why(failures, exited) or reports.silence()
         if any(failure.stopped for failure in failures):
             return reports.stop(why, failures, exited, note="; the send failed")

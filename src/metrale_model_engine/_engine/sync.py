@@ -66,12 +66,7 @@ class SyncPoints:
                 except WireError as error:
                     raise EpLinkError(f"head: a corrupt answer at sync point {number}: {error}") from None
                 except Exception as error:
-                    exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
-                    silent = "" if exited else reports.silence()
-                    raise EpLinkError(
-                        f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
-                        + (f"; {silent}" if silent else "")
-                    ) from error
+                    raise self._failed_waiting(reports, number, rank, error, failures) from error
                 failures += reports.seen(found)
                 if any(failure.stopped for failure in found):  # that worker left: no acknowledgement will come
                     raise reports.stop(reports.why(failures, []), failures, ())
@@ -86,6 +81,24 @@ class SyncPoints:
         if differ is not None:
             raise EpDivergenceError(*differ)
         self._agreed = stream.commands
+
+    def _failed_waiting(
+        self, reports: WorkerReports, number: int, rank: int, error: Exception, failures: list[WorkerFailure]
+    ) -> EpLinkError:
+        """Why sync point ``number`` failed waiting for worker ``rank`` (``error``), as far as the head can tell.
+
+        Workers the transport found lost stop the run; else the error names the rank,
+        whether it exited, and the workers whose heartbeat stopped.
+        """
+        lost, ranks = reports.lost()
+        if lost:
+            return reports.stop(lost, failures, ranks, where=f" at sync point {number}")
+        exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
+        silent = "" if exited else reports.silence()
+        return EpLinkError(
+            f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
+            + (f"; {silent}" if silent else "")
+        )
 
     def gather_u32(self, value: int) -> list[int]:
         """``EpLink.gather_u32``: every rank's ``value``, by rank."""

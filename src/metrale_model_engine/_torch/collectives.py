@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from contextlib import nullcontext
 from typing import Final
 
 import torch
@@ -12,6 +13,8 @@ from .._core.checks import check_seconds
 from .._core.transport import PretendGroup
 from .._engine.link import EpLink
 from .._engine.reports import EXIT_GRACE
+from .hosts import HostsTransport
+from .transport import TorchTransport
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]
 
@@ -37,6 +40,9 @@ class Collectives:
 
     * each all-reduce waits at most ``timeout`` seconds for the other ranks (the
       backend's own bound, passed to the collective, so nothing is left pending);
+    * across hosts, workers whose heartbeat stopped for ``head_lost_after`` while
+      the head waits in one are lost, and its wait ends then (see
+      :class:`TorchTransport`);
     * a failed or timed-out all-reduce stops the run
       (:meth:`EpLink.collective_failed <metrale_model_engine.EpLink.collective_failed>`):
       the head names the worker ranks that reported a failure or exited, with their
@@ -75,7 +81,7 @@ class Collectives:
         RuntimeError: several ranks, and torch.distributed is not initialised.
     """
 
-    __slots__ = ("_group", "_link", "_options", "_solo")
+    __slots__ = ("_blocking", "_group", "_link", "_options", "_solo")
 
     def __init__(
         self,
@@ -93,6 +99,9 @@ class Collectives:
         # the interpreter tears down can abort the process (see metrale_model_engine.torch).
         self._group = group
         self._solo = link.world_size == 1 or isinstance(link.transport, PretendGroup)
+        transport = link.transport
+        transport = transport._world if isinstance(transport, HostsTransport) else transport
+        self._blocking = transport._blocking if isinstance(transport, TorchTransport) else nullcontext
         if self._solo:
             return
         if not dist.is_initialized():
@@ -124,6 +133,7 @@ class Collectives:
         if self._solo:
             return
         try:  # the group in no local variable: a traceback kept by the caller must not keep it alive
-            (self._group if self._group is not None else _world()).allreduce([tensor], self._options).wait()
+            with self._blocking():
+                (self._group if self._group is not None else _world()).allreduce([tensor], self._options).wait()
         except Exception as error:  # the backend's own (RuntimeError from gloo): a rank is gone or late
             raise self._link.collective_failed(error, what="an all-reduce") from error
