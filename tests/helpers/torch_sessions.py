@@ -444,3 +444,28 @@ def severed_wait(rank: int, world_size: int, out: str) -> None:
         own.close()
         accepted.close()
     os._exit(0)  # rank 1 still sleeps; the group cannot be torn down
+
+
+SYNC_TIMEOUT = 3.0
+"""The link's command timeout in :func:`stopped_at_a_sync_point`: what the head's sync point waits."""
+
+
+def stopped_at_a_sync_point(rank: int, world_size: int, kind: str, out: str) -> None:
+    """The head stops worker rank 1 (SIGSTOP), then shuts the workers down: it saves what raised, and when."""
+    model = ToyModel(open_link(kind, num_slots=2, protocol=ProtocolVersion.V2, command_timeout=SYNC_TIMEOUT))
+    pids = model.ep_link.gather_u32(os.getpid())
+    slots: list[ToyState | None] = [None, None]
+    if rank != 0:
+        serve_until_error(model, slots, out)
+        return
+    model.alloc(slots, 0)
+    os.kill(pids[1], signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        model.ep_link.shutdown_workers()
+        outcome = "shut down"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    save(out, 0, outcome=outcome, seconds=time.monotonic() - started)
+    os.kill(pids[1], signal.SIGKILL)
+    os._exit(0)  # a rank is gone: the group cannot be torn down
