@@ -21,6 +21,11 @@ from helpers.bounded import finish
 
 pytestmark = pytest.mark.torch
 
+INTERRUPT_BOUND = 1.0
+"""Seconds from Ctrl-C to the demo's exit, its ranks gone: within the start-up and mid-run alike."""
+INTERRUPT_SLACK = 1.0
+"""Allowed past it on a loaded 2-core machine (measured: 0.01-0.53 s in 20 tries at 0.3-3 s after the start)."""
+
 
 def run_bounded(
     command: list[str], timeout: float = 180.0, env: dict[str, str] | None = None
@@ -148,18 +153,12 @@ def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transpo
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130
     assert stderr.strip().splitlines() == ["interrupted"], stderr
-    assert time.monotonic() - interrupted < 15.0
+    assert time.monotonic() - interrupted < INTERRUPT_BOUND + INTERRUPT_SLACK  # the ranks leave or are killed
     for pid in pids:  # every rank is gone
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     by_its_ranks = tuple(f"metrale-ep-{pid}-" for pid in pids)  # a segment is named by its creator's pid
     assert not {name for name in after - before if name.startswith(by_its_ranks)}
-
-
-INTERRUPT_BOUND = 1.0
-"""Seconds from Ctrl-C in the start-up to the demo's exit: the issue's bound."""
-INTERRUPT_SLACK = 1.0
-"""Allowed past it on a loaded 2-core machine (measured: 0.01-0.53 s in 20 tries at 0.3-3 s after the start)."""
 
 
 def outlived(how: str, delay: float, *args: str) -> dict[str, object]:

@@ -40,7 +40,8 @@ from .severing import sever_group_connections
 DEFAULT_HEARTBEAT: Final[float] = 0.25
 """Seconds between two beats of a worker (a store round trip each: microseconds of the store's time)."""
 DEFAULT_HEAD_LOST_AFTER: Final[float] = 60.0
-"""Seconds a worker goes on without reaching the head's host before it ends its process."""
+"""Seconds a worker goes on without reaching the head's host before it ends its process, and the head waits on
+workers whose heartbeat stopped before it stops the run: one bound, both ways."""
 HEAD_LOST_EXIT_CODE: Final[int] = 75
 """The exit status of a worker that lost the head's host (``EX_TEMPFAIL``: try again)."""
 RUN_OVER: Final[int] = 1 << 48
