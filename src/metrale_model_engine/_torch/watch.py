@@ -169,8 +169,8 @@ class HeadWatch:
         """End every wait on the group: this process's, and, by their counters, those of the workers still here.
 
         Then wait, a couple of beats at most, for each told worker to beat once more
-        (it has read it): the store may end with the head's process (:meth:`stop`
-        waits for this).
+        (it has read it) or leave: the store may end with the head's process
+        (:meth:`stop` waits for this).
         """
         told: dict[str, int] = {}
         for rank, key in self._ranks.items():
@@ -183,7 +183,11 @@ class HeadWatch:
         deadline = time.monotonic() + 2 * self._period + _TOLD_GRACE
         try:
             while told and time.monotonic() < deadline:
-                told = {key: mark for key, mark in told.items() if self._store.add(key, 0) == mark}
+                told = {
+                    key: mark
+                    for key, mark in told.items()
+                    if self._store.add(key, 0) == mark and not self._store.check([f"{key}/left"])
+                }
                 time.sleep(self._period / 4)
         finally:
             self._told.set()
