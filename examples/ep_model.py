@@ -31,8 +31,17 @@ from metrale_model_engine import EpLink, EpSetupError, LinkedEp, RunStopped, Seq
 from metrale_model_engine.torch import Collectives, init_group_from_env, open_link, run_group
 
 OPEN, FORWARD = 1, 2
-WIDTH, HIDDEN = 8, 32
 Slots = MutableSequence[SequenceState | None]
+
+
+def held(slots: Slots, seq_id: int) -> SequenceState:
+    state = slots[seq_id]
+    if state is None:
+        raise KeyError(f"slot {seq_id} is free")
+    return state
+
+
+WIDTH, HIDDEN = 8, 32
 
 
 class TensorParallelMlp(torch.nn.Module, LinkedEp[SequenceState]):
@@ -84,13 +93,6 @@ class TensorParallelMlp(torch.nn.Module, LinkedEp[SequenceState]):
             state.extend(tokens)
         else:
             super().ep_run_command(seq_id, cmd, slots)  # "unknown command word": an ordinary failure
-
-
-def held(slots: Slots, seq_id: int) -> SequenceState:
-    state = slots[seq_id]
-    if state is None:
-        raise KeyError(f"slot {seq_id} is free")
-    return state
 
 
 class WithABug(TensorParallelMlp):

@@ -33,9 +33,12 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
@@ -53,7 +56,7 @@ from ._demo_choices import (
     prompt_ids,
     under_torchrun_env,
 )
-from ._host.launch import INTERRUPTED
+from ._host.launch import INTERRUPTED, stop_resource_tracker
 
 if TYPE_CHECKING:
     from ._engine.link import EpLink
@@ -267,10 +270,43 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; returns its exit status (see the module)."""
-    args = parse_args(argv)
+    """Run the demo; returns its exit status (see the module), once every rank process it started has ended."""
     try:
-        from . import torch as ep_torch  # first: without torch, its ImportError says what to install
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C, from its first moment (torch imports for seconds): one line
+        return _interrupted()
+    finally:  # its ranks have ended (run_group waits for them); the helper their start made goes too
+        stop_resource_tracker()
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    with _interrupts_end_it_at_once():  # the start: reading the arguments imports torch, for seconds
+        args = parse_args(argv)
+        started = _start(args)
+    if isinstance(started, int):
+        return started
+    work, backend = started
+    try:
+        if under_torchrun_env():
+            return _under_torchrun(backend, work)
+        if args.world_size == 1:
+            return _exit_code(lambda: serve(0, 1, work))
+        from .torch import run_group
+
+        codes = run_group(serve, args.world_size, work, backend=backend)
+    except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
+        return _cannot_start(error)
+    if INTERRUPTED in codes:  # a rank was interrupted (a signal to the ranks alone)
+        return _interrupted()
+    if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
+        print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
+    return 1 if any(codes) else 0
+
+
+def _start(args: argparse.Namespace) -> tuple[Work, str] | int:
+    """What every rank is asked to do, and the backend; or the exit status of a demo that cannot start."""
+    try:
+        from . import torch  # noqa: F401  (first: without torch, its ImportError says what to install)
 
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
         torchrun = under_torchrun_env()
@@ -281,21 +317,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = _work(args, checkpoint, protocol, device, world_size, local_ranks)
     except (ImportError, ValueError, OSError) as error:
         return _cannot_start(error)
+    return work, backend
+
+
+@contextmanager
+def _interrupts_end_it_at_once() -> Iterator[None]:
+    """While the block runs (the demo's start, before any rank exists), Ctrl-C ends the process at once.
+
+    The start imports torch (seconds), whose import can swallow the
+    ``KeyboardInterrupt`` raised inside it (seen: the demo then ran to its end as
+    if no Ctrl-C had come).  Nothing is held yet: the one line, and exit 130.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _leave_at_once)
     try:
-        if torchrun:
-            return _under_torchrun(backend, work)
-        if args.world_size == 1:
-            return _exit_code(lambda: serve(0, 1, work))
-        codes = ep_torch.run_group(serve, args.world_size, work, backend=backend)
-    except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
-        return _cannot_start(error)
-    except KeyboardInterrupt:  # Ctrl-C: every rank has gone (run_group ended them), one line says so
-        return _interrupted()
-    if INTERRUPTED in codes:  # a rank was interrupted (a signal to the ranks alone)
-        return _interrupted()
-    if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
-        print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
-    return 1 if any(codes) else 0
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _leave_at_once(signum: int, frame: object) -> None:
+    _interrupted()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
 
 
 def _checkpoint(args: argparse.Namespace, world_size: int) -> Checkpoint:
@@ -362,7 +409,12 @@ def _work(
 
 
 def _interrupted() -> int:
-    """Say that the run was interrupted, in one line (under torchrun, from rank 0 alone), and return 130."""
+    """Say that the run was interrupted, in one line (under torchrun, from rank 0 alone), and return 130.
+
+    A second Ctrl-C is ignored from here on: the program is leaving, with no traceback.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if int(os.environ.get("RANK", "0")) == 0:
         print("interrupted", file=sys.stderr)
     return INTERRUPTED

@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Iterator, MutableSequence, Sequence
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from typing_extensions import Buffer
 
 from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header, fold_message
+from ._core.errors import EpDivergenceError, describe_command
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
 from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
 from ._engine.link import EpLink
 from ._engine.linked import LinkedEp
-from ._engine.model import S
+from ._engine.model import ModelEp, S
 from ._engine.worker import WorkerSummary, run_worker
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
@@ -50,6 +51,7 @@ class EpEvent:
 
 Message = tuple[int, ...]
 """One message as its u32 words."""
+_FOLLOW_UPS = (ItemKind.WORD, ItemKind.TOKENS)
 
 
 class RecordingTransport(HeadEnd):
@@ -58,8 +60,10 @@ class RecordingTransport(HeadEnd):
     Give it to an :class:`~metrale_model_engine.EpLink` to run a head without
     processes; :attr:`messages` is then exactly what went on the wire.  The setup
     exchange sees every rank agree, and the pretend workers answer every sync point
-    as workers in step would (the same commands and stream; no failures; no state,
-    so a sync point that compares state digests is told they computed none).
+    as workers in step would (the same commands and stream, the head's own state
+    digest; no failures).  It is a :class:`~metrale_model_engine.transport.PretendGroup`:
+    a model's collectives over it have one participant.  (A replay compares a real
+    worker's state with the head's after every command: :meth:`RecordingEp.record_digests`.)
     """
 
     def __init__(self, world_size: int) -> None:
@@ -70,20 +74,33 @@ class RecordingTransport(HeadEnd):
         """The words the link sent in its setup exchange (``None`` until then)."""
         self.closed: bool = False
         """Whether :meth:`close` ran."""
+        self.digests: dict[int, int] = {}
+        """The head's state digest after each command, by the command's count from 1 (see :attr:`digest_of_state`)."""
+        self.digest_of_state: Callable[[], int] | None = None
+        """The head's state digest, taken, when set, as each message that does not continue a command is
+        recorded: the state after the last command, kept in :attr:`digests`."""
         self._crc = 0
         self._commands = 0
+        self._state: int | None = None  # the head's state digest at the last sync point
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
-        """Record the message."""
+        """Record the message (and the head's state digest before it, when it starts a command or a sync point)."""
         message = b"".join(parts)
         self._crc = fold_message(self._crc, (message,))
         words = memoryview(message).cast(U32_TYPECODE)
+        if words and self.digest_of_state is not None and decode_item(words, 0).kind not in _FOLLOW_UPS:
+            self.take_digest()
         self.messages.append(tuple(words.tolist()))
         at = 0
         while at < len(words):
             item = decode_item(words, at)
             at = item.end
             self._commands += item.starts_command and item.first != CMD_SHUTDOWN
+
+    def take_digest(self) -> None:
+        """Keep the head's state digest (:attr:`digest_of_state`) as the state after the last command, if any."""
+        if self._commands and self.digest_of_state is not None:
+            self.digests[self._commands] = self.digest_of_state()
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """Record the setup words (the first gather); every rank agrees."""
@@ -97,7 +114,11 @@ class RecordingTransport(HeadEnd):
         item = decode_item(last, 0)
         if item.kind is not ItemKind.SYNC:
             raise TransportClosed("the pretend workers answer only sync points")
-        return [encode_ack(Ack(item.first, self._crc, self._commands, 0, None))]
+        return [encode_ack(Ack(item.first, self._crc, self._commands, 0, self._state))]
+
+    def pretend_state(self, digest: int | None) -> None:
+        """The head's own state digest at the sync point being sent, which its pretend workers answer."""
+        self._state = digest
 
     def close(self) -> None:
         """Mark it closed (it holds nothing)."""
@@ -112,7 +133,9 @@ class ReplayTransport(WorkerEnd):
         setup: the head's words of the setup exchange, which the worker's are
             checked against (a :class:`RecordingTransport`'s ``setup``); ``None``:
             the head agrees with whatever the worker sends.  A worker-side model
-            built on ``ReplayTransport(())`` needs no process group.
+            built on ``ReplayTransport(())`` needs no process group: it is a
+            :class:`~metrale_model_engine.transport.PretendGroup`, over which a
+            model's collectives (``Collectives``) have one participant.
     """
 
     rank = 1
@@ -140,6 +163,9 @@ class ReplayTransport(WorkerEnd):
         """Keep the answer in :attr:`answers`."""
         self.answers.append(bytes(memoryview(answer).cast("B")))
 
+    def pretend_state(self, digest: int | None) -> None:
+        """Nothing: a worker end is never told the head's state (a ``PretendGroup``'s head is)."""
+
 
 class RecordingEp(LinkedEp[S]):
     """A head whose messages are recorded instead of sent: a scheduler's unit-test double.
@@ -163,6 +189,22 @@ class RecordingEp(LinkedEp[S]):
         self._recording = RecordingTransport(world_size=2 if is_ep else 1)
         protocol = ProtocolVersion.V2 if protocol_v2 else ProtocolVersion.V1
         self.ep_link = EpLink(self._recording, num_slots=num_slots, protocol=protocol)
+
+    def record_digests(self, slots: Sequence[S | None]) -> None:
+        """Record the digest of the head's ``slots`` after every command, for :meth:`replay` to compare.
+
+        With ``ep_link.state_digest`` (the function every rank sets).  The state after
+        a command is taken as the head starts the next one (or a sync point, or the
+        shutdown), and as the recording is replayed: as a head keeps its slots when
+        it changes them once the command's broadcasts are sent.
+
+        Raises:
+            ValueError: ``ep_link.state_digest`` is not set.
+        """
+        digest = self.ep_link.state_digest
+        if digest is None:
+            raise ValueError("record_digests() needs ep_link.state_digest: set it on the head, as on every rank")
+        self._recording.digest_of_state = lambda: digest(slots)
 
     @property
     def wire(self) -> list[Message]:
@@ -202,21 +244,32 @@ class RecordingEp(LinkedEp[S]):
         """Feed the recorded wire to ``worker`` as worker rank 1, under :func:`run_worker`.
 
         For the replay the worker speaks over a new link with its own link's
-        settings, which first runs the setup agreement against the recording's:
-        the worker must use the same protocol, ``seq_id_on_wire`` and slot count.
-        Its own link is back in place afterwards.  A shutdown header ends the replay
+        settings (and ``state_digest``), which first runs the setup agreement
+        against the recording's: the worker must use the same protocol,
+        ``seq_id_on_wire`` and slot count.  Its own link is back in place afterwards;
+        meanwhile it stands in for the replay's where the model kept it (a
+        ``Collectives`` built on it checks and counts the replay's collectives, with
+        this process as their one participant).  A shutdown header ends the replay
         (one is added if none was recorded).  The recording can be replayed again.
+
+        After :meth:`record_digests`, the worker's state digest is compared with the
+        head's after every command: the first command after which they differ
+        raises :class:`~metrale_model_engine.EpDivergenceError`, naming it (a prompt
+        fed twice is caught at the command that fed it, not passed because a later
+        command closed it).
 
         Raises:
             EpSetupError: ``worker`` disagrees with the recording.
             ValueError: this recorder is not multi-rank (``is_ep=False``).
             EpReceiveError: the worker read more than was sent.
+            EpDivergenceError: the worker's state after a command differs from the head's.
         """
         if not self.is_ep():
             raise ValueError("replay() needs a recording made with is_ep=True; nothing went on the wire")
         messages: list[Sequence[int]] = list(self._recording.messages)
         if not self.ep_link.workers_shut_down:
             messages.append(memoryview(encode_header(0, CMD_SHUTDOWN)).cast(U32_TYPECODE).tolist())
+        self._recording.take_digest()  # the state after the last command: nothing recorded follows it
         own = worker.ep_link
         replay = ReplayTransport(messages, setup=self._recording.setup)
         link = EpLink(
@@ -226,10 +279,51 @@ class RecordingEp(LinkedEp[S]):
             seq_id_on_wire=own.seq_id_on_wire,
             command_timeout=own.command_timeout,
         )
+        link.state_digest = own.state_digest
+        compared = _Compared(worker, link, dict(self._recording.digests))
         # The attribute lives in the subclass (a slot, or the instance dict of an nn.Module),
         # which the type LinkedEp cannot name: setattr keeps that the subclass's business.
         setattr(worker, "ep_link", link)  # noqa: B010
+        own._stand_in = link
         try:
-            return run_worker(worker, slots, logger=logger)
+            return run_worker(compared, slots, logger=logger)
         finally:
+            own._stand_in = None
             setattr(worker, "ep_link", own)  # noqa: B010
+
+
+class _Compared(ModelEp[S]):
+    """A replayed worker whose state digest is compared with the head's after every command it runs."""
+
+    __slots__ = ("_digests", "_link", "_worker")
+
+    def __init__(self, worker: LinkedEp[S], link: EpLink, digests: dict[int, int]) -> None:
+        self._worker = worker
+        self._link = link
+        self._digests = digests
+
+    def is_ep(self) -> bool:
+        return True
+
+    def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
+        ran = self._link.commands
+        try:
+            return self._worker.ep_worker_step(slots)
+        finally:
+            if self._link.commands != ran:
+                self._compare(slots)
+
+    def _compare(self, slots: MutableSequence[S | None]) -> None:
+        """Raise when the worker's state after this command differs from the head's (a step that failed too)."""
+        link = self._link
+        head = self._digests.get(link.commands)
+        if head is None or link.state_digest is None:
+            return
+        mine = link.state_digest(slots)
+        if mine != head:
+            where = describe_command(link.commands, *link._stream.command)
+            raise EpDivergenceError(
+                f"replay: after {where}, worker rank 1's state digest is {mine:#018x}, the head's {head:#018x}: "
+                "the worker diverged in that command",
+                [1],
+            )

@@ -29,14 +29,16 @@ under torchrun).  A command's follow-ups are bounded by the link's
 ``command_timeout``.  A dead peer closes its sockets, which gloo reports at once: the
 other ranks' next receive or send fails with an ``EpLinkError``.
 
-Across hosts.  A cut cable closes nothing: the head's next send waits out its
-``command_timeout``, and an idle worker would wait out the idle limit.  So the
-workers of a :class:`TorchTransport` beat in the group's store every
+Across hosts.  A cut cable closes nothing: the head's wait on a lost host would last
+its ``command_timeout`` or the collective's timeout, and an idle worker's the idle
+limit.  So the workers of a :class:`TorchTransport` beat in the group's store every
 :data:`DEFAULT_HEARTBEAT` seconds: a failed send or sync point names the workers
-whose beat stopped ("no heartbeat from worker rank(s) [...]"), and a worker that
-cannot reach the store (on the head's host) for :data:`DEFAULT_HEAD_LOST_AFTER`
-seconds logs why and exits with :data:`HEAD_LOST_EXIT_CODE`.  Both are arguments of
-:func:`open_link`, :func:`open_transport` and :class:`TorchTransport`.
+whose beat stopped ("no heartbeat from worker rank(s) [...]"); while the head waits
+on its group, workers silent for :data:`DEFAULT_HEAD_LOST_AFTER` seconds are lost and
+the run stops, naming them; and a worker that cannot reach the store (on the head's
+host) for as long logs why and exits with :data:`HEAD_LOST_EXIT_CODE`.  One bound,
+both ways.  Both are arguments of :func:`open_link`, :func:`open_transport` and
+:class:`TorchTransport`.
 """
 
 from __future__ import annotations

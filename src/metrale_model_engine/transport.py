@@ -18,7 +18,9 @@ serve every rank; :class:`SoloTransport` (one rank) and the in-memory doubles of
 :mod:`metrale_model_engine.testing` play one role, on :class:`HeadEnd` or
 :class:`WorkerEnd`, whose calls of the other role refuse.  A head transport that
 can tell which workers went silent (ranks on other hosts) also gives
-:class:`NamesSilentRanks`, and the link's errors name them.
+:class:`NamesSilentRanks`, and the link's errors name them; one that plays its whole
+group in one process (the doubles of :mod:`metrale_model_engine.testing`) gives
+:class:`PretendGroup`, and a model's collectives over it have one participant.
 """
 
 from ._core.namespace import PublicDir, public_dir
@@ -28,6 +30,7 @@ from ._core.transport import (
     HeadTransport,
     NamesSilentRanks,
     PeerLost,
+    PretendGroup,
     SoloTransport,
     TransportClosed,
     TransportCorrupt,
@@ -42,6 +45,7 @@ __all__ = [
     "HeadTransport",
     "NamesSilentRanks",
     "PeerLost",
+    "PretendGroup",
     "SoloTransport",
     "TransportClosed",
     "TransportCorrupt",

@@ -10,6 +10,7 @@ from typing_extensions import Buffer
 from metrale_model_engine import EpLink, SequenceState
 from metrale_model_engine._core.protocol import ProtocolVersion
 from metrale_model_engine.testing import RecordingTransport
+from metrale_model_engine.transport import HeadEnd
 
 from helpers.messages import Message
 
@@ -83,6 +84,22 @@ class FakeTransport(RecordingTransport):
         if rank in self.answers_of:
             return self.answers_of.pop(rank)
         return super().receive_answers(rank, timeout)
+
+
+class RealHead(HeadEnd):
+    """The head of a real two-rank group, not a pretend one (no ``PretendGroup``): for a model that needs its
+    process group.  Every rank agrees at setup; nothing is sent."""
+
+    world_size = 2
+
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        return [list(words)] * 2
+
+    def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        pass
+
+    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
+        return []
 
 
 def no_slots() -> list[SequenceState | None]:

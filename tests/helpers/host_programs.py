@@ -17,19 +17,23 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from metrale_model_engine import EpLink, ProtocolVersion, run_worker
-from metrale_model_engine.torch import init_group_from_env, open_transport
+from metrale_model_engine import EpLink, ProtocolVersion, SequenceState, run_worker
+from metrale_model_engine.torch import DEFAULT_COLLECTIVE_TIMEOUT, init_group_from_env, open_transport
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
 from helpers import way_back_sessions
 from helpers.faulty_toy import CMD_DIE, FaultyToy
+from helpers.forward_sessions import Summing
 from helpers.rank_results import save
 from helpers.shm_programs import SLOTS, drive_random, serve_until_error
 
 COMMAND_TIMEOUT = 5.0
 """The link's bound on a stalled command in these programs (seconds)."""
 HEAD_LOST_AFTER = 5.0
-"""Seconds a worker of these programs goes on without reaching the head's host."""
+"""Seconds a worker of these programs goes on without reaching the head's host, and the head waits on one
+whose heartbeat stopped."""
+CUT_COMMAND_TIMEOUT = 30.0
+"""The link's bound in the cut-cable scenarios: well past ``HEAD_LOST_AFTER``, which must end them."""
 
 
 def soak(out: str, commands: str, seed: str, kind: str) -> None:
@@ -85,25 +89,55 @@ def head_host_goes(out: str) -> None:
 
 
 def cable_cut(out: str, where: str) -> None:
-    """The head serves, says so in ``OUT/ready``, waits for ``OUT/cut``, then sends until it fails.
+    """The head serves, says so in ``OUT/ready``, waits for ``OUT/cut``, then goes on until it fails.
 
-    ``where`` is ``command`` (decodes, then a sync point) or ``sync`` (the sync point first).
+    ``where`` is ``command`` (decodes, then a sync point), ``sync`` (the sync point
+    first) or ``forward`` (forwards whose all-reduce spans both hosts, through
+    ``Collectives`` with its 5-minute bound).  The link's command timeout is
+    :data:`CUT_COMMAND_TIMEOUT`: what ends the head's wait is that the other host's
+    workers are lost, after ``head_lost_after``.
     """
-    head = ready_head(out)
+    if where == "forward":
+        cut_in_forward(out)
+        return
+    head = ready_head(out, CUT_COMMAND_TIMEOUT)
     if head is None:
         return
     model, slots = head
-    while not Path(out, "cut").exists():
-        time.sleep(0.01)
+    wait_for_the_cut(out)
     send_until_it_fails(model, slots, out, sync_first=where == "sync", decodes=100)
 
 
-def ready_head(out: str) -> tuple[ToyModel, list[ToyState | None]] | None:
+def cut_in_forward(out: str) -> None:
+    """:func:`cable_cut` inside forwards: ``forward_sessions.Summing`` over every rank of both hosts."""
+    model = Summing(open_link_v2(CUT_COMMAND_TIMEOUT), "", 0, out, collective_timeout=DEFAULT_COLLECTIVE_TIMEOUT)
+    if model.ep_link.rank != 0:
+        slots: list[SequenceState | None] = [None, None]
+        serve_until_error(model, slots, out)
+        return
+    model.run_step(1)
+    Path(out, "ready").write_text(repr(time.time()))
+    wait_for_the_cut(out)
+    started = time.monotonic()
+    try:
+        for step in range(2, 1_000_000):
+            model.run_step(step)
+    except Exception as error:  # noqa: BLE001  (the test checks which error it was)
+        save(out, 0, error_type=type(error).__name__, error=str(error), seconds=time.monotonic() - started)
+        os._exit(3)
+
+
+def wait_for_the_cut(out: str) -> None:
+    while not Path(out, "cut").exists():
+        time.sleep(0.01)
+
+
+def ready_head(out: str, command_timeout: float = COMMAND_TIMEOUT) -> tuple[ToyModel, list[ToyState | None]] | None:
     """The head: a sequence prefilled, a sync point passed, ``OUT/ready`` written; its model and slots.
 
     A worker serves until its receive fails, and gets ``None``.
     """
-    model = ToyModel(open_link_v2())
+    model = ToyModel(open_link_v2(command_timeout))
     slots: list[ToyState | None] = [None] * SLOTS
     if model.ep_link.rank != 0:
         serve_until_error(model, slots, out)
@@ -135,10 +169,10 @@ def send_until_it_fails(
     save(out, 0, error_type=None, error=None, seconds=time.monotonic() - started)
 
 
-def open_link_v2() -> EpLink:
+def open_link_v2(command_timeout: float = COMMAND_TIMEOUT) -> EpLink:
     """The link of the fault scenarios: ``auto``'s transport, protocol v2, the bounds above."""
     transport = open_transport("auto", head_lost_after=HEAD_LOST_AFTER)
-    return EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=COMMAND_TIMEOUT)
+    return EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=command_timeout)
 
 
 SCENARIOS: dict[str, Callable[..., None]] = {

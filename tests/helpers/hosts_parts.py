@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import cast
 
 from metrale_model_engine._core.codec import Ack, Report, acknowledged, encode_ack, encode_report
@@ -33,6 +34,7 @@ class World:
         self.rank, self.world_size = rank, 5
         self.left: dict[int, list[bytes]] = {}
         self.closed = False
+        self._blocking = nullcontext  # the head's waits on the leaders (no heartbeats here)
 
     def leave_answers(self, rank: int, answers: Sequence[bytes]) -> None:
         if answers:

@@ -15,7 +15,8 @@ import time
 from array import array
 from multiprocessing.connection import Connection
 
-from metrale_model_engine import EpLink, EpSetupError, ProtocolVersion, run_worker
+from metrale_model_engine import EpLink, EpSetupError, LinkedEp, ProtocolVersion, run_worker
+from metrale_model_engine._engine.model import S
 from metrale_model_engine._shm import waiting as _waiting
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
@@ -56,7 +57,7 @@ def drive_random(model: ToyModel, slots: list[ToyState | None], commands: int, s
     model.ep_link.shutdown_workers()
 
 
-def serve_until_error(model: ToyModel, slots: list[ToyState | None], out: str) -> None:
+def serve_until_error(model: LinkedEp[S], slots: list[S | None], out: str) -> None:
     """Worker: run until shutdown or an error; save the error's type, text and time (``None`` if none)."""
     try:
         run_worker(model, slots)

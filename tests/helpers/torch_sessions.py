@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import time
 from array import array
 from collections.abc import MutableSequence
@@ -408,3 +410,62 @@ def last_words(rank: int, world_size: int, out: str) -> None:
         transport.gather([2])  # looked before the worker leaves more
     save(out, rank, looks=looks)
     transport.close()
+
+
+def severed_wait(rank: int, world_size: int, out: str) -> None:
+    """Rank 0 waits in an all-reduce that rank 1 never joins; a thread severs gloo's connections after 0.5 s.
+
+    Rank 0 holds a TCP connection of its own too (to a listener of its own), which
+    must stay: it saves how long its wait took, what ended it, and whether its own
+    connection still carries a byte.
+    """
+    from metrale_model_engine._torch.heartbeat import tcp_store
+    from metrale_model_engine._torch.severing import sever_group_connections
+
+    if rank == 1:
+        time.sleep(8)  # in no all-reduce: only the severing can end the head's wait in time
+        return
+    store = tcp_store(dist.group.WORLD.get_group_store() if dist.group.WORLD is not None else None)
+    assert store is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        own = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        severed: list[int] = []
+        threading.Timer(0.5, lambda: severed.append(sever_group_connections(store))).start()
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+            ended = "it completed"
+        except RuntimeError as error:
+            ended = str(error)
+        seconds = time.monotonic() - started
+        own.sendall(b"x")
+        save(out, 0, seconds=seconds, ended=ended, severed=severed, own=accepted.recv(1))
+        own.close()
+        accepted.close()
+    os._exit(0)  # rank 1 still sleeps; the group cannot be torn down
+
+
+SYNC_TIMEOUT = 3.0
+"""The link's command timeout in :func:`stopped_at_a_sync_point`: what the head's sync point waits."""
+
+
+def stopped_at_a_sync_point(rank: int, world_size: int, kind: str, out: str) -> None:
+    """The head stops worker rank 1 (SIGSTOP), then shuts the workers down: it saves what raised, and when."""
+    model = ToyModel(open_link(kind, num_slots=2, protocol=ProtocolVersion.V2, command_timeout=SYNC_TIMEOUT))
+    pids = model.ep_link.gather_u32(os.getpid())
+    slots: list[ToyState | None] = [None, None]
+    if rank != 0:
+        serve_until_error(model, slots, out)
+        return
+    model.alloc(slots, 0)
+    os.kill(pids[1], signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        model.ep_link.shutdown_workers()
+        outcome = "shut down"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    save(out, 0, outcome=outcome, seconds=time.monotonic() - started)
+    os.kill(pids[1], signal.SIGKILL)
+    os._exit(0)  # a rank is gone: the group cannot be torn down

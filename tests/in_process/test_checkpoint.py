@@ -260,7 +260,7 @@ def test_what_does_not_change_the_arithmetic_is_served(written: dict[str, Path],
     _set(num_experts=4)(directory)  # the count under its other name too: they agree
     assert Checkpoint.open(directory).config.n_experts == 4
     _set(num_experts=8)(directory)
-    with pytest.raises(CheckpointError, match="'num_local_experts' must equal num_experts=8 .both count the experts"):
+    with pytest.raises(CheckpointError, match=r"'num_local_experts' must equal num_experts=8 \(both count the experts"):
         Checkpoint.open(directory)
 
 

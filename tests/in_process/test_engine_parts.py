@@ -9,12 +9,15 @@ import zlib
 import pytest
 
 from metrale_model_engine import EpLinkError, ProtocolVersion, RunStopped, WorkerFailure
+from metrale_model_engine._core.codec import Report, encode_report
 from metrale_model_engine._core.transport import HeadEnd, SoloTransport, TransportClosed, WorkerEnd
+from metrale_model_engine._engine.forward import stop_on_error
 from metrale_model_engine._engine.reports import WorkerReports
-from metrale_model_engine._engine.run_state import RunState, stop_on_error
+from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, RunState
 from metrale_model_engine._engine.settings import LinkSettings
-from metrale_model_engine._engine.stream import CommandStream
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
+
+from helpers.fakes import FakeTransport
 
 
 def test_the_stream_counts_commands_and_folds_every_part_into_one_crc() -> None:
@@ -40,26 +43,55 @@ def test_the_run_keeps_the_first_reason_and_tells_the_link_each_time() -> None:
         run.raise_if_stopped()
 
 
-def test_an_error_in_a_collective_block_stops_the_run_and_names_the_command() -> None:
-    run, stream = RunState("head", lambda: None), CommandStream()
-    stream.begin(3, 0xE0)
-    with pytest.raises(RunStopped) as info, stop_on_error(run, "head", stream, None):
+def never(error: BaseException) -> RunStopped:
+    """The failure of a block that does not fail."""
+    raise AssertionError(f"the block failed: {error!r}")
+
+
+def test_an_error_in_a_collective_block_stops_the_run_with_what_the_rank_makes_of_it() -> None:
+    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    stopped = RunStopped("what the head's reports say")
+    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, lambda error: stopped, "head"):
         raise KeyError("slot 3")
-    assert "its own forward of command 1 (seq_id=3, cmd=224) failed: KeyError: 'slot 3'" in str(info.value)
-    assert run.stopped is not None
+    assert info.value is stopped and isinstance(info.value.__cause__, KeyError) and scope.blocks == 0
 
 
-def test_a_workers_collective_block_is_refused_through_its_hook() -> None:
-    run, stream = RunState("worker rank 1", lambda: None), CommandStream()
-    refused = RunStopped("refused by the hook")
-    with pytest.raises(RunStopped) as info, stop_on_error(run, "worker rank 1", stream, lambda error: refused):
-        raise ValueError("bad")
-    assert info.value is refused and run.stopped is None  # the hook decides what the run knows
+def test_the_heads_collective_block_ends_its_forward_which_must_have_run_a_collective() -> None:
+    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    stream.begin(3, 0xE0)
+    scope.begin(False)
+    with stop_on_error(run, stream, scope, never, "head"):
+        scope.ran += 1  # what check_collective counts
+    assert not scope.open and run.stopped is None
+    scope.begin(False)
+    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, never, "head"):
+        pass  # a forward that skipped its all-reduce, or called torch.distributed directly
+    assert str(info.value).startswith("head: the run stopped in command 1 (seq_id=3, cmd=224): it ran no collective")
+    assert "link.empty_forward()" in str(info.value) and run.stopped is not None
+
+
+def test_a_forward_declared_empty_runs_no_collective_and_a_workers_block_leaves_the_count_to_its_step() -> None:
+    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    scope.begin(False)
+    scope.empty = True  # what empty_forward() says
+    with stop_on_error(run, stream, scope, never, "head"):
+        pass
+    worker = RunState("worker rank 1", lambda: None)
+    scope.begin(False)
+    with stop_on_error(worker, stream, scope, never, "worker rank 1"):
+        assert scope.allows()  # inside a block, a collective of a command not declared is allowed
+    assert scope.open and not scope.allows() and worker.stopped is None and run.stopped is None
+
+
+def test_one_rank_keeps_no_scope() -> None:
+    scope = ForwardScope(False)
+    scope.begin(False)
+    assert not scope.open and scope.allows()
 
 
 def test_an_interrupt_in_a_collective_block_passes_and_ends_the_run() -> None:
-    run, stream = RunState("head", lambda: None), CommandStream()
-    with pytest.raises(KeyboardInterrupt), stop_on_error(run, "head", stream, None):
+    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    with pytest.raises(KeyboardInterrupt), stop_on_error(run, stream, scope, never, "head"):
         raise KeyboardInterrupt
     assert "the run stopped in command 0" in str(run.stopped) and "KeyboardInterrupt" in str(run.stopped)
 
@@ -94,13 +126,14 @@ def test_settings_default_to_the_environments_protocol(monkeypatch: pytest.Monke
     assert (settings.protocol, settings.command_timeout, settings.who) == (ProtocolVersion.V2, None, "worker rank 2")
 
 
-def _reports(world_size: int) -> WorkerReports:
+def _reports(world_size: int, transport: RecordingTransport | None = None) -> WorkerReports:
     settings = LinkSettings.checked(
         0, world_size, num_slots=4, protocol=ProtocolVersion.V2, seq_id_on_wire=True, command_timeout=1.0
     )
     stream = CommandStream()
     stream.begin(0, 5)
-    return WorkerReports(RecordingTransport(world_size), settings, stream, RunState("head", lambda: None), {})
+    head = RecordingTransport(world_size) if transport is None else transport
+    return WorkerReports(head, settings, stream, RunState("head", lambda: None), {})
 
 
 def test_the_head_puts_first_hand_reports_before_witnesses() -> None:
@@ -110,6 +143,25 @@ def test_the_head_puts_first_hand_reports_before_witnesses() -> None:
     why = reports.why([witness, first], [])
     assert why.index("ValueError") < why.index("Connection closed")
     assert "said nothing" not in why
+
+
+def test_the_heads_failed_forward_names_a_worker_that_stopped_the_run_before_its_own_error() -> None:
+    transport = FakeTransport(0, 2)
+    reports = _reports(2, transport)
+    transport.waiting = [(1, encode_report(Report(1, 0, 5, "KeyError: 'slot 0 is free'", stopped=True)))]
+    stopped = reports.forward_failed(RuntimeError("Connection closed by peer"))  # the all-reduce its leaving failed
+    assert str(stopped) == (
+        "head: the run stopped in command 1 (seq_id=0, cmd=5): worker rank 1 failed command 1 (seq_id=0, cmd=5): "
+        "KeyError: 'slot 0 is free'"
+    )
+    assert stopped.ranks == (1,)
+
+
+def test_the_heads_failed_forward_names_its_own_error_when_no_worker_stopped() -> None:
+    stopped = _reports(2).forward_failed(ValueError("a bug of the head"))
+    assert str(stopped) == (
+        "head: the run stopped: its own forward of command 1 (seq_id=0, cmd=5) failed: ValueError: a bug of the head"
+    )
 
 
 def test_the_head_names_the_silent_ranks_when_only_witnesses_spoke() -> None:

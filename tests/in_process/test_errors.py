@@ -34,3 +34,12 @@ def test_untagged_errors_are_never_taken_for_it() -> None:
 def test_refuses_a_non_exception_cause() -> None:
     with pytest.raises(TypeError, match=r"EpCommandFailed\(cause\) needs an exception, got str 'oops'"):
         EpCommandFailed("oops")  # type: ignore[arg-type]
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("a __str__ that raises")
+
+
+def test_an_error_whose_str_raises_is_shown_as_such_never_raised_again() -> None:
+    assert str(EpCommandFailed(Unprintable())) == "Unprintable: <its str() raised RuntimeError>"

@@ -1,13 +1,18 @@
 """Liveness across hosts (``metrale_model_engine._torch.heartbeat``): workers beat in a real ``TCPStore``.
 
-The head names the workers whose beat stopped, and not those that left; a store of
-another kind gives no heartbeat; bad arguments are refused before any group is
-touched.  A worker ending its process when the store is lost: ``tests/programs/test_heartbeat.py``.
+The head's watch names the workers whose beat stopped, and not those that left; while
+the head waits, workers silent past its bound are lost, and a paused one that beats
+again is not; the watch ends the head's wait by shutting down gloo's connections
+alone.  A store of another kind gives no heartbeat; bad arguments are refused
+before any group is touched.  A worker ending its process when the store is lost:
+``tests/programs/test_heartbeat.py``; the head ending its wait on lost workers in a
+group: ``tests/ranks/test_torch.py``.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +23,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from metrale_model_engine._torch import heartbeat
-from metrale_model_engine._torch.heartbeat import Heartbeat, HeartbeatReader
+from metrale_model_engine._torch.heartbeat import Heartbeat, connect_to
+from metrale_model_engine._torch.severing import sever_group_connections
+from metrale_model_engine._torch.watch import HeadWatch
 from metrale_model_engine.torch import TorchTransport, free_port, open_link, open_transport
 
 pytestmark = pytest.mark.torch
@@ -37,12 +44,14 @@ def store() -> Iterator[TCPStore]:
 
 def test_the_head_names_the_workers_whose_beat_stopped_and_not_those_that_left(store: TCPStore) -> None:
     one, two = (Heartbeat.start("g", store, rank, PERIOD, None) for rank in (1, 2))
-    reader, other_group = (HeartbeatReader.open(name, store, PERIOD) for name in ("g", "another group"))
+    reader, other_group = (HeadWatch.start(name, store, [1, 2, 3], PERIOD, None) for name in ("g", "another group"))
     assert one is not None and two is not None and reader is not None and other_group is not None
     assert reader.silent([1, 2, 3]) == [3]  # rank 3 never beat
     assert other_group.silent([1, 2]) == [1, 2]  # the counters are the group's own
     two.stop()  # it left the run, and says so
     assert reader.silent([1, 2]) == []
+    reader.stop()
+    other_group.stop()
     left = "metrale_model_engine/heartbeat/g/2/left"
     assert store.check([left])
     again = Heartbeat.start("g", store, 2, PERIOD, None)  # a later transport of rank 2 has not left
@@ -56,7 +65,6 @@ def test_the_head_names_the_workers_whose_beat_stopped_and_not_those_that_left(s
 def test_a_store_other_than_tcp_gives_no_heartbeat() -> None:
     store = HashStore()
     assert Heartbeat.start("g", store, 1, PERIOD, 1.0) is None
-    assert HeartbeatReader.open("g", store, PERIOD) is None
     prefixed = PrefixStore("p", store)
     assert Heartbeat.start("g", prefixed, 1, PERIOD, 1.0) is None
 
@@ -97,8 +105,41 @@ def test_a_worker_whose_beat_cannot_connect_is_not_taken_for_silent(
     def refuse(store: TCPStore) -> TCPStore:
         raise RuntimeError(f"{store.host}:{store.port} refused the connection")
 
-    monkeypatch.setattr(heartbeat, "_connect", refuse)
+    monkeypatch.setattr(heartbeat, "connect_to", refuse)
     assert Heartbeat.start("g", store, 1, PERIOD, 1.0) is None
-    reader = HeartbeatReader.open("g", store, PERIOD)
+    monkeypatch.undo()
+    reader = HeadWatch.start("g", store, [1, 2], PERIOD, None)
     assert reader is not None
     assert reader.silent([1, 2]) == [2]
+    reader.stop()
+
+
+def test_while_the_head_waits_workers_silent_past_the_bound_are_lost_and_one_that_beats_again_is_not(
+    store: TCPStore,
+) -> None:
+    one = Heartbeat.start("g", store, 1, PERIOD, None)
+    watch = HeadWatch.start("g", store, [1, 2], PERIOD, 10 * PERIOD)
+    assert one is not None and watch is not None
+    one.stop()  # rank 1 leaves: not lost
+    time.sleep(20 * PERIOD)
+    assert watch.lost() == {}  # rank 2 never beat, but the head waits on nothing
+    with watch.blocking():
+        for _ in range(20):  # rank 2 beats (the test beats for it), paused once for less than the bound
+            store.add("metrale_model_engine/heartbeat/g/2", 1)
+            time.sleep(PERIOD if _ != 10 else 6 * PERIOD)
+        assert watch.lost() == {}
+        stopped = time.monotonic()  # its beat stops without a word: a cut cable, a machine gone
+        while not watch.lost() and time.monotonic() < stopped + 100 * PERIOD:
+            time.sleep(PERIOD / 2)
+        found = time.monotonic() - stopped
+    (seconds,) = watch.lost().values()
+    assert list(watch.lost()) == [2]
+    assert seconds >= 10 * PERIOD and found < 10 * PERIOD + 5.0  # slack: a reading a beat late on a loaded machine
+    watch.stop()
+
+
+def test_the_watch_shuts_down_gloos_connections_and_no_other(store: TCPStore) -> None:
+    other = connect_to(store)  # a connection of the program's own, to an address no rank published
+    before = other.add("x", 1)
+    assert sever_group_connections(store) == 0  # no group here: nothing of gloo's to end
+    assert other.add("x", 1) == before + 1

@@ -46,6 +46,7 @@ from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
 
 from helpers import serving_sessions as sessions
+from helpers.fakes import RealHead
 from helpers.greedy import byte_ids
 
 pytestmark = pytest.mark.torch
@@ -251,7 +252,15 @@ def test_kv_digest_tells_slots_apart() -> None:
 
 def test_several_ranks_need_torch_distributed() -> None:
     with pytest.raises(RuntimeError, match=r"2 ranks share the model, but torch\.distributed is not initialised"):
-        ReferenceLm(EpLink(RecordingTransport(2), num_slots=2))
+        ReferenceLm(EpLink(RealHead(), num_slots=2))
+
+
+def test_over_a_pretend_group_the_model_is_its_collectives_one_participant() -> None:
+    head = ReferenceLm(EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2))  # no process group
+    slots: list[LmState | None] = [None, None]
+    head.alloc(slots, 0)
+    head.prefill(slots, 0, [72, 105], 0, 2)  # its all-reduces leave each tensor as it is, checked and counted
+    assert head.ep_link.commands == 2 and head.ep_link.stopped is None
 
 
 def test_the_worker_hook_is_for_workers() -> None:

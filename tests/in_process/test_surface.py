@@ -82,6 +82,7 @@ SURFACES = {
         "HeadTransport",
         "NamesSilentRanks",
         "PeerLost",
+        "PretendGroup",
         "SoloTransport",
         "TransportClosed",
         "TransportCorrupt",

@@ -1,12 +1,14 @@
 """RecordingEp: exact event sequences, real checks, replay into a worker."""
 
 import logging
-from collections.abc import MutableSequence
+import zlib
+from collections.abc import MutableSequence, Sequence
 
 import pytest
 
 from metrale_model_engine import (
     CMD_SHUTDOWN,
+    EpDivergenceError,
     EpLink,
     EpReceiveError,
     EpSetupError,
@@ -15,7 +17,7 @@ from metrale_model_engine import (
     SequenceState,
     WorkerSummary,
 )
-from metrale_model_engine.testing import EpEvent, RecordingEp, ReplayTransport
+from metrale_model_engine.testing import EpEvent, RecordingEp, RecordingTransport, ReplayTransport
 
 from helpers.messages import header, sync, tokens, whole, word
 
@@ -144,3 +146,78 @@ def test_the_recording_heads_workers_agree_after_a_long_message() -> None:
     recorder.ep_link.send_command(0, 5, list(range(2_100)))  # over 8 KiB: folded by its length and edges
     recorder.ep_link.shutdown_workers()  # a sync point first: it raises unless the digests agree
     assert len(recorder.wire) == 3
+
+
+PREFILL, CLOSE = 2, 3
+
+
+def digest(slots: Sequence[SequenceState | None]) -> int:
+    """The slots' state as a u64, the same function on every rank."""
+    return zlib.crc32(repr([None if s is None else (s.seq_id, list(s.tokens)) for s in slots]).encode())
+
+
+class TwiceWorker(EchoWorker):
+    """A prefill that feeds its prompt twice (when ``twice``); CLOSE frees the slot, erasing the difference."""
+
+    __slots__ = ("twice",)
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__(4, ProtocolVersion.V1)
+        self.ep_link.state_digest = digest
+        self.twice = twice
+
+    def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+        if cmd == CLOSE:
+            slots[seq_id] = None
+            return
+        super().ep_run_command(seq_id, cmd, slots)
+        state = slots[seq_id]
+        if self.twice and state is not None:
+            state.extend(state.tokens)
+
+
+def prefill_then_close(head: RecordingEp[SequenceState], slots: list[SequenceState | None]) -> None:
+    schedule_step(head, 0, [5, 6])
+    slots[0] = SequenceState(0, [5, 6])  # the head's state changes once the command's broadcasts are out
+    schedule_step(head, 1, [7])
+    slots[1] = SequenceState(1, [7])
+    head.ep_broadcast_cmd_for_seq(0, CLOSE)
+    slots[0] = None
+
+
+def test_a_replay_compares_the_workers_state_with_the_heads_after_every_command() -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    head.ep_link.state_digest = digest
+    head_slots: list[SequenceState | None] = [None] * 4
+    head.record_digests(head_slots)
+    prefill_then_close(head, head_slots)
+    assert head.replay(TwiceWorker(twice=False), [None] * 4) == WorkerSummary(commands_run=3, commands_failed=0)
+    with pytest.raises(EpDivergenceError) as info:
+        head.replay(TwiceWorker(twice=True), [None] * 4)  # the close at command 3 would erase the difference
+    assert str(info.value).startswith(
+        f"replay: after command 1 (seq_id=0, cmd={PREFILL}), worker rank 1's state digest is "
+    )
+    assert info.value.ranks == (1,)
+
+
+def test_without_recorded_digests_a_replay_compares_no_state() -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    prefill_then_close(head, [None] * 4)
+    slots: list[SequenceState | None] = [None] * 4
+    assert head.replay(TwiceWorker(twice=True), slots).commands_run == 3
+    assert slots == [None, SequenceState(1, [7, 7]), None, None]  # the difference a digest would have caught
+
+
+def test_recording_digests_needs_the_heads_state_digest() -> None:
+    head: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    with pytest.raises(ValueError, match=r"record_digests\(\) needs ep_link.state_digest"):
+        head.record_digests([None] * 4)
+
+
+def test_a_sync_point_that_compares_states_over_a_recording_passes() -> None:
+    link = EpLink(RecordingTransport(3), num_slots=2, protocol=ProtocolVersion.V2)
+    link.state_digest = digest
+    slots: list[SequenceState | None] = [SequenceState(0, [1]), None]
+    link.send_command(0, PREFILL)
+    link.sync(slots)  # the pretend workers, in step, answer the head's own digest
+    link.shutdown_workers(slots)

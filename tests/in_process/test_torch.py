@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -12,8 +14,16 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 numpy = pytest.importorskip("numpy", reason="numpy is needed by torch's tensor.numpy()")
 
-from metrale_model_engine import U32_MAX, as_u32_buffer  # noqa: E402
+from metrale_model_engine import (  # noqa: E402
+    U32_MAX,
+    EpCommandRefused,
+    EpLink,
+    SequenceState,
+    WorkerSummary,
+    as_u32_buffer,
+)
 from metrale_model_engine import torch as ep_torch  # noqa: E402
+from metrale_model_engine.testing import RecordingEp, ReplayTransport  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -122,3 +132,18 @@ def test_open_transport_checks_the_kind_before_touching_the_group() -> None:
         ep_torch.open_transport("gloo")
     with pytest.raises(TypeError, match=r"transport must be one of 'auto', 'shm', 'torch', got int 1"):
         ep_torch.open_transport(1)  # type: ignore[arg-type]
+
+
+def test_the_readmes_model_replays_a_recording_its_collectives_with_one_participant() -> None:
+    """The README's recipe for a scheduler's tests, on the README's model: ``Collectives`` on a replay link."""
+    example = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "ep_model.py"))
+    head: RecordingEp[SequenceState] = RecordingEp(num_slots=4)
+    head.ep_link.send_command(0, example["OPEN"])
+    head.ep_link.send_command(0, example["FORWARD"], [65, 97])
+    worker = example["TensorParallelMlp"](EpLink(ReplayTransport(()), num_slots=4))  # no process group
+    slots: list[SequenceState | None] = [None] * 4
+    assert head.replay(worker, slots) == WorkerSummary(commands_run=2, commands_failed=0)
+    assert slots[0] == SequenceState(0, [65, 97])
+    forgot = type("Forgot", (example["TensorParallelMlp"],), {"ep_collective_commands": frozenset()})
+    with pytest.raises(EpCommandRefused, match=r"an all-reduce ran in cmd 2, which ep_collective_commands does not"):
+        head.replay(forgot(EpLink(ReplayTransport(()), num_slots=4)), [None] * 4)

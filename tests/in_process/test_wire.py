@@ -1,6 +1,7 @@
 """The wire codec: pure encode and decode functions, the layout they fix, and what they refuse."""
 
 import itertools
+import os
 import zlib
 from array import array
 
@@ -133,18 +134,40 @@ def test_a_message_travels_as_a_frame_and_at_most_one_bulk(length: int) -> None:
         assert rest is not None and rest.cast("I").tolist() == message.tolist()[15:]
 
 
-@given(st.integers(min_value=1, max_value=2**64 - 1), u32, u32, st.text(max_size=300), st.booleans())
-def test_a_report_decodes_to_what_was_encoded_its_text_cut_to_one_answer(
-    command: int, seq_id: int, cmd: int, text: str, stopped: bool
+any_text = st.text(
+    st.one_of(st.characters(), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), st.sampled_from("\0\n")),
+    max_size=300,
+)
+"""Any ``str``: lone surrogates (what ``os.fsdecode`` makes of a file name's bad byte), NUL, every script."""
+
+
+@given(st.integers(min_value=1, max_value=2**64 - 1), u32, u32, any_text, st.booleans(), st.booleans())
+def test_a_report_of_any_text_decodes_to_it_escaped_where_it_cannot_be_encoded_and_cut_to_one_answer(
+    command: int, seq_id: int, cmd: int, text: str, stopped: bool, witness: bool
 ) -> None:
-    answer = encode_report(Report(command, seq_id, cmd, text, stopped))
+    answer = encode_report(Report(command, seq_id, cmd, text, stopped, witness))
     assert len(answer) <= ANSWER_BYTES and len(answer) % 4 == 0
     decoded = decode_answer(answer)
-    assert isinstance(decoded, Report) and decoded[:3] == (command, seq_id, cmd) and decoded.stopped is stopped
-    if len(text.encode()) <= ANSWER_BYTES - 24:
-        assert decoded.error == text
+    assert isinstance(decoded, Report) and decoded[:3] == (command, seq_id, cmd)
+    assert (decoded.stopped, decoded.witness) == (stopped or witness, witness)
+    decoded.error.encode()  # readable: a str UTF-8 takes, every time
+    escaped = text.encode("utf-8", "backslashreplace").decode()
+    if len(escaped.encode()) <= ANSWER_BYTES - 24:
+        assert decoded.error == escaped
     else:
-        assert decoded.error.endswith("...") and text.startswith(decoded.error[:-3])
+        assert decoded.error.endswith("...") and escaped.startswith(decoded.error[:-3])
+        assert len(decoded.error.encode()) > ANSWER_BYTES - 24 - 8  # cut at the end of the room, not before
+
+
+def test_a_report_of_a_file_name_that_is_not_utf_8_keeps_the_name_readable() -> None:
+    text = "ValueError: no such file: " + os.fsdecode(b"/data/\xff.bin")
+    decoded = decode_answer(encode_report(Report(3, 0, 8, text)))
+    assert isinstance(decoded, Report) and decoded.error == "ValueError: no such file: /data/\\udcff.bin"
+
+
+def test_a_report_of_megabytes_is_cut_to_one_answer() -> None:
+    decoded = decode_answer(encode_report(Report(1, 0, 1, "x" * (8 << 20))))
+    assert isinstance(decoded, Report) and decoded.error == "x" * (ANSWER_BYTES - 24 - 3) + "..."
 
 
 def test_a_per_word_header_is_not_a_whole_command() -> None:

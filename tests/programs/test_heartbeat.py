@@ -23,6 +23,8 @@ from metrale_model_engine.torch import HEAD_LOST_EXIT_CODE, free_port
 pytestmark = pytest.mark.torch
 
 LOST_AFTER = 1.0
+LOST_SLACK = 3.0
+"""Seconds allowed past ``LOST_AFTER``: two beats of the watch after a pause, a loaded 2-core machine."""
 WORKER = """
 import sys, time
 from torch._C._distributed_c10d import TCPStore
@@ -54,10 +56,13 @@ def test_a_worker_that_loses_the_store_ends_its_process_with_the_reason() -> Non
             time.sleep(0.01)
         assert worker.poll() is None
         del store  # the store stops serving: the head's host is gone
+        gone = time.monotonic()
         _, stderr = worker.communicate(timeout=30)
+        took = time.monotonic() - gone
     finally:
         worker.kill()
         worker.communicate()
     assert worker.returncode == HEAD_LOST_EXIT_CODE, stderr
+    assert LOST_AFTER - 0.1 <= took < LOST_AFTER + LOST_SLACK, took  # from its last beat, a beat before
     assert f"worker rank 3: the head is lost: no answer from the group's store at 127.0.0.1:{port} for 1." in stderr
     assert f"ending this process with status {HEAD_LOST_EXIT_CODE}" in stderr

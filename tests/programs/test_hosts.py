@@ -34,6 +34,9 @@ pytestmark = [pytest.mark.torch, pytest.mark.skipif(unavailable() is not None, r
 
 RUN_BOUND = 90.0
 """Seconds a host's ranks may take before the test fails (they take 3-7 s here)."""
+LOST_SLACK = 3.0
+"""Seconds past ``head_lost_after`` allowed to a rank that finds the other host lost: a reading of the beats
+(a quarter of a second), the link's error path, a loaded 2-core machine."""
 
 
 def wait_for(path: Path, process: subprocess.Popen[str]) -> None:
@@ -148,8 +151,8 @@ def test_every_process_of_the_heads_host_killed_the_other_hosts_workers_exit_wit
         assert float(str(results[rank]["at"])) - gone_at < COMMAND_TIMEOUT
 
 
-@pytest.mark.parametrize("where", ["command", "sync"])
-def test_the_other_hosts_cable_cut_every_rank_exits_within_its_bound_and_the_head_names_the_lost_ranks(
+@pytest.mark.parametrize("where", ["command", "sync", "forward"])
+def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
     tmp_path: Path, where: str
 ) -> None:
     with SimulatedHosts(2) as simulated:
@@ -165,26 +168,17 @@ def test_the_other_hosts_cable_cut_every_rank_exits_within_its_bound_and_the_hea
         assert exit_codes(stdout) == {2: HEAD_LOST_EXIT_CODE, 3: HEAD_LOST_EXIT_CODE}
         for rank in (2, 3):
             assert f"worker rank {rank}: the head is lost: no answer from the group's store" in stderr
-        assert (
-            HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= lost_after < HEAD_LOST_AFTER + COMMAND_TIMEOUT
-        )  # from the last beat
+        assert HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= lost_after < HEAD_LOST_AFTER + LOST_SLACK  # from the last beat
         code, stdout, stderr = finish(head_host, RUN_BOUND)
     assert code == 0, stderr
     codes = exit_codes(stdout)
-    assert codes[0] == 3
-    # The head's own worker learns of the head's exit from its socket, or, when gloo's
-    # broadcast had it wait on a rank of the cut host, from the store gone with the head.
-    assert codes[1] in (0, HEAD_LOST_EXIT_CODE)
+    assert codes[0] == 3, (codes, stderr)
     results = load(tmp_path, 2)
-    wanted = {
-        "command": ("EpSendError", "head: broadcast to the workers failed"),
-        "sync": ("EpLinkError", "head: sync point 2 failed waiting for worker rank 2"),
-    }[where]
-    assert results[0]["error_type"] == wanted[0]
-    assert wanted[1] in str(results[0]["error"])
-    assert "no heartbeat from worker rank(s) [2, 3] (their host is unreachable, or they died)" in str(
-        results[0]["error"]
-    )
-    assert COMMAND_TIMEOUT <= float(str(results[0]["seconds"])) < COMMAND_TIMEOUT + 3
-    if codes[1] == 0:
-        assert results[1]["error_type"] == "EpReceiveError"
+    assert results[0]["error_type"] == "RunStopped", results[0]
+    message = str(results[0]["error"])
+    assert "worker rank(s) [2, 3] are lost: no heartbeat for " in message, message
+    assert "past head_lost_after (their host is unreachable, or they died)" in message, message
+    # The same bound as the workers', not the link's command timeout (30 s) or the all-reduce's (300 s).
+    assert HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= float(str(results[0]["seconds"])) < HEAD_LOST_AFTER + LOST_SLACK
+    # The head's own worker ends with it: its end of the head's collectives or its ring closes with the run.
+    assert codes[1] == 0 and results[1]["error_type"] in ("RunStopped", "EpReceiveError"), (codes, results.get(1))

@@ -239,3 +239,25 @@ def test_last_words_left_in_the_store_are_appended_and_the_head_reads_each_once(
     codes, results = run(sessions.last_words, 2, tmp_path)
     assert codes == [0, 0]
     assert results[0]["looks"] == [[(1, b"one.")], [(1, b"two."), (1, b"three")], []]
+
+
+def test_severing_ends_a_wait_on_the_group_at_once_and_leaves_the_programs_own_connections(tmp_path: Path) -> None:
+    codes = run_group(sessions.severed_wait, 2, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
+    assert codes == [0, 0]
+    result = load(tmp_path, 1)[0]
+    assert result["severed"] == [1]  # its one connection of the group, to rank 1
+    assert "Connection closed by peer" in str(result["ended"]) or "Connection reset" in str(result["ended"])
+    assert 0.5 <= float(result["seconds"]) < 5.0, result  # type: ignore[arg-type]  # rank 1 sleeps 8 s
+    assert result["own"] == b"x"  # the program's own connection still carries its byte
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_sync_point_on_a_stopped_worker_raises_within_its_timeout_and_half_a_second(
+    kind: str, tmp_path: Path
+) -> None:
+    codes = run_group(sessions.stopped_at_a_sync_point, 2, kind, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
+    assert codes == [0, -9]
+    result = load(tmp_path, 1)[0]
+    assert "worker rank" in str(result["outcome"]) and "1" in str(result["outcome"]), result
+    # the bound: command_timeout + 0.5 s (over torch it was 5.2 s with 3 s: the silence looked for twice)
+    assert sessions.SYNC_TIMEOUT - 0.1 <= float(result["seconds"]) < sessions.SYNC_TIMEOUT + 0.5, result  # type: ignore[arg-type]

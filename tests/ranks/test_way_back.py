@@ -10,10 +10,12 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine import WorkerSummary
+from metrale_model_engine._core.codec import report_text
+from metrale_model_engine._core.errors import error_text
 from metrale_model_engine.shm import run_ring
 from metrale_model_engine.torch import run_group
 
-from helpers import hosts_parts
+from helpers import error_text_sessions, hosts_parts
 from helpers import way_back_sessions as sessions
 from helpers.rank_results import load
 
@@ -134,3 +136,22 @@ def test_a_reader_late_for_one_sync_point_is_in_step_again_at_the_next(tmp_path:
         (3, "lost: worker rank 3 sent no answer within 0.4 s (on its host's ring, led by rank 2)"),
     ]
     assert second == [(2, "ack 2"), (3, "ack 1"), (3, "ack 2"), (4, "ack 2")]  # read up to sync point 2's
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_error_of_any_text_reaches_the_head_readable_and_the_worker_stays_in_step(kind: str, tmp_path: Path) -> None:
+    codes = run_group(error_text_sessions.texts, 2 if kind != "hosts" else 3, kind, str(tmp_path), timeout=120)
+    world_size = len(codes)
+    results = load(tmp_path, world_size)
+    assert codes == [0] * world_size, results
+    head = results[0]
+    assert head["transport"] == TRANSPORTS[kind]
+    expected = [report_text(error_text(error)).decode() for error in error_text_sessions.errors()]
+    read = cast(list[str], head["read"])
+    assert sorted(read) == sorted(expected * (world_size - 1)), read  # each ordinary failure once, by every worker
+    assert expected[0] == "ValueError: no such file: /data/\\udcff.bin"  # escaped, readable
+    assert expected[3].startswith("MemoryError: xxx") and expected[3].endswith("...")  # megabytes, cut to one answer
+    assert expected[4] == "Unprintable: <its str() raised RuntimeError>"
+    assert "failed command 6 (seq_id=0, cmd=2): ValueError: no such file: /data/\\udcff.bin" in str(head["stopped"])
+    for rank in range(1, world_size):  # in step through the five failures, then it refused the sixth command
+        assert results[rank]["failed"] == 6, results[rank]

@@ -52,6 +52,7 @@ __all__ = [
     "fold_message",
     "frame_length",
     "frame_message",
+    "report_text",
 ]
 
 WIRE_VERSION: Final[int] = 6
@@ -290,11 +291,25 @@ class Ack(NamedTuple):
     state_digest: int | None
 
 
+def report_text(error: str) -> bytes:
+    """``error`` as a report carries it: UTF-8 of at most what one answer holds, whatever the text.
+
+    What UTF-8 cannot encode (a lone surrogate: ``os.fsdecode`` makes one of each
+    byte of a file name that is not UTF-8) is escaped as Python writes it
+    (``\\udcff``); a text too long for one answer is cut on a character and ends
+    with ``...``.  Only the head of a long text is looked at: a message of
+    megabytes costs what a short one does.
+    """
+    head = error[: _REPORT_TEXT_BYTES + 1]  # a character takes a byte at least: the rest cannot fit
+    data = head.encode("utf-8", "backslashreplace")
+    if len(data) > _REPORT_TEXT_BYTES:
+        data = data[: _REPORT_TEXT_BYTES - 3].decode("utf-8", "ignore").encode() + b"..."
+    return data
+
+
 def encode_report(report: Report) -> bytes:
-    """A report answer; the error text is cut (on a character) to fit one answer."""
-    text = report.error.encode()
-    if len(text) > _REPORT_TEXT_BYTES:
-        text = text[: _REPORT_TEXT_BYTES - 3].decode(errors="ignore").encode() + b"..."
+    """A report answer; its error text as :func:`report_text` makes it, to fit one answer."""
+    text = report_text(report.error)
     kind = ItemKind.WITNESS if report.witness else ItemKind.STOP if report.stopped else ItemKind.REPORT
     head = _REPORT.pack(kind, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text))
     return head + text.ljust(-(-len(text) // 4) * 4, b"\0")

@@ -34,12 +34,24 @@ def describe_command(number: int, seq_id: int, cmd: int) -> str:
 
     A command word from ``0x10000`` up is shown in hex (``cmd=0xfffffff0``), as such words are written.
     """
-    return f"command {number} (seq_id={seq_id}, cmd={cmd if cmd < 0x10000 else hex(cmd)})"
+    return f"command {number} (seq_id={seq_id}, cmd={command_word(cmd)})"
+
+
+def command_word(cmd: int) -> str:
+    """How messages show a command word: in decimal below ``0x10000``, in hex from there (``0xfffffff0``)."""
+    return str(cmd) if cmd < 0x10000 else hex(cmd)
 
 
 def error_text(error: BaseException) -> str:
-    """How the protocol shows an error: ``"Type: message"``, or the type alone."""
-    message = str(error)
+    """How the protocol shows an error: ``"Type: message"``, or the type alone.
+
+    Total: an exception whose ``str()`` itself raises is shown as such, never raised
+    again on the way to the head.
+    """
+    try:
+        message = str(error)
+    except Exception as failure:  # noqa: BLE001  (a user's __str__: whatever it raises, say so)
+        message = f"<its str() raised {type(failure).__name__}>"
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 

@@ -160,6 +160,37 @@ class NamesSilentRanks(Protocol):
         ...
 
 
+@runtime_checkable
+class NamesLostRanks(Protocol):
+    """A head transport that finds workers lost: silent past a bound while the head waited on them.
+
+    Optional (:class:`~metrale_model_engine.torch.TorchTransport` gives it, by its
+    workers' heartbeats and ``head_lost_after``).  Once workers are lost the
+    transport has ended the head's wait; the link stops the run, naming them.
+    """
+
+    def lost_ranks(self) -> dict[int, float]:
+        """The worker ranks found lost, each with the seconds it had been silent then; empty while none is."""
+        ...
+
+
+@runtime_checkable
+class PretendGroup(Protocol):
+    """A transport that plays its whole group in one process: the ranks other than this one are pretend.
+
+    Optional: the in-memory doubles of :mod:`metrale_model_engine.testing`
+    (``RecordingTransport``, ``ReplayTransport``) give it.  A model's collectives
+    over a link on such a transport have one participant, this process:
+    ``metrale_model_engine.torch.Collectives`` needs no process group there, and
+    its all-reduce leaves the tensor as it is (the sum over one rank), after the
+    same checks and counts as over a real group.
+    """
+
+    def pretend_state(self, digest: int | None) -> None:
+        """Head, at a sync point: its own state digest (``None``: none compared), which pretend workers answer."""
+        ...
+
+
 class WorkerEnd:
     """A base for a transport that is only ever a worker: the head's calls refuse.
 

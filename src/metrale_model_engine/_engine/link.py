@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Container, MutableSequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 from typing_extensions import Buffer, Self
@@ -13,18 +12,18 @@ from .._core.errors import RunStopped
 from .._core.protocol import ProtocolVersion
 from .._core.tokens import ArrayInterface, TokenArray, as_u32_buffer, token_count
 from .._core.transport import EpTransport
-from .._core.words import CMD_SHUTDOWN, check_u32
+from .._core.words import check_u32
+from .forward import ForwardCollectives
 from .model import S
 from .reader import CommandReader, RunCommand, StateDigest
-from .reports import EXIT_GRACE, WorkerReports
-from .run_state import RunState, stop_on_error
+from .reports import WorkerReports
+from .run_state import CommandStream, ForwardScope, RunState
 from .sender import HeadSender, checked_follow_ups, checked_header
 from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
-from .stream import CommandStream
 from .sync import SyncPoints
 
 
-class EpLink:
+class EpLink(ForwardCollectives):
     """One rank's end of the head/worker command protocol: what a model holds to speak it.
 
     A model keeps its link in ``self.ep_link`` (:class:`~metrale_model_engine.LinkedEp`):
@@ -66,9 +65,22 @@ class EpLink:
         EpLinkError: the setup exchange itself failed (a rank died, a timeout).
     """
 
-    # The parts: settings (read-only), the stream's count, the run's state, the worker's
-    # reader, the head's sender and view of its workers' reports, the sync points.
-    __slots__ = ("_closed", "_reader", "_reports", "_run", "_sender", "_settings", "_stream", "_sync", "_transport")
+    # The parts: settings (read-only), the stream's count, the run's state and its forward's scope, the
+    # worker's reader, the head's sender and view of its workers' reports, the sync points.  _stand_in: the
+    # link whose collectives this one counts while a replay runs (testing.RecordingEp.replay).
+    __slots__ = (
+        "_closed",
+        "_reader",
+        "_reports",
+        "_run",
+        "_scope",
+        "_sender",
+        "_settings",
+        "_stand_in",
+        "_stream",
+        "_sync",
+        "_transport",
+    )
 
     def __init__(
         self,
@@ -87,11 +99,13 @@ class EpLink:
         self._closed = False
         stream = self._stream = CommandStream()
         run = self._run = RunState(settings.who, self.close)
-        self._reader = CommandReader(transport, settings, stream, run)
+        scope = self._scope = ForwardScope(settings.world_size > 1)
+        self._stand_in = None
+        self._reader = CommandReader(transport, settings, stream, run, scope)
         reports = self._reports = (
             WorkerReports(transport, settings, stream, run, local_workers) if settings.rank == 0 else None
         )
-        self._sender = HeadSender(transport, settings, stream, run, reports, lambda: self._closed)
+        self._sender = HeadSender(transport, settings, stream, run, scope, reports, lambda: self._closed)
         self._sync = SyncPoints(transport, settings, stream, reports, self._sender.send)
 
     # -- what every rank can ask -------------------------------------------
@@ -236,9 +250,10 @@ class EpLink:
     def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
         """Head: a sync point (:meth:`sync`), then the shutdown header; every worker's loop then ends.
 
-        The shutdown header goes out even when the sync point raises, then the sync
-        point's error is raised: a head cannot shut down past a failure it was not
-        told of.  Idempotent; after it, other sends raise :class:`EpSendError`.
+        The shutdown header goes out even when the sync point raises (without
+        waiting, once a worker is dead or silent), then the sync point's error is
+        raised: a head cannot shut down past a failure it was not told of.
+        Idempotent; after it, other sends raise :class:`EpSendError`.
 
         Raises:
             EpWorkerFailed, EpDivergenceError, RunStopped: as :meth:`sync`.
@@ -249,11 +264,13 @@ class EpLink:
         if sender.shut_down:
             return
         self._run.raise_if_stopped()
+        self._scope.open = False
         try:
             self.sync(slots)
-        finally:
-            sender.send((encode_header(0, CMD_SHUTDOWN),))
-            sender.shut_down = True
+        except BaseException as failure:
+            sender.shutdown(failure)  # the sync point's error says what went wrong, not this send's
+            raise
+        sender.shutdown(None)
 
     def check_workers(self, timeout: float = 0.0) -> None:
         """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
@@ -284,11 +301,12 @@ class EpLink:
         bounded by ``command_timeout``.  ``TypeError``/``ValueError`` for a value that
         is not a u32; ``EpLinkError`` when a rank did not take part in time, or died.
         """
+        self._scope.ran += 1  # a collective of the command in flight, if any
         return self._sync.gather_u32(value)
 
     def min_u32(self, value: int) -> int:
         """The smallest ``value`` (a u32) of every rank, on every rank (a :meth:`gather_u32`)."""
-        return min(self._sync.gather_u32(value))
+        return min(self.gather_u32(value))
 
     def assert_ranks_agree(self, **values: int) -> None:
         """Raise :class:`EpDivergenceError` on every rank unless every rank passed the same named u32 values.
@@ -297,6 +315,7 @@ class EpLink:
         that).  The message lists every value that differs (the names too count), with
         each rank's.  Raises as :meth:`gather_u32` otherwise.
         """
+        self._scope.ran += 1
         self._sync.assert_ranks_agree(values)
 
     # -- worker --------------------------------------------------------------
@@ -354,57 +373,6 @@ class EpLink:
         such a buffer (nothing is received).
         """
         self._reader.recv_tokens_into(buffer)
-
-    # -- the run stops --------------------------------------------------------
-
-    def collective(self) -> AbstractContextManager[None]:
-        """Run a block that makes collectives with the other ranks: if it raises, the run stops on every rank.
-
-        For the head's forward of a command it sent (and a worker's hook, around the
-        part that runs collectives, when its command word is not one of
-        ``LinkedEp.ep_collective_commands``, whose whole step is covered already): the
-        other ranks are in, or on their way to, its collectives.  On the head a
-        failure raises :class:`RunStopped` naming the command and the error, and
-        closes the link; on a worker it refuses the command (:class:`EpCommandRefused`,
-        reported to the head).  A :class:`RunStopped` raised inside passes as it is.
-
-        Raises:
-            RunStopped: the block raised, or the run stopped earlier.
-        """
-        self._run.raise_if_stopped()
-        refuse = self._reader.refuse if self._settings.rank else None
-        return stop_on_error(self._run, self._settings.who, self._stream, refuse)
-
-    def collective_failed(
-        self, error: BaseException, *, what: str = "a collective", grace: float = EXIT_GRACE
-    ) -> RunStopped:
-        """A collective of the command in flight failed on this rank (``error``): stop the run; return what to raise.
-
-        For the code that runs a model's collectives (``metrale_model_engine.torch.Collectives``
-        does it for its all-reduces), whose backend says only that some peer is gone
-        or late.  The head looks, up to ``grace`` seconds, for the workers that
-        reported a failure, exited or are stopped (a signal, a debugger): the error
-        names them (:attr:`RunStopped.failures`, :attr:`RunStopped.ranks`).  A worker
-        names the command, and reports its failure to the head as a witness (it may
-        only have seen another rank's).  The link is closed.
-
-        Args:
-            error: the backend's error.
-            what: how messages name the collective (``"an all-reduce"``).
-            grace: seconds the head looks for the rank behind the failure.
-        """
-        if self._run.stopped is not None:
-            return self._run.still_stopped()
-        if self._reports is None:
-            return self._reader.witness(error, what)
-        return self._reports.collective_failed(error, what, grace)
-
-    def raise_if_stopped(self) -> None:
-        """Raise :class:`RunStopped` if the run stopped (:attr:`stopped`); for a model's head methods, first thing.
-
-        Sends and steps check it themselves; a head method calls it before its own checks.
-        """
-        self._run.raise_if_stopped()
 
     # -- lifecycle -------------------------------------------------------------
 

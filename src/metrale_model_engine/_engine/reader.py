@@ -62,9 +62,8 @@ from .._core.tokens import ArrayInterface, writable_u32_buffer
 from .._core.transport import EpTransport
 from .._core.words import CMD_SHUTDOWN, U32_TYPECODE
 from .model import S
-from .run_state import RunState
+from .run_state import CommandStream, ForwardScope, RunState, ran_no_collective
 from .settings import LinkSettings
-from .stream import CommandStream
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""
@@ -85,7 +84,7 @@ class CommandReader:
     Every rank's link has one; on the head its methods raise ``EpRoleError``.
 
     Args:
-        transport, settings, stream, run: the link's parts.
+        transport, settings, stream, run, scope: the link's parts.
     """
 
     __slots__ = (
@@ -94,6 +93,7 @@ class CommandReader:
         "_last_failed",
         "_reports",
         "_run",
+        "_scope",
         "_settings",
         "_stream",
         "_transport",
@@ -102,11 +102,14 @@ class CommandReader:
         "state_digest",
     )
 
-    def __init__(self, transport: EpTransport, settings: LinkSettings, stream: CommandStream, run: RunState) -> None:
+    def __init__(
+        self, transport: EpTransport, settings: LinkSettings, stream: CommandStream, run: RunState, scope: ForwardScope
+    ) -> None:
         self._transport = transport
         self._settings = settings
         self._stream = stream
         self._run = run
+        self._scope = scope
         self._words = _NO_WORDS  # the current message, as u32 words
         self._at = 0  # the index of its next unread word
         self._last_failed = False  # the last command failed: skip what it left unread
@@ -121,29 +124,10 @@ class CommandReader:
     def step(
         self, run: RunCommand[S], slots: MutableSequence[S | None], collective: Container[int] = _NO_COMMANDS
     ) -> bool:
-        """Worker: receive the next header and run its command with ``run(seq_id, cmd, slots)``.
+        """Worker: ``EpLink.step``: receive the next header and run its command with ``run(seq_id, cmd, slots)``.
 
-        What the trait's ``ep_worker_step`` does.  Waits for the header without the
-        command timeout (an idle server is not a failure).  Returns ``False`` on the
-        shutdown word.  ``collective`` holds the command words whose forward runs
-        collectives (``LinkedEp.ep_collective_commands``).
-
-        Raises:
-            EpReceiveError: a receive failed (head gone, timeout, a corrupt message,
-                the head closed its link); the worker must exit.
-            EpCommandFailed: the header arrived and the command failed
-                (``seq_id >= len(slots)``, an unknown command, a follow-up other
-                than the head sent, or past the end of a command sent whole, follow-ups
-                left unread, an error in the command); the worker stays in step.  Also
-                raised, once, when a command sent item by item that succeeded left
-                follow-ups unread (a model bug): they are skipped, and the header
-                behind them runs at the next step.
-            EpCommandRefused: the same for a command in ``collective`` (or the hook
-                refused the command itself): it was reported to the head as stopping
-                the run, and the worker must leave its loop and exit.
-            RunStopped: the run stopped (a collective failed inside the command, or
-                earlier); the worker must leave its loop and exit.
-            EpRoleError: called on the head.
+        ``collective`` holds the command words whose forward runs collectives.  What
+        it raises, and when, is ``EpLink.step``'s contract.
         """
         if self._settings.rank == 0:
             raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
@@ -160,11 +144,15 @@ class CommandReader:
         self._stream.begin(seq_id, cmd)
         self._last_failed = True  # until the command returns
         self._collective = cmd in collective
+        scope = self._scope
+        scope.begin(self._collective)
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
             if self._whole and self._at < len(self._words):
                 raise self._left_unread(self._skip_rest())
+            if scope.open and scope.declared and scope.ran_none():
+                raise self.refused(ran_no_collective(cmd))
         except RunStopped as stopped:
             if self._run.stopped is None:  # the hook refused the command itself: tell the head first
                 self.leave(stopped, error_text(stopped))
@@ -180,28 +168,19 @@ class CommandReader:
             raise self._failed(error) from error
         finally:
             self._whole = False  # follow-ups read outside a step wait for the head, as before any command
+            scope.open = False
         self._last_failed = False
         return True
 
     def refuse(self, error: BaseException) -> EpCommandRefused:
         """Refuse the command in flight, failed by ``error``, as one that runs collectives (``EpLink.collective``)."""
+        return self.refused(error_text(error))
+
+    def refused(self, text: str) -> EpCommandRefused:
+        """Refuse the command in flight for ``text``: report it to the head as stopping the run, stop; return it."""
         self._collective = True
-        refused = self._failed(error)
-        assert isinstance(refused, EpCommandRefused)
-        return refused
-
-    def _failed(self, error: BaseException) -> EpCommandFailed | EpCommandRefused:
-        """Report the command in flight as failed by ``error``; return what to raise.
-
-        A command that runs collectives is refused: the report stops the run, and so
-        does the :class:`EpCommandRefused` returned.
-        """
         seq_id, cmd = self._stream.command
         number = self._stream.commands
-        text = error_text(error)
-        if not self._collective:
-            self._report(seq_id, cmd, text)
-            return EpCommandFailed(error)
         failure = WorkerFailure(self._settings.rank, number, seq_id, cmd, text, stopped=True)
         refused = EpCommandRefused(
             f"{self._settings.who}: {describe_command(number, seq_id, cmd)}, which runs collectives, "
@@ -210,6 +189,17 @@ class CommandReader:
         )
         self.leave(refused, text)
         return refused
+
+    def _failed(self, error: BaseException) -> EpCommandFailed | EpCommandRefused:
+        """Report the command in flight as failed by ``error``; return what to raise.
+
+        A command that runs collectives is refused: the report stops the run, and so
+        does the :class:`EpCommandRefused` returned.
+        """
+        if self._collective:
+            return self.refuse(error)
+        self._report(*self._stream.command, error_text(error))
+        return EpCommandFailed(error)
 
     def witness(self, error: BaseException, what: str) -> RunStopped:
         """A collective (``what``) of the command in flight failed here: report it as a witness, stop; return it."""

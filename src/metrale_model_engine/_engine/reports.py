@@ -9,15 +9,18 @@ from typing import Final
 from .._core.checks import check_seconds
 from .._core.codec import WireError
 from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
-from .._core.transport import EpTransport, NamesSilentRanks
+from .._core.transport import EpTransport, NamesLostRanks, NamesSilentRanks
 from .._host.liveness import ProcessWatch
 from .agreement import read_answers
-from .run_state import RunState
+from .run_state import CommandStream, RunState
 from .settings import LinkSettings
-from .stream import CommandStream
 
 EXIT_GRACE: Final = 5.0
 """Seconds the head looks for the worker behind a failed collective (a failing worker takes a moment to exit)."""
+DEATH_GRACE: Final = 0.2
+"""Seconds a failure the backend raised looks for the worker behind it: a killed worker's sockets close a
+moment before its process shows as exited (the kernel closes its files first), and a report a worker left
+in a group's store is read at most every 10 ms."""
 _CHECK_PAUSE: Final = 0.001
 """Seconds between two looks of :meth:`WorkerReports.stopped_workers`."""
 _NOT_SENT: Final = "; nothing of the command being sent was sent"
@@ -157,6 +160,20 @@ class WorkerReports:
         quiet = [rank for rank in ranks if rank not in exited]
         return "; ".join(filter(None, [self.why((), exited), silent_text(quiet) if quiet else ""]))
 
+    def lost(self) -> tuple[str, list[int]]:
+        """The workers the transport found lost (silent past ``head_lost_after`` while the head waited on them):
+        the clause that names them and how long each was silent, and their ranks; ``("", [])`` when none is."""
+        transport = self._transport
+        lost = transport.lost_ranks() if isinstance(transport, NamesLostRanks) else {}
+        if not lost:
+            return "", []
+        each = ", ".join(f"{seconds:.1f} s (rank {rank})" for rank, seconds in sorted(lost.items()))
+        clause = (
+            f"worker rank(s) {sorted(lost)} are lost: no heartbeat for {each}, past head_lost_after "
+            "(their host is unreachable, or they died)"
+        )
+        return clause, sorted(lost)
+
     def exited(self) -> list[int]:
         """The worker ranks of the head's host whose process has exited."""
         if self._watch is None:
@@ -175,11 +192,29 @@ class WorkerReports:
             self._watch.close()
             self._watch = None
 
+    def forward_failed(self, error: BaseException) -> RunStopped:
+        """The head's forward failed inside ``EpLink.collective()`` with ``error``: stop the run; return what to raise.
+
+        Its workers first, as :meth:`collective_failed` does: one that reported a
+        failure that stops the run, or exited, is named, since the head's error may
+        be only what its leaving caused (an all-reduce the model ran itself, failed
+        with "Connection closed by peer"); else the head's own error.
+        """
+        where = describe_command(self._stream.commands, *self._stream.command)
+        failures, exited = self.stopped_workers(DEATH_GRACE)
+        if exited or any(failure.stopped for failure in failures):
+            return self.stop(self.why(failures, exited), failures, exited, where=f" in {where}")
+        return self.stop(f"its own forward of {where} failed: {error_text(error)}", failures, ())
+
     def collective_failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
         """``EpLink.collective_failed`` on the head: look for the worker behind it, stop the run, name it."""
         where = describe_command(self._stream.commands, *self._stream.command)
         limit = check_seconds("grace", grace, allow_zero=True)
         assert limit is not None
+        lost, ranks = self.lost()
+        if lost:  # its wait ended because they are: no grace to wait
+            failures, exited = self.stopped_workers(0.0)
+            return self.stop(f"{what} failed: {lost}", failures, [*ranks, *exited], where=f" in {where}")
         halted = self.halted()  # a worker that cannot run will not report or exit: no grace to wait
         failures, exited = self.stopped_workers(0.0 if halted else limit)
         silent = [] if failures or exited or halted else self.silent()

@@ -1,13 +1,44 @@
-"""``RunState``: whether the run goes on, and why it stopped (see ``RunStopped``)."""
+"""The run as every part of a link sees it: the command stream (``CommandStream``), whether the run goes on
+(``RunState``, see ``RunStopped``), and whether the forward of the command in flight may run collectives
+here, and ran one (``ForwardScope``)."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
-from .._core.errors import RunStopped, describe_command, error_text
-from .stream import CommandStream
+from typing_extensions import Buffer
+
+from .._core.codec import fold_message
+from .._core.errors import RunStopped, command_word
+
+
+class CommandStream:
+    """The commands counted so far, the one in flight, and a digest of every message.
+
+    The head counts what it sent, a worker what it received; sync points compare
+    the two (``EpDivergenceError`` when they differ).  The shutdown header is not
+    counted.  Plain attributes: the send and receive paths update them directly.
+    """
+
+    __slots__ = ("command", "commands", "crc")
+
+    def __init__(self) -> None:
+        self.commands = 0
+        """Commands sent (head) or received (worker); a report names one by this count, from 1."""
+        self.command = (0, 0)
+        """``(seq_id, cmd)`` of the command in flight, for messages."""
+        self.crc = 0
+        """The stream digest: a CRC-32 of every message, in order, as ``fold_message`` folds one."""
+
+    def begin(self, seq_id: int, cmd: int) -> None:
+        """A command starts: count it and remember it."""
+        self.commands += 1
+        self.command = (seq_id, cmd)
+
+    def add(self, parts: Sequence[Buffer]) -> None:
+        """Fold one message, the concatenation of ``parts``, into the digest (``fold_message``)."""
+        self.crc = fold_message(self.crc, parts)
 
 
 class RunState:
@@ -51,23 +82,73 @@ class RunState:
             raise self.still_stopped()
 
 
-@contextmanager
-def stop_on_error(
-    run: RunState, who: str, stream: CommandStream, refuse: Callable[[BaseException], RunStopped] | None
-) -> Iterator[None]:
-    """``EpLink.collective``'s block: a failure inside it stops the run (``refuse``: a worker's refusal)."""
-    try:
-        yield
-    except RunStopped:
-        raise
-    except Exception as error:
-        if refuse is not None:
-            raise refuse(error) from error
-        where = describe_command(stream.commands, *stream.command)
-        raise run.stop(
-            RunStopped(f"{who}: the run stopped: its own forward of {where} failed: {error_text(error)}")
-        ) from error
-    except BaseException as interrupt:  # KeyboardInterrupt, SystemExit: they pass, the run is over
-        where = describe_command(stream.commands, *stream.command)
-        run.stop(RunStopped(f"{who}: the run stopped in {where}: {type(interrupt).__name__}"))
-        raise
+class ForwardScope:
+    """Where this rank stands in the forward of the command in flight, for ``EpLink.check_collective``.
+
+    A forward's collectives must be declared, or a failure of the command leaves the
+    other ranks waiting in them: on a worker by ``ep_collective_commands`` (or a
+    ``collective()`` block in its hook), on the head by running its forward inside
+    ``collective()``.  Outside any command (setup, and a worker between steps) a
+    collective is the program's own business.  Counted per command, so that a
+    declared forward that ran none (skipped, or ``torch.distributed`` called
+    directly) is refused too.  Plain attributes, set by the link's parts.
+
+    Args:
+        enforced: whether to keep it at all (not with one rank: nothing is sent,
+            no collective runs).
+    """
+
+    __slots__ = ("blocks", "declared", "empty", "enforced", "open", "ran")
+
+    def __init__(self, enforced: bool) -> None:
+        self.enforced = enforced
+        self.open = False
+        """A command is in flight whose forward runs here: a worker's hook, or the head from its send to the
+        end of its forward (its ``collective()`` block, or the next command)."""
+        self.declared = False
+        """The command is one of the worker's ``ep_collective_commands``."""
+        self.blocks = 0
+        """``collective()`` blocks entered and not left."""
+        self.ran = 0
+        """Collectives counted since the command began."""
+        self.empty = False
+        """Its forward was declared empty on every rank (``EpLink.empty_forward``)."""
+
+    def begin(self, declared: bool) -> None:
+        """A command starts: its forward may run collectives if ``declared``, and has run none."""
+        self.open = self.enforced
+        self.declared = declared
+        self.ran = 0
+        self.empty = False
+
+    def allows(self) -> bool:
+        """Whether a collective may run now: outside any command, or inside a declared one or a block."""
+        return not self.open or self.declared or self.blocks > 0
+
+    def ran_none(self) -> bool:
+        """Whether the command's forward ran no collective and was not declared empty."""
+        return self.ran == 0 and not self.empty
+
+
+def ran_no_collective(cmd: int) -> str:
+    """Why a worker refuses a command of its ``ep_collective_commands`` whose hook ran no collective (one answer)."""
+    return (
+        f"it ran no collective: cmd {command_word(cmd)} is in ep_collective_commands, but its hook ran no all-reduce "
+        "through Collectives (skipped, or torch.distributed called directly); an empty forward says so: "
+        "link.empty_forward()"
+    )
+
+
+def undeclared(who: str, what: str, cmd: int) -> str:
+    """Why ``who`` refuses a collective (``what``) of command word ``cmd`` that nothing declared (one answer)."""
+    word = command_word(cmd)
+    if who == "head":
+        return (
+            f"{what} ran after the head sent cmd {word}, outside `with link.collective():`: run the head's forward "
+            f"of cmd {word} inside that block (and declare {word} in ep_collective_commands), so that a failure of "
+            "it stops every rank"
+        )
+    return (
+        f"{what} ran in cmd {word}, which ep_collective_commands does not declare: add {word} to the model's "
+        "ep_collective_commands (a failure there must stop every rank, not leave them in the collective)"
+    )

@@ -8,37 +8,41 @@ from typing import Final
 
 from typing_extensions import Buffer
 
-from .._core.codec import encode_close
-from .._core.errors import EpError, EpRoleError, EpSendError, RunStopped
+from .._core.codec import encode_close, encode_header
+from .._core.errors import EpError, EpLinkError, EpRoleError, EpSendError, RunStopped
 from .._core.tokens import as_u32_buffer
 from .._core.transport import EpTransport, TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
-from .reports import WorkerReports
-from .run_state import RunState
+from .reports import DEATH_GRACE, WorkerReports
+from .run_state import CommandStream, ForwardScope, RunState
 from .settings import LinkSettings
-from .stream import CommandStream
 
 _CLOSE_TIMEOUT: Final[float] = 1.0
 """Seconds the head's close waits to tell the workers it closed (best effort)."""
 _LOGGER = logging.getLogger("metrale_model_engine.link")
-
-_DEATH_GRACE: Final = 0.2
-"""Seconds a send that the backend failed (its own error, not a refusal of ours) looks for the worker
-that caused it.  A killed worker's sockets close a moment before its process shows as exited (the
-kernel closes its files first), so a broadcast that failed on its death would miss its name."""
 
 
 class HeadSender:
     """The head's side of the stream: a command starts once the workers' pending reports are raised.
 
     Args:
-        transport, settings, stream, run: the link's parts.
+        transport, settings, stream, run, scope: the link's parts.
         reports: the head's reading of its workers' reports (``None`` on a worker,
             whose every send raises ``EpRoleError``).
         closed: whether the link was closed.
     """
 
-    __slots__ = ("_answers_ready", "_closed", "_reports", "_run", "_send", "_settings", "_stream", "shut_down")
+    __slots__ = (
+        "_answers_ready",
+        "_closed",
+        "_reports",
+        "_run",
+        "_scope",
+        "_send",
+        "_settings",
+        "_stream",
+        "shut_down",
+    )
 
     def __init__(
         self,
@@ -46,6 +50,7 @@ class HeadSender:
         settings: LinkSettings,
         stream: CommandStream,
         run: RunState,
+        scope: ForwardScope,
         reports: WorkerReports | None,
         closed: Callable[[], bool],
     ) -> None:
@@ -54,6 +59,7 @@ class HeadSender:
         self._settings = settings
         self._stream = stream
         self._run = run
+        self._scope = scope
         self._reports = reports
         self._closed = closed
         self.shut_down = False
@@ -74,6 +80,28 @@ class HeadSender:
         except Exception as error:  # noqa: BLE001  (the workers may be gone: the transport's close is what is left)
             _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
 
+    def shutdown(self, failure: BaseException | None) -> None:
+        """Send the shutdown header; every later send raises.
+
+        ``failure``: what the sync point before it raised, the error to raise then.
+        The header still goes out, best effort (a failure is only logged), and
+        without waiting when the link itself failed (a worker dead, silent or lost).
+        """
+        message = (encode_header(0, CMD_SHUTDOWN),)
+        try:
+            if failure is None:
+                self.send(message)
+            elif isinstance(failure, EpLinkError):
+                self._send(message, 0.0)
+            else:  # the workers answered: they are in step, and wait for it
+                self._send(message, self._settings.command_timeout)
+        except Exception as error:
+            if failure is None:
+                raise
+            _LOGGER.debug("the head could not send the shutdown header after a failed sync point: %s", error)
+        finally:
+            self.shut_down = True
+
     def require_head(self) -> None:
         """Raise ``EpRoleError`` on a worker."""
         if self._settings.rank:
@@ -87,6 +115,7 @@ class HeadSender:
             self._reports.raise_pending()
         self.send(message)
         self._stream.begin(seq_id, cmd)
+        self._scope.begin(False)  # the head declares its forward's collectives with collective() blocks
 
     def send(self, parts: Sequence[Buffer]) -> None:
         """Send one message, the concatenation of ``parts``, and fold it into the stream's digest."""
@@ -109,7 +138,10 @@ class HeadSender:
         reports = self._reports
         assert reports is not None
         ours = isinstance(error, (EpError, TransportClosed, TransportTimeout, TransportCorrupt))
-        failures, exited = reports.stopped_workers(0.0 if ours else _DEATH_GRACE)
+        lost, ranks = reports.lost()
+        failures, exited = reports.stopped_workers(0.0 if ours or lost else DEATH_GRACE)
+        if lost:
+            return reports.stop(lost, failures, [*ranks, *exited], note="; the send failed")
         why = reports.why(failures, exited) or reports.silence()
         if any(failure.stopped for failure in failures):
             return reports.stop(why, failures, exited, note="; the send failed")

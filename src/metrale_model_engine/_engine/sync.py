@@ -9,12 +9,12 @@ from typing_extensions import Buffer
 
 from .._core.codec import Ack, WireError, encode_sync
 from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
-from .._core.transport import EpTransport
+from .._core.transport import EpTransport, PretendGroup
 from .._core.words import check_u32
 from .agreement import HeadFigures, differences, disagreement_of_values, read_answers
 from .reports import WorkerReports
+from .run_state import CommandStream
 from .settings import LinkSettings
-from .stream import CommandStream
 
 Send = Callable[[Sequence[Buffer]], None]
 """The link's send of one message (its checks, the transport, the stream's digest)."""
@@ -53,6 +53,8 @@ class SyncPoints:
         assert reports is not None  # the link checked the role
         self._number += 1
         number = self._number
+        if isinstance(self._transport, PretendGroup):
+            self._transport.pretend_state(mine)
         self._send((encode_sync(number, mine is not None),))
         failures: list[WorkerFailure] = []
         acks: dict[int, Ack] = {}
@@ -64,12 +66,7 @@ class SyncPoints:
                 except WireError as error:
                     raise EpLinkError(f"head: a corrupt answer at sync point {number}: {error}") from None
                 except Exception as error:
-                    exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
-                    silent = "" if exited else reports.silence()
-                    raise EpLinkError(
-                        f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
-                        + (f"; {silent}" if silent else "")
-                    ) from error
+                    raise self._failed_waiting(reports, number, rank, error, failures) from error
                 failures += reports.seen(found)
                 if any(failure.stopped for failure in found):  # that worker left: no acknowledgement will come
                     raise reports.stop(reports.why(failures, []), failures, ())
@@ -84,6 +81,24 @@ class SyncPoints:
         if differ is not None:
             raise EpDivergenceError(*differ)
         self._agreed = stream.commands
+
+    def _failed_waiting(
+        self, reports: WorkerReports, number: int, rank: int, error: Exception, failures: list[WorkerFailure]
+    ) -> EpLinkError:
+        """Why sync point ``number`` failed waiting for worker ``rank`` (``error``), as far as the head can tell.
+
+        Workers the transport found lost stop the run; else the error names the rank,
+        whether it exited, and the workers whose heartbeat stopped.
+        """
+        lost, ranks = reports.lost()
+        if lost:
+            return reports.stop(lost, failures, ranks, where=f" at sync point {number}")
+        exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
+        silent = "" if exited else reports.silence()
+        return EpLinkError(
+            f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
+            + (f"; {silent}" if silent else "")
+        )
 
     def gather_u32(self, value: int) -> list[int]:
         """``EpLink.gather_u32``: every rank's ``value``, by rank."""

@@ -7,14 +7,17 @@ once every rank has ended.  Every rank of a failed setup raises, most with the s
 text, so a program that catches it in the launching process reports it once.
 
 Ctrl-C: a rank interrupted (``KeyboardInterrupt``) exits with :data:`INTERRUPTED`,
-without a traceback.  A rank starts with SIGINT ignored, until its function runs,
-so that an interrupt while it imports (torch takes seconds) prints nothing either.
-(The launcher ignores it for the few milliseconds of each start, so that the rank
-inherits that: an interrupt in those moments is lost.)
-A launcher interrupted while it waits passes the interrupt to the ranks still
-running, kills at once those still starting, waits up to :data:`INTERRUPT_GRACE`
-seconds for the others to leave (closing what they hold), kills the rest, then
-raises ``KeyboardInterrupt``.
+without a traceback.  A rank starts with SIGINT ignored, until its function runs
+(or, with ``interrupts_from_rank``, until the function calls
+:func:`accept_interrupts`: past its group's rendezvous, which an interrupted system
+call would make log a warning), so that an interrupt while it starts prints
+nothing.  (The launcher ignores it for the few milliseconds of each start, so that
+the rank inherits that: an interrupt in those moments is lost.)  A launcher
+interrupted while it waits (or failing there in any way) ends every rank before it
+raises: it passes the interrupt to the ranks still running, kills at once those
+still starting, waits up to :data:`INTERRUPT_GRACE` seconds for the others to leave
+(closing what they hold), kills the rest; a second Ctrl-C meanwhile is ignored.  So
+the launcher returns or raises only once every rank process it started has ended.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
@@ -38,8 +42,9 @@ SETUP_FAILED: Final = 2
 """A rank's exit code when its setup failed; its launcher raises the error."""
 INTERRUPTED: Final = 130
 """A rank's exit code when it was interrupted (Ctrl-C, SIGINT): 128 + 2, as shells report it."""
-INTERRUPT_GRACE: Final = 5.0
-"""Seconds an interrupted launcher waits for its ranks to leave before it kills them."""
+INTERRUPT_GRACE: Final = 0.5
+"""Seconds an interrupted launcher waits for its ranks to leave before it kills them: a rank that holds what
+outlives it is left nothing the launcher's caller cannot clean (``/dev/shm``'s rings, by their creator's pid)."""
 
 
 _PRELOAD: list[str] = []
@@ -67,6 +72,23 @@ def rank_context() -> SpawnContext | ForkServerContext:
     return context
 
 
+def stop_resource_tracker() -> None:
+    """End multiprocessing's resource tracker, which every ``spawn`` start runs and which outlives its program.
+
+    For a program's last step, once the ranks it launched have ended (the demo):
+    after it, no process the program started is left, not even for the moment the
+    tracker takes to see its program gone.  Nothing under the start server of
+    :func:`start_ranks_from_a_server` (it holds the tracker too), nor where Python
+    lacks the tracker's ``_stop``.
+    """
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    if _PRELOAD or getattr(tracker, "_pid", None) is None:  # none started by this process
+        return
+    stop = getattr(tracker, "_stop", None)
+    if callable(stop):
+        stop()
+
+
 def check_launch(world_size: object, timeout: object, *, max_world_size: int | None = None) -> float | None:
     """Check a launcher's arguments; return the timeout in seconds (``None``: none).
 
@@ -85,12 +107,15 @@ def launch(
     timeout: float | None,
     *,
     parent_ends: Sequence[Connection] = (),
+    interrupts_from_rank: bool = False,
 ) -> list[int]:
     """Run ``rank_main(*rank_args[rank])`` in one process per rank; wait for all of them.
 
     ``parent_ends`` are this process's copies of connections the ranks hold: they
     are closed once every rank has started, so that a rank's death closes its
-    peers' ends.
+    peers' ends.  ``interrupts_from_rank``: ``rank_main`` calls
+    :func:`accept_interrupts` itself, once its start-up is over.  Whatever happens,
+    every rank process has ended when it returns or raises.
 
     Returns:
         Every exit code, by rank (0 for success; negative: killed by that signal).
@@ -101,7 +126,7 @@ def launch(
     """
     reports = [context.Pipe(duplex=False) for _ in rank_args]
     processes = [
-        context.Process(target=_run_rank, args=(rank_main, args, send, dict(os.environ)))
+        context.Process(target=_run_rank, args=(rank_main, args, send, dict(os.environ), interrupts_from_rank))
         for args, (_, send) in zip(rank_args, reports, strict=True)
     ]
     try:
@@ -123,7 +148,7 @@ def launch(
                 connection.close()
         try:
             codes = join_all(processes, timeout)
-        except KeyboardInterrupt:
+        except BaseException:  # Ctrl-C, or anything else: no rank outlives the launcher
             _interrupt_all(processes)
             raise
         failures = [text for receive, _ in reports if (text := _report(receive)) is not None]
@@ -166,7 +191,18 @@ _REPORT_CHARS: Final = 16_384
 
 
 def _interrupt_all(processes: Sequence[BaseProcess]) -> None:
-    """Interrupt the ranks still running, give them :data:`INTERRUPT_GRACE` seconds to leave, kill the rest."""
+    """Interrupt the ranks still running, give them :data:`INTERRUPT_GRACE` seconds to leave, kill the rest.
+
+    A second Ctrl-C meanwhile is ignored: it must not leave a rank behind.
+    """
+    interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _end_all(processes)
+    finally:
+        signal.signal(signal.SIGINT, interrupts)
+
+
+def _end_all(processes: Sequence[BaseProcess]) -> None:
     for process in processes:
         if process.pid is not None and process.is_alive():
             if _still_starting(process.pid):  # SIGINT still ignored: it holds nothing yet
@@ -193,6 +229,11 @@ def _still_starting(pid: int) -> bool:
     return bool(int(ignored, 16) & (1 << (signal.SIGINT - 1)))
 
 
+def accept_interrupts() -> None:
+    """In a rank whose launch said ``interrupts_from_rank``: from now on Ctrl-C interrupts it (see the module)."""
+    signal.signal(signal.SIGINT, _interrupt_once)
+
+
 def _interrupt_once(signum: int, frame: object) -> None:
     """A rank's SIGINT handler: ``KeyboardInterrupt`` the first time; later ones (the terminal's and the
     launcher's both arrive) are ignored, so that the rank's cleanup on the way out runs to its end."""
@@ -201,13 +242,18 @@ def _interrupt_once(signum: int, frame: object) -> None:
 
 
 def _run_rank(
-    rank_main: Callable[..., None], args: tuple[object, ...], report: Connection, environ: dict[str, str]
+    rank_main: Callable[..., None],
+    args: tuple[object, ...],
+    report: Connection,
+    environ: dict[str, str],
+    interrupts_from_rank: bool,
 ) -> None:
     if os.environ != environ:  # a fork of the start server: the launcher's environment, as a spawned rank has
         os.environ.clear()
         os.environ.update(environ)
     try:
-        signal.signal(signal.SIGINT, _interrupt_once)  # ignored while the rank started
+        if not interrupts_from_rank:
+            accept_interrupts()  # ignored while the rank started
         rank_main(*args)
     except EpSetupError as error:
         report.send(str(error)[:_REPORT_CHARS])

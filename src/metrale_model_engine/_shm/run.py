@@ -10,7 +10,7 @@ from typing import Final
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
 from .._host.launch import SETUP_FAILED, check_launch, launch, rank_context
-from .segment import MAX_WORLD_SIZE
+from .segment import MAX_WORLD_SIZE, remove_stale_segments
 from .transport import (
     DEFAULT_SETUP_TIMEOUT,
     RING_SETUP_ERRORS,
@@ -66,7 +66,10 @@ def run_ring(
     pipes = [context.Pipe() for _ in range(world_size - 1)]
     ends: list[list[Connection]] = [[head for head, _ in pipes]] + [[worker] for _, worker in pipes]
     rank_args = [(target, rank, ends[rank], spins, args) for rank in range(world_size)]
-    return launch(context, _local_rank, rank_args, limit, parent_ends=[end for pair in pipes for end in pair])
+    try:
+        return launch(context, _local_rank, rank_args, limit, parent_ends=[end for pair in pipes for end in pair])
+    finally:  # every rank has ended: a ring one of them made and a kill cut short is no one's now
+        remove_stale_segments()
 
 
 @deprecated("metrale_model_engine.shm.run_local is now run_ring (same arguments); run_local goes in 0.3")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import datetime
+from contextlib import nullcontext
 from typing import Final
 
 import torch
 import torch.distributed as dist
 
 from .._core.checks import check_seconds
+from .._core.transport import PretendGroup
 from .._engine.link import EpLink
 from .._engine.reports import EXIT_GRACE
+from .hosts import HostsTransport
+from .transport import TorchTransport
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]
 
@@ -36,6 +40,9 @@ class Collectives:
 
     * each all-reduce waits at most ``timeout`` seconds for the other ranks (the
       backend's own bound, passed to the collective, so nothing is left pending);
+    * across hosts, workers whose heartbeat stopped for ``head_lost_after`` while
+      the head waits in one are lost, and its wait ends then (see
+      :class:`TorchTransport`);
     * a failed or timed-out all-reduce stops the run
       (:meth:`EpLink.collective_failed <metrale_model_engine.EpLink.collective_failed>`):
       the head names the worker ranks that reported a failure or exited, with their
@@ -49,7 +56,17 @@ class Collectives:
     watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), which ends the process; the
     ``timeout`` is the watchdog's bound for this collective.
 
-    With one rank it does nothing and needs no process group.
+    The safe pattern holds itself: each all-reduce first passes the link's check
+    (:meth:`EpLink.check_collective <metrale_model_engine.EpLink.check_collective>`),
+    which refuses one that nothing declared (a worker's command not in
+    ``ep_collective_commands``; the head's forward outside ``link.collective()``)
+    and counts it, so that a declared forward that ran none is refused as well.
+
+    With one rank it does nothing and needs no process group.  Over a link on a
+    pretend group (:class:`~metrale_model_engine.transport.PretendGroup`: the
+    doubles of :mod:`metrale_model_engine.testing`, a scheduler's tests) it has one
+    participant, this process: it needs no process group, and an all-reduce leaves
+    the tensor as it is, after the link's checks.
 
     Args:
         link: this rank's link; the group's ranks must be the link's.
@@ -64,7 +81,7 @@ class Collectives:
         RuntimeError: several ranks, and torch.distributed is not initialised.
     """
 
-    __slots__ = ("_group", "_link", "_options", "_solo")
+    __slots__ = ("_blocking", "_group", "_link", "_options", "_solo")
 
     def __init__(
         self,
@@ -81,7 +98,10 @@ class Collectives:
         # The world group is looked up at each call, not held: a gloo group still referenced when
         # the interpreter tears down can abort the process (see metrale_model_engine.torch).
         self._group = group
-        self._solo = link.world_size == 1
+        self._solo = link.world_size == 1 or isinstance(link.transport, PretendGroup)
+        transport = link.transport
+        transport = transport._world if isinstance(transport, HostsTransport) else transport
+        self._blocking = transport._blocking if isinstance(transport, TorchTransport) else nullcontext
         if self._solo:
             return
         if not dist.is_initialized():
@@ -99,16 +119,21 @@ class Collectives:
         return self._link
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place, on every rank (nothing with one rank).
+        """Sum ``tensor`` over the ranks, in place, on every rank (nothing with one participant).
 
         Raises:
+            EpCommandRefused: on a worker, in a command that ``ep_collective_commands``
+                does not declare (see the class).
             RunStopped: the all-reduce failed or timed out: a rank died, refused its
                 command, stalls or skipped its forward (the message says what the
-                link knows); or the run had stopped already.
+                link knows); on the head, it ran outside ``link.collective()`` after a
+                command was sent; or the run had stopped already.
         """
+        self._link.check_collective("an all-reduce")
         if self._solo:
             return
         try:  # the group in no local variable: a traceback kept by the caller must not keep it alive
-            (self._group if self._group is not None else _world()).allreduce([tensor], self._options).wait()
+            with self._blocking():
+                (self._group if self._group is not None else _world()).allreduce([tensor], self._options).wait()
         except Exception as error:  # the backend's own (RuntimeError from gloo): a rank is gone or late
             raise self._link.collective_failed(error, what="an all-reduce") from error

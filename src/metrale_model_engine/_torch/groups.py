@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
-from .._host.launch import check_launch, launch, rank_context
+from .._host.launch import accept_interrupts, check_launch, launch, rank_context
+from .._shm.segment import remove_stale_segments
 from .transport import _OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
@@ -122,7 +123,9 @@ def run_group(
     (``metrale_model_engine.shm.run_ring`` is its counterpart without torch: its
     target gets ``(transport, *args)``.)
 
-    A failed setup is raised here, once, rather than printed by the ranks: an
+    Every rank process has ended when it returns or raises, whatever happened
+    (Ctrl-C included: see ``INTERRUPT_GRACE``), and no ring a rank made is left in
+    ``/dev/shm``.  A failed setup is raised here, once, rather than printed by the ranks: an
     :class:`~metrale_model_engine.EpSetupError` out of ``target`` (``open_link``'s,
     when ``/dev/shm`` is too small for ``"shm"`` or the ranks disagree) makes its
     rank exit with code 2 and no traceback.
@@ -141,7 +144,10 @@ def run_group(
     context = rank_context()
     port = free_port()
     rank_args = [(target, rank, world_size, port, backend, args) for rank in range(world_size)]
-    return launch(context, _local_rank_main, rank_args, limit)
+    try:
+        return launch(context, _local_rank_main, rank_args, limit, interrupts_from_rank=True)
+    finally:  # every rank has ended: a ring one of them made and a kill cut short is no one's now
+        remove_stale_segments()
 
 
 def _local_rank_main(
@@ -153,6 +159,7 @@ def _local_rank_main(
     args: tuple[object, ...],
 ) -> None:
     init_local_group(rank, world_size, port=port, backend=backend)
+    accept_interrupts()  # past the rendezvous: an interrupted connect would log a warning with a C++ stack
     try:
         target(rank, world_size, *args)
     finally:

@@ -7,12 +7,16 @@ in the group's ``TCPStore`` (torch's rendezvous store, served on the head's host
 under ``torchrun`` and :func:`~metrale_model_engine.torch.init_group_from_env`)
 every ``period`` seconds, from a thread of its own with its own connection:
 
-* the head, once a send or a sync point has failed without another explanation,
-  names the workers whose counter stopped moving (:meth:`HeartbeatReader.silent`);
+* the head (:mod:`.watch`) names the workers whose counter stopped moving once a
+  send or a sync point has failed without another explanation, and ends a wait
+  on workers silent for ``lost_after`` seconds: they are lost;
 * a worker that could not beat for ``lost_after`` seconds has lost the head's host
   (its cable, or the whole machine): it logs why and ends its process with
   :data:`HEAD_LOST_EXIT_CODE`, since its main thread sits in a receive that
   nothing can interrupt (NCCL's watchdog ends a process the same way).
+
+One bound for both directions: ``lost_after``, the ``head_lost_after`` of
+``open_link``.
 
 The store must be a ``TCPStore`` (a file or hash store: no heartbeat).  Where the
 rendezvous store runs elsewhere than the head's host (``--rdzv-endpoint``), the
@@ -26,19 +30,23 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from typing import Final
 
 from torch._C._distributed_c10d import Store, TCPStore
 
 from .._core.checks import check_seconds
+from .severing import sever_group_connections
 
 DEFAULT_HEARTBEAT: Final[float] = 0.25
 """Seconds between two beats of a worker (a store round trip each: microseconds of the store's time)."""
 DEFAULT_HEAD_LOST_AFTER: Final[float] = 60.0
-"""Seconds a worker goes on without reaching the head's host before it ends its process."""
+"""Seconds a worker goes on without reaching the head's host before it ends its process, and the head waits on
+workers whose heartbeat stopped before it stops the run: one bound, both ways."""
 HEAD_LOST_EXIT_CODE: Final[int] = 75
 """The exit status of a worker that lost the head's host (``EX_TEMPFAIL``: try again)."""
+RUN_OVER: Final[int] = 1 << 48
+"""What the head adds to a worker's counter once it found other workers lost: the worker's next beat sees
+it, and ends this process's waits on the group (the run is over; its own collectives then fail at once)."""
 SILENT_AFTER_BEATS: Final[int] = 4
 """Beats the head waits for, at most, before it calls a worker silent."""
 _CONNECT_TIMEOUT: Final = datetime.timedelta(seconds=10)
@@ -46,19 +54,19 @@ _CONNECT_TIMEOUT: Final = datetime.timedelta(seconds=10)
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 
 
-def _tcp_store(store: Store | None) -> TCPStore | None:
+def tcp_store(store: Store | None) -> TCPStore | None:
     """The ``TCPStore`` under ``store``'s prefixes, or ``None`` when it is another kind."""
     while store is not None and not isinstance(store, TCPStore):
         store = getattr(store, "underlying_store", None)
     return store
 
 
-def _connect(store: TCPStore) -> TCPStore:
+def connect_to(store: TCPStore) -> TCPStore:
     """A connection of its own to ``store``'s server."""
     return TCPStore(store.host, store.port, is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
 
 
-def _key(group_name: str, rank: int) -> str:
+def beat_key(group_name: str, rank: int) -> str:
     """The counter of worker ``rank`` of the group named ``group_name``; ``<key>/left``: it closed its transport."""
     return f"metrale_model_engine/heartbeat/{group_name}/{rank}"
 
@@ -85,12 +93,12 @@ class Heartbeat:
 
         ``lost_after``: seconds without a beat before the process ends (``None``: never).
         """
-        tcp = _tcp_store(store)
+        tcp = tcp_store(store)
         if tcp is None:
             return None
-        key = _key(group_name, rank)
+        key = beat_key(group_name, rank)
         try:  # a connection of its own: a beat that hangs on a cut cable holds nobody else's
-            own = _connect(tcp)
+            own = connect_to(tcp)
         except Exception as error:  # noqa: BLE001  (liveness is an aid: the link works without it)
             _LOGGER.warning("worker rank %d: no heartbeat, the store did not take a connection: %s", rank, error)
             try:  # the head must not take a rank that never beats for a silent one
@@ -103,7 +111,7 @@ class Heartbeat:
             own.delete_key(f"{key}/left")
         except Exception as error:  # noqa: BLE001  (a store without deletion: a stale word stays)
             _LOGGER.debug("could not clear the heartbeat's earlier last word: %s", error)
-        beat._beating = threading.Thread(target=beat._beat, args=(own, key), name=f"heartbeat {key}", daemon=True)
+        beat._beating = threading.Thread(target=beat._beat, args=(own, key, rank), name=f"heartbeat {key}", daemon=True)
         beat._beating.start()
         if lost_after is not None:
             where = f"{tcp.host}:{tcp.port}"
@@ -117,13 +125,19 @@ class Heartbeat:
             self._beating.join(2 * self._period)  # a store that does not answer: leave without the word
             self._beating = None
 
-    def _beat(self, store: TCPStore, key: str) -> None:
+    def _beat(self, store: TCPStore, key: str, rank: int) -> None:
+        told = False
         while not self._stopped.is_set():
             try:
-                store.add(key, 1)
+                over = store.add(key, 1) >= RUN_OVER
                 self._last = time.monotonic()
             except Exception as error:  # noqa: BLE001  (the watch decides when it is too long)
                 _LOGGER.debug("a heartbeat failed: %s", error)
+                over = False
+            if over and not told:  # it goes on beating: it is not lost, its run is over
+                told = True
+                _LOGGER.warning("worker rank %d: the head found workers lost; its waits on the group end", rank)
+                sever_group_connections(store)
             self._stopped.wait(self._period)
         try:  # a worker that left is not silent: the head names only those that could not say so
             store.set(f"{key}/left", "1")
@@ -151,40 +165,6 @@ class Heartbeat:
             )
             logging.shutdown()
             os._exit(HEAD_LOST_EXIT_CODE)
-
-
-class HeartbeatReader:
-    """The head's reading of its workers' beats."""
-
-    __slots__ = ("_group_name", "_period", "_store")
-
-    def __init__(self, group_name: str, store: TCPStore, period: float) -> None:
-        self._group_name = group_name
-        self._store = store
-        self._period = period
-
-    @classmethod
-    def open(cls, group_name: str, store: Store | None, period: float) -> HeartbeatReader | None:
-        """The reader of the group ``group_name``'s beats in ``store``'s ``TCPStore``; ``None`` when there is none."""
-        tcp = _tcp_store(store)
-        return None if tcp is None else cls(group_name, tcp, period)
-
-    def silent(self, ranks: Sequence[int]) -> list[int]:
-        """The ``ranks`` whose counter does not move within :data:`SILENT_AFTER_BEATS` beats (sooner if all do).
-
-        A worker that closed its transport (it left the run) is not silent.
-        """
-        keys = {rank: _key(self._group_name, rank) for rank in ranks}
-        first = {rank: self._store.add(key, 0) for rank, key in keys.items()}
-        deadline = time.monotonic() + SILENT_AFTER_BEATS * self._period
-        quiet = list(ranks)
-        while quiet:
-            quiet = [rank for rank in quiet if not self._store.check([f"{keys[rank]}/left"])]
-            if not quiet or time.monotonic() >= deadline:
-                return quiet
-            time.sleep(self._period / 2)
-            quiet = [rank for rank in quiet if self._store.add(keys[rank], 0) == first[rank]]
-        return quiet
 
 
 def checked_liveness(heartbeat: object, head_lost_after: object) -> tuple[float | None, float | None]:

@@ -119,7 +119,8 @@ class HostsTransport:
         if self._ring is not None:
             self._publish(parts, timeout)
         if self._leaders is not None:
-            self._leaders.send(parts, timeout)
+            with self._world._blocking():
+                self._leaders.send(parts, timeout)
 
     def _publish(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """On this host's ring, as its head (the head, or a leader relaying)."""
@@ -281,7 +282,8 @@ class HostsTransport:
         ranks = self._hosts[host]
         whose = f"the answers of the host of ranks {list(ranks)}, which its leader, rank {ranks[0]}, bundles"
         try:
-            entries = self._leaders.receive_answers(host, timeout)
+            with self._world._blocking():
+                entries = self._leaders.receive_answers(host, timeout)
         except TransportTimeout as error:
             raise TransportTimeout(f"{whose}, did not come: {error}") from None
         except (TransportClosed, TransportCorrupt):
@@ -309,6 +311,11 @@ class HostsTransport:
     def silent_ranks(self) -> list[int]:
         """Head: the workers whose heartbeat stopped (see :class:`TorchTransport`)."""
         return self._world.silent_ranks()
+
+    def lost_ranks(self) -> dict[int, float]:
+        """Head: the workers found lost while it waited on them, each with how long it was silent (see
+        :class:`TorchTransport`)."""
+        return self._world.lost_ranks()
 
     def close(self) -> None:
         """Close the ring, the leaders' transport (destroying its group) and the whole group's.  Idempotent.

@@ -7,7 +7,8 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Final
 
 import torch
@@ -17,7 +18,8 @@ from typing_extensions import Buffer
 from .._core.codec import FRAME_PAYLOAD, FRAME_WORDS, answer_bytes, frame_length, frame_message
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
 from .answers import append_text, last_words_key, pack_answers, unpack_answers
-from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, Heartbeat, HeartbeatReader, checked_liveness
+from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, Heartbeat, checked_liveness, tcp_store
+from .watch import HeadWatch
 
 _MAX_MESSAGE_WORDS: Final[int] = 1 << 30
 """A frame announcing more is corruption, not a message (4 GiB)."""
@@ -67,9 +69,12 @@ class TorchTransport:
 
     Liveness across hosts: every worker beats in the same store (see
     ``metrale_model_engine.torch``): the head names the workers that went silent
-    when a send or a sync point fails (:meth:`silent_ranks`), and a worker that
-    cannot reach the store for ``head_lost_after`` seconds logs why and ends its
-    process with status :data:`~metrale_model_engine.torch.HEAD_LOST_EXIT_CODE`.
+    when a send or a sync point fails (:meth:`silent_ranks`); workers silent for
+    ``head_lost_after`` seconds while the head waits on them (a send, a sync point,
+    an all-reduce of ``Collectives``) are lost (:meth:`lost_ranks`), and the wait
+    ends then; and a worker that cannot reach the store for ``head_lost_after``
+    seconds logs why and ends its process with status
+    :data:`~metrale_model_engine.torch.HEAD_LOST_EXIT_CODE`.  One bound, both ways.
 
     Args:
         group: the process group; default the world group.  Its rank 0 is the head.
@@ -78,8 +83,9 @@ class TorchTransport:
         heartbeat: seconds between two beats of a worker; ``None``: no beats (then
             nothing is watched across hosts).
         head_lost_after: seconds a worker goes on without reaching the store before
-            it ends its process, at least 4 heartbeats; ``None``: it waits as long as
-            its receive does.
+            it ends its process, and the head waits on workers whose heartbeat
+            stopped, at least 4 heartbeats; ``None``: each waits as long as its own
+            bound allows.
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or this process is not
@@ -129,7 +135,9 @@ class TorchTransport:
         self._taken: dict[int, int] = {}  # by worker: how much of its last words (hex digits) the head has read
         self._next_look = 0.0  # the head's next look in the store, by time.monotonic()
         self._heartbeat: Heartbeat | None = None
-        self._beats: HeartbeatReader | None = None
+        self._watch: HeadWatch | None = None
+        # The head's waits on the group run inside it, so that workers found lost end them (.watch).
+        self._blocking: Callable[[], AbstractContextManager[object]] = nullcontext
         self._watch_liveness(*liveness)
         _OPEN_TRANSPORTS.add(self)
 
@@ -143,7 +151,11 @@ class TorchTransport:
         if period is None or self.world_size == 1 or group is None:
             return
         if self.rank == 0:
-            self._beats = HeartbeatReader.open(group.group_name, self._store, period)
+            tcp = tcp_store(self._store)
+            if tcp is not None:
+                self._watch = HeadWatch.start(group.group_name, tcp, range(1, self.world_size), period, lost_after)
+            if self._watch is not None:
+                self._blocking = self._watch.blocking
         else:
             self._heartbeat = Heartbeat.start(group.group_name, self._store, self.rank, period, lost_after)
 
@@ -170,6 +182,8 @@ class TorchTransport:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        if self._watch is not None:
+            self._watch.stop()
         self._group = None
         self._store = None
 
@@ -193,13 +207,15 @@ class TorchTransport:
 
         Empty without heartbeats, and when the store cannot be read.
         """
-        if self._beats is None:
-            return []
-        try:
-            return self._beats.silent(range(1, self.world_size))
-        except Exception as error:  # noqa: BLE001  (the store may have gone with the failure being explained)
-            _LOGGER.debug("could not read the workers' heartbeats: %s", error)
-            return []
+        return [] if self._watch is None else self._watch.silent(range(1, self.world_size))
+
+    def lost_ranks(self) -> dict[int, float]:
+        """Head: the workers found silent for ``head_lost_after`` while the head waited on them, each with how long.
+
+        Once some are, every wait of this process on the group has been ended (see
+        ``metrale_model_engine.torch``); empty while none is, and without heartbeats.
+        """
+        return {} if self._watch is None else self._watch.lost()
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
         """Head: the message as its frame, then, past 15 words, one bulk broadcast."""
@@ -327,10 +343,11 @@ class TorchTransport:
         work = dist.isend(tensor, dst=peer, group=group) if sending else dist.irecv(tensor, src=peer, group=group)
         assert work is not None  # this process is a member of the group
         try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+            with self._blocking():
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
         except RuntimeError as error:
             if _timed_out(error):
                 raise TransportTimeout(str(error)) from error
@@ -354,13 +371,14 @@ class TorchTransport:
         # out would leave the receive pending inside the backend, where it would
         # swallow the head's next broadcast and block the process at exit.
         try:
-            if self._device.type == "cpu":
-                group.broadcast([host], _broadcast_options(timeout)).wait()
-                return
-            tensor = device_tensor if device_tensor is not None else torch.empty_like(host, device=self._device)
-            if sending:
-                tensor.copy_(host)
-            group.broadcast([tensor], _broadcast_options(timeout)).wait()
+            with self._blocking():
+                if self._device.type == "cpu":
+                    group.broadcast([host], _broadcast_options(timeout)).wait()
+                    return
+                tensor = device_tensor if device_tensor is not None else torch.empty_like(host, device=self._device)
+                if sending:
+                    tensor.copy_(host)
+                group.broadcast([tensor], _broadcast_options(timeout)).wait()
         except RuntimeError as error:
             if _timed_out(error):
                 raise TransportTimeout(str(error)) from error

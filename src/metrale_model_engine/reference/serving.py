@@ -137,8 +137,9 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         group: the process group of the all-reduces.
         all_reduce: the in-place sum over the ranks; default
             :meth:`Collectives.all_reduce <metrale_model_engine.torch.Collectives.all_reduce>`
-            over ``group`` (tests pass their own to run ranks without a group; a
-            failure of theirs stops the run as a failed collective does).
+            over ``group`` (tests pass their own to run ranks without a group; it is
+            checked and counted as ``Collectives``' are, and a failure of theirs
+            stops the run as a failed collective does).
         collective_timeout: seconds one all-reduce may wait for the other ranks
             before the run stops (see :class:`~metrale_model_engine.torch.Collectives`).
         check_kv_values: make sync points deeper: each rank also checks that its
@@ -186,9 +187,10 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         self.ep_link = link
         rank, world_size = link.rank, link.world_size
         self._reduce = all_reduce
+        self._reduce_passed = all_reduce is not None
         if all_reduce is None:  # built at one rank too: it checks its arguments, and does nothing
             self._reduce = Collectives(link, group, timeout=collective_timeout).all_reduce
-            if world_size > 1 and device is None and dist.get_backend(group) == "nccl":
+            if world_size > 1 and device is None and dist.is_initialized() and dist.get_backend(group) == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
         opened = (
             checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, max_seq_len=max_seq_len)
@@ -422,6 +424,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
         assert self._reduce is not None  # the forward runs it only with several ranks
+        if self._reduce_passed:  # Collectives checks and counts its own
+            self.ep_link.check_collective("an all-reduce")
         try:
             self._reduce(tensor)
         except RunStopped:

@@ -1,0 +1,179 @@
+"""A forward's collectives on a link: the ``collective()`` block, and the link's methods that check, count and
+stop on them (``ForwardCollectives``, a base of ``EpLink``; the scope they read is ``run_state.ForwardScope``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+from .._core.errors import RunStopped, describe_command
+from .reader import CommandReader
+from .reports import EXIT_GRACE, WorkerReports
+from .run_state import CommandStream, ForwardScope, RunState, undeclared
+from .settings import LinkSettings
+
+
+@contextmanager
+def stop_on_error(
+    run: RunState, stream: CommandStream, scope: ForwardScope, failed: Callable[[BaseException], RunStopped], who: str
+) -> Iterator[None]:
+    """``EpLink.collective``'s block: a failure inside it stops the run with what ``failed`` makes of it.
+
+    ``failed`` is a worker's refusal of its command, or the head's reading of its
+    workers' reports.  On the head (``who``), the block's end is its forward's
+    end; a forward that ran no collective there is refused: it cannot have met
+    the workers' collectives.
+    """
+    scope.blocks += 1
+    try:
+        yield
+    except RunStopped:
+        raise
+    except Exception as error:
+        raise failed(error) from error
+    except BaseException as interrupt:  # KeyboardInterrupt, SystemExit: they pass, the run is over
+        where = describe_command(stream.commands, *stream.command)
+        run.stop(RunStopped(f"{who}: the run stopped in {where}: {type(interrupt).__name__}"))
+        raise
+    finally:
+        scope.blocks -= 1
+    if who == "head" and scope.open and not scope.blocks:
+        scope.open = False
+        if scope.ran_none():
+            where = describe_command(stream.commands, *stream.command)
+            raise run.stop(
+                RunStopped(
+                    f"head: the run stopped in {where}: it ran no collective: its forward inside "
+                    "`with link.collective():` made no all-reduce through Collectives (it was skipped, or called "
+                    "torch.distributed directly), so it cannot have met the workers'; a forward that is empty on "
+                    "every rank says so with link.empty_forward()"
+                )
+            )
+
+
+class ForwardCollectives:
+    """``EpLink``'s methods for the collectives of a model's forward: its block, their checks, their failure.
+
+    A base of :class:`~metrale_model_engine.EpLink` alone, which holds the parts
+    named below; see it for the link itself.
+    """
+
+    __slots__ = ()
+    _run: RunState
+    _scope: ForwardScope
+    _reader: CommandReader
+    _reports: WorkerReports | None
+    _settings: LinkSettings
+    _stream: CommandStream
+    _stand_in: ForwardCollectives | None
+    """The link that counts this one's collectives while a replay runs (``testing.RecordingEp.replay``)."""
+
+    def collective(self) -> AbstractContextManager[None]:
+        """Run a block that makes collectives with the other ranks: if it raises, the run stops on every rank.
+
+        For the head's forward of a command it sent (and a worker's hook, around the
+        part that runs collectives, when its command word is not one of
+        ``LinkedEp.ep_collective_commands``, whose whole step is covered already): the
+        other ranks are in, or on their way to, its collectives.  On the head a
+        failure raises :class:`RunStopped` naming the worker that reported a failure
+        or exited, if one did (its leaving may be what failed the head's collective),
+        else the command and the head's own error, and closes the link; on a worker
+        it refuses the command (:class:`EpCommandRefused`, reported to the head).  A
+        :class:`RunStopped` raised inside passes as it is.
+
+        On the head the block's end is the end of the command's forward, which must
+        have run a collective (:meth:`check_collective`) or said it has none
+        (:meth:`empty_forward`): else the run stops, "it ran no collective".
+
+        Raises:
+            RunStopped: the block raised, its forward ran no collective, or the run stopped earlier.
+        """
+        self._run.raise_if_stopped()
+        failed = self._reader.refuse if self._reports is None else self._reports.forward_failed
+        return stop_on_error(self._run, self._stream, self._scope, failed, self._settings.who)
+
+    def check_collective(self, what: str = "a collective") -> None:
+        """Before each collective of a forward: refuse it where nothing declared it, else count it.
+
+        Whatever runs a model's collectives calls it first (``Collectives`` does, for
+        each all-reduce).  Counted, not sent: it adds no message and no collective.
+        Allowed outside any command (setup), in a worker's command of
+        ``LinkedEp.ep_collective_commands`` and inside ``with link.collective():``;
+        refused, the first time, with one line that names the command word and what
+        to declare, on a worker in a command not declared, and on the head between
+        sending a command and the end of its forward outside ``collective()``.  The
+        count: a declared command whose hook returns without one, and a head's
+        ``collective()`` block without one, are refused too (see
+        :meth:`empty_forward`).  A no-op on one rank.
+
+        Args:
+            what: how messages name the collective (``"an all-reduce"``).
+
+        Raises:
+            EpCommandRefused: on a worker (reported to the head; the run stops).
+            RunStopped: on the head (the link is closed), or the run stopped earlier.
+        """
+        if self._stand_in is not None:
+            self._stand_in.check_collective(what)
+            return
+        self._run.raise_if_stopped()
+        scope = self._scope
+        if scope.allows():
+            scope.ran += 1
+            return
+        text = undeclared(self._settings.who, what, self._stream.command[1])
+        if self._reports is None:
+            raise self._reader.refused(text)
+        where = describe_command(self._stream.commands, *self._stream.command)
+        raise self._run.stop(RunStopped(f"head: the run stopped in {where}: {text}"))
+
+    def empty_forward(self) -> None:
+        """Say that the forward of the command in flight runs no collective, on this rank and every other.
+
+        For a forward of a command of ``ep_collective_commands`` (or a head's
+        ``collective()`` block) that is legitimately empty (a batch of nothing, say):
+        without it, such a forward is refused as one that ran no collective.  A no-op
+        on one rank.
+
+        Raises:
+            RuntimeError: no command's forward is in flight here.
+        """
+        if self._stand_in is not None:
+            self._stand_in.empty_forward()
+            return
+        if not self._scope.open and self._scope.enforced:
+            raise RuntimeError("empty_forward() speaks of the forward of a command in flight, and none is here")
+        self._scope.empty = True
+
+    def collective_failed(
+        self, error: BaseException, *, what: str = "a collective", grace: float = EXIT_GRACE
+    ) -> RunStopped:
+        """A collective of the command in flight failed on this rank (``error``): stop the run; return what to raise.
+
+        For the code that runs a model's collectives (``metrale_model_engine.torch.Collectives``
+        does it for its all-reduces), whose backend says only that some peer is gone
+        or late.  The head looks, up to ``grace`` seconds, for the workers that
+        reported a failure, exited or are stopped (a signal, a debugger): the error
+        names them (:attr:`RunStopped.failures`, :attr:`RunStopped.ranks`).  A worker
+        names the command, and reports its failure to the head as a witness (it may
+        only have seen another rank's).  The link is closed.
+
+        Args:
+            error: the backend's error.
+            what: how messages name the collective (``"an all-reduce"``).
+            grace: seconds the head looks for the rank behind the failure.
+        """
+        if self._stand_in is not None:
+            return self._stand_in.collective_failed(error, what=what, grace=grace)
+        if self._run.stopped is not None:
+            return self._run.still_stopped()
+        if self._reports is None:
+            return self._reader.witness(error, what)
+        return self._reports.collective_failed(error, what, grace)
+
+    def raise_if_stopped(self) -> None:
+        """Raise :class:`RunStopped` if the run stopped (:attr:`stopped`); for a model's head methods, first thing.
+
+        Sends and steps check it themselves; a head method calls it before its own checks.
+        """
+        self._run.raise_if_stopped()

@@ -1,0 +1,95 @@
+"""Ending this process's waits on a torch.distributed group from another thread, as a peer's death would.
+
+``ProcessGroup.abort()`` leaves a wait of gloo's waiting, and a wait abandoned
+(``Work.wait(timeout)``) keeps the process from exiting until the collective's own
+timeout (both seen with torch 2.13).  A peer's death ends every wait on it at
+once, by closing its connections; so :func:`sever_group_connections` shuts down
+this process's connections that gloo made, those with an end at an address a rank
+published in the group's store at the rendezvous.  The store's own connections,
+and any other of the program's, stay.  Linux (``/proc``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+from typing import Final
+
+from torch._C._distributed_c10d import TCPStore
+
+_LOGGER = logging.getLogger("metrale_model_engine.torch")
+_ESTABLISHED: Final = "01"
+"""A connected socket's state in ``/proc/net/tcp``."""
+
+
+def sever_group_connections(store: TCPStore) -> int:
+    """Shut down this process's TCP connections that gloo made; return how many (see the module).
+
+    Gloo's are those with an end at an address some rank published in ``store``
+    (its rendezvous records hold each rank's ``sockaddr``).  Best effort: with a
+    store that cannot list its keys (an older torch), none.
+    """
+    try:
+        published = b"\0".join(store.get(key) for key in store.list_keys())
+    except Exception as error:  # noqa: BLE001
+        _LOGGER.warning("head: cannot end the wait on the lost ranks (the store lists no keys): %s", error)
+        return 0
+    severed = 0
+    connections = _tcp_connections()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        ends = connections.get(target)
+        if ends is None or not any(_published(end, published) for end in ends):
+            continue
+        try:
+            with socket.socket(fileno=os.dup(int(fd))) as connection:
+                connection.shutdown(socket.SHUT_RDWR)
+            severed += 1
+        except OSError as error:
+            _LOGGER.debug("could not shut down socket %s: %s", fd, error)
+    return severed
+
+
+Endpoint = tuple[int, bytes, int]
+"""An end of a TCP connection: its address family, its address (network order) and its port."""
+
+
+def _tcp_connections() -> dict[str, tuple[Endpoint, Endpoint]]:
+    """The connected TCP sockets of this process's network namespace, by ``socket:[inode]``: both ends."""
+    found: dict[str, tuple[Endpoint, Endpoint]] = {}
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(f"/proc/self/net/{name}") as table:
+                rows = table.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == _ESTABLISHED:
+                found[f"socket:[{fields[9]}]"] = (_endpoint(fields[1], family), _endpoint(fields[2], family))
+    return found
+
+
+def _endpoint(text: str, family: int) -> Endpoint:
+    """``ADDRESS:PORT`` of ``/proc/net/tcp*`` (the address in 32-bit words of host order) as an :data:`Endpoint`."""
+    address, port = text.split(":")
+    raw = bytes.fromhex(address)
+    packed = b"".join(raw[at : at + 4][::-1] for at in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    if family == socket.AF_INET6 and packed[:12] == b"\0" * 10 + b"\xff\xff":  # an IPv4 address, mapped
+        return socket.AF_INET, packed[12:], int(port, 16)
+    return family, packed, int(port, 16)
+
+
+def _published(end: Endpoint, published: bytes) -> bool:
+    """Whether ``end`` is an address (a ``sockaddr_in``/``sockaddr_in6``) found in ``published``."""
+    family, address, port = end
+    head = family.to_bytes(2, sys.byteorder) + port.to_bytes(2, "big")
+    if family == socket.AF_INET:
+        return head + address in published
+    return re.search(re.escape(head) + b".{4}" + re.escape(address), published, re.DOTALL) is not None
