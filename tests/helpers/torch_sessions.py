@@ -404,9 +404,14 @@ def last_words(rank: int, world_size: int, out: str) -> None:
         if rank == 1:
             transport.leave_answers(1, words)
         transport.gather([1])  # left before the head looks
-        if rank == 0:
-            time.sleep(0.02)  # the head looks at most every 10 ms
-            looks.append(transport.poll_answers())
+        if rank == 0:  # the head looks at most every 10 ms: it looks until every word left is read, then once more
+            found: list[tuple[int, bytes]] = []
+            deadline = time.monotonic() + 5.0
+            while len(found) < len(words) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                found += transport.poll_answers()
+            time.sleep(0.02)
+            looks.append(found + transport.poll_answers())  # a word read twice would show here
         transport.gather([2])  # looked before the worker leaves more
     save(out, rank, looks=looks)
     transport.close()
