@@ -126,25 +126,13 @@ class ShardedMoe(nn.Module):
             return torch.zeros_like(flat)
         token = torch.div(picks, self.top_k, rounding_mode="floor")
         sizes = [count for _, count in used]
-        if len(used) == self.local_experts and max(sizes) * len(sizes) <= 2 * sum(sizes):
-            out = self._batched(flat[token], sizes)  # every expert, runs of like length: one product each way
-        else:
-            rows = torch.split(flat[token], sizes)
-            hidden = torch.cat([torch.mm(part, self.w_in[e]) for (e, _), part in zip(used, rows, strict=True)])
-            gate, up = hidden.chunk(2, dim=-1)
-            gated = torch.split(F.silu(gate) * up, sizes)
-            out = torch.cat([torch.mm(part, self.w_out[e]) for (e, _), part in zip(used, gated, strict=True)])
+        rows = torch.split(flat[token], sizes)
+        hidden = torch.cat([torch.mm(part, self.w_in[expert]) for (expert, _), part in zip(used, rows, strict=True)])
+        gate, up = hidden.chunk(2, dim=-1)
+        gated = torch.split(F.silu(gate) * up, sizes)
+        out = torch.cat([torch.mm(part, self.w_out[expert]) for (expert, _), part in zip(used, gated, strict=True)])
         weighed = (out * weights.flatten()[picks, None]).to(flat.dtype)
         return torch.zeros_like(flat).index_add_(0, token, weighed)
-
-    def _batched(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Every local expert on its run of ``rows`` (sorted by expert, ``sizes`` each), each run padded to the
-        longest, as two batched products (which the CPU's BLAS runs faster than a product per expert)."""
-        width = max(sizes)
-        places = torch.tensor([expert * width + row for expert, size in enumerate(sizes) for row in range(size)])
-        padded = rows.new_zeros(len(sizes) * width, rows.shape[1]).index_copy(0, places, rows)
-        gate, up = torch.bmm(padded.view(len(sizes), width, -1), self.w_in).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.w_out).flatten(0, 1)[places]
 
     def _gathered(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's picked experts' weights, gathered by index (a pick held by another rank weighs 0)."""
