@@ -233,6 +233,8 @@ def rank_main(rank: int, world_size: int, work: Workload, rounds: int, handle: S
                 if rank == 0:
                     samples[path].append(serve_round(model, work))
                     model.ep_link.send_command(0, CMD_END_ROUND)
+                    with model.ep_link.collective():  # its forward is empty: the peers' forwards that follow on
+                        model.ep_link.empty_forward()  # this link's group are no command's
                 else:
                     model.round_over = False
                     while not model.round_over:
