@@ -417,6 +417,32 @@ def last_words(rank: int, world_size: int, out: str) -> None:
     transport.close()
 
 
+def last_words_right_after_setup(rank: int, world_size: int, out: str) -> None:
+    """A worker leaves answers at once after the setup, while the head is slow to clear an earlier link's: the
+    head must read them (it clears before any rank may leave new ones)."""
+    transport = TorchTransport(heartbeat=None)
+    if rank == 0:
+        clear = transport._forget_last_words
+
+        def slowly() -> None:
+            time.sleep(0.3)  # the worker is past the setup's collective by now
+            clear()
+
+        transport._forget_last_words = slowly  # type: ignore[method-assign]
+    transport.gather([0])
+    if rank == 1:
+        transport.leave_answers(1, [b"early"])
+    transport.gather([1])  # left before the head looks
+    if rank == 0:
+        found: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + 5.0
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.02)
+            found += transport.poll_answers()
+        save(out, rank, found=found)
+    transport.close()
+
+
 def severed_wait(rank: int, world_size: int, out: str) -> None:
     """Rank 0 waits in an all-reduce that rank 1 never joins; a thread severs gloo's connections after 0.5 s.
 

@@ -241,6 +241,12 @@ def test_last_words_left_in_the_store_are_appended_and_the_head_reads_each_once(
     assert results[0]["looks"] == [[(1, b"one.")], [(1, b"two."), (1, b"three")], []]
 
 
+def test_last_words_left_right_after_the_setup_are_not_cleared_with_an_earlier_links(tmp_path: Path) -> None:
+    codes, results = run(sessions.last_words_right_after_setup, 2, tmp_path)
+    assert codes == [0, 0]
+    assert results[0]["found"] == [(1, b"early")]
+
+
 def test_severing_ends_a_wait_on_the_group_at_once_and_leaves_the_programs_own_connections(tmp_path: Path) -> None:
     codes = run_group(sessions.severed_wait, 2, str(tmp_path), backend="gloo", timeout=RUN_TIMEOUT)
     assert codes == [0, 0]

@@ -256,10 +256,13 @@ class TorchTransport:
         options = dist.AllreduceOptions()
         if timeout is not None:
             options.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
-        self._open_group().allreduce([rows], options).wait()
+        group = self._open_group()
+        group.allreduce([rows], options).wait()
         if not self._gathered:  # every rank is past its setup: last words of an earlier link are stale
             self._gathered = True
             self._forget_last_words()
+            # and no rank leaves new ones before they are gone (one more collective, at the first gather only)
+            group.allreduce([torch.zeros(1, device=self._device)], options).wait()
         return [row.tolist() for row in rows.cpu()]
 
     # -- the way back: answers travel point to point, at sync points only -------
