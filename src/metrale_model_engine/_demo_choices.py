@@ -1,5 +1,6 @@
-"""The demo's choices before any rank starts: the prompts as the model's ids, the device and backend this
-machine allows, the ranks' threads, and whether their weights and KV caches fit its memory.
+"""The demo's choices before any rank starts: the checkpoint and the world sizes it allows, the prompts as the
+model's ids, the device and backend this machine allows, the ranks' threads, and whether their weights and KV
+caches fit its memory.
 
 Each refusal is a ``ValueError`` whose message is the demo's one ``error:`` line.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from ._demo_args import PROMPT_IDS
@@ -76,6 +78,26 @@ def default_threads(local_ranks: int) -> int:
     gains a little from a second thread (1.06 against 1.14-1.24 ms at batch 4 here).
     """
     return min(2, os.cpu_count() or 1) if local_ranks == 1 else 1
+
+
+def open_checkpoint(model: Path | None, max_seq_len: int | None, world_size: int) -> Checkpoint:
+    """The checkpoint in ``model`` (``None``: the shipped one), opened and checked (its headers alone), and
+    ``world_size`` checked against it.
+
+    Raises:
+        ValueError: it cannot be served (a ``CheckpointError`` is one), or by that many ranks.
+    """
+    from .reference import Checkpoint
+
+    checkpoint = Checkpoint.open(model, max_seq_len=max_seq_len)
+    config = checkpoint.config
+    if world_size not in config.world_sizes():
+        raise ValueError(
+            f"--world-size {world_size} cannot split the model: it must divide its {config.n_heads} attention heads "
+            f"and {config.n_experts} experts, and divide its {config.n_kv_heads} KV heads or be a multiple of them "
+            f"(world sizes that can: {', '.join(map(str, config.world_sizes()))})"
+        )
+    return checkpoint
 
 
 def check_memory(checkpoint: Checkpoint, dtype: torch.dtype, slots: int, world_size: int, local_ranks: int) -> None:

@@ -53,6 +53,7 @@ from ._demo_choices import (
     cuda_devices,
     default_threads,
     device_and_backend,
+    open_checkpoint,
     prompt_ids,
     under_torchrun_env,
 )
@@ -312,7 +313,7 @@ def _start(args: argparse.Namespace) -> tuple[Work, str] | int:
         torchrun = under_torchrun_env()
         world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-        checkpoint = _checkpoint(args, world_size)
+        checkpoint = open_checkpoint(args.model, args.max_seq_len, world_size)
         device, backend = device_and_backend(args, local_ranks, cuda_devices(), checkpoint.config.world_sizes())
         work = _work(args, checkpoint, protocol, device, world_size, local_ranks)
     except (ImportError, ValueError, OSError) as error:
@@ -343,25 +344,6 @@ def _leave_at_once(signum: int, frame: object) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(INTERRUPTED)
-
-
-def _checkpoint(args: argparse.Namespace, world_size: int) -> Checkpoint:
-    """The checkpoint, opened and checked (its headers alone), and ``world_size`` checked against it.
-
-    Raises:
-        ValueError: it cannot be served (a ``CheckpointError`` is one), or by that many ranks.
-    """
-    from .reference import Checkpoint
-
-    checkpoint = Checkpoint.open(args.model, max_seq_len=args.max_seq_len)
-    config = checkpoint.config
-    if world_size not in config.world_sizes():
-        raise ValueError(
-            f"--world-size {world_size} cannot split the model: it must divide its {config.n_heads} attention heads "
-            f"and {config.n_experts} experts, and divide its {config.n_kv_heads} KV heads or be a multiple of them "
-            f"(world sizes that can: {', '.join(map(str, config.world_sizes()))})"
-        )
-    return checkpoint
 
 
 def _work(
