@@ -168,6 +168,11 @@ def test_the_head_names_the_silent_ranks_when_only_witnesses_spoke() -> None:
     witness = WorkerFailure(1, 1, 0, 5, "RuntimeError: timed out", stopped=True, witness=True)
     assert "rank(s) [2] said nothing" in _reports(3).why([witness], [])
     assert "worker rank(s) [2] exited (died or left the run) after command 1" in _reports(3).why([], [2])
+    # a witness leaves after it reports: its leaving says nothing of the others, who are named all the same
+    why = _reports(3).why([witness], [1])
+    assert "worker rank(s) [1] exited" in why and why.endswith("rank(s) [2] said nothing (they stall, skipped their "
+                                                               "forward, or left)")  # fmt: skip
+    assert "said nothing" not in _reports(3).why([witness], [2])  # rank 2 left without a report: it is the cause
 
 
 def test_the_head_counts_each_report_it_reads() -> None:

@@ -130,18 +130,21 @@ class WorkerReports:
         """The reason a run stopped, as the head knows it: first-hand reports, the ranks that exited, witnesses.
 
         A witness (a worker whose collective failed) may only have seen another rank's
-        failure: its report comes last, and when nothing else is known, the ranks
-        that said nothing are named.
+        failure: its report comes last, and when nothing else is known (no first-hand
+        report, no rank that exited but the witnesses, which leave after they report),
+        the ranks that said nothing are named.
         """
-        reasons = [str(failure) for failure in failures if not failure.witness]
+        first_hand = [str(failure) for failure in failures if not failure.witness]
+        reasons = list(first_hand)
         if exited:
             reasons.append(
                 f"worker rank(s) {list(exited)} exited (died or left the run) after command {self._stream.commands}"
             )
         witnesses = [failure for failure in failures if failure.witness]
         reasons += [str(failure) for failure in witnesses]
-        silent = [rank for rank in range(1, self._settings.world_size) if rank not in {f.rank for f in witnesses}]
-        if witnesses and len(reasons) == len(witnesses) and silent:
+        seen = {failure.rank for failure in witnesses}
+        silent = [rank for rank in range(1, self._settings.world_size) if rank not in seen and rank not in exited]
+        if witnesses and not first_hand and all(rank in seen for rank in exited) and silent:
             reasons.append(f"rank(s) {silent} said nothing (they stall, skipped their forward, or left)")
         return "; ".join(reasons)
 
