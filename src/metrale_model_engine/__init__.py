@@ -31,10 +31,10 @@ from ._core.state import SequenceState
 from ._core.tokens import ArrayInterface, TokenArray, as_u32_buffer
 from ._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
 from ._engine.link import EpLink
-from ._engine.linked import LinkedEp
-from ._engine.model import ModelEp
 from ._engine.settings import DEFAULT_COMMAND_TIMEOUT
-from ._engine.worker import WorkerSummary, run_worker
+from ._trait.linked_ep import LinkedEp
+from ._trait.model_ep import ModelEp
+from ._trait.worker_loop import WorkerSummary, run_worker
 from .transport import EpTransport
 
 __all__ = [

@@ -23,12 +23,13 @@ from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header, 
 from ._core.errors import EpDivergenceError, describe_command
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
+from ._core.state import S
 from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
 from ._engine.link import EpLink
-from ._engine.linked import LinkedEp
-from ._engine.model import ModelEp, S
-from ._engine.worker import WorkerSummary, run_worker
+from ._trait.linked_ep import LinkedEp
+from ._trait.model_ep import ModelEp
+from ._trait.worker_loop import WorkerSummary, run_worker
 
 __all__ = ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"]
 __dir__: PublicDir = public_dir(globals(), __all__)

@@ -24,7 +24,7 @@ from ._core.namespace import PublicDir, public_dir
 from ._core.state import SequenceState
 from ._core.tokens import TokenArray, as_u32_buffer
 from ._engine.link import EpLink
-from ._engine.linked import LinkedEp
+from ._trait.linked_ep import LinkedEp
 from .batching import check_batch, recv_batch, send_batch
 
 __all__ = ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"]

@@ -16,7 +16,7 @@ from array import array
 from multiprocessing.connection import Connection
 
 from metrale_model_engine import EpLink, EpSetupError, LinkedEp, ProtocolVersion, run_worker
-from metrale_model_engine._engine.model import S
+from metrale_model_engine._core.state import S
 from metrale_model_engine._shm import waiting as _waiting
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest

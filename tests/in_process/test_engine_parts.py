@@ -13,7 +13,7 @@ from metrale_model_engine._core.codec import Report, encode_report
 from metrale_model_engine._core.transport import HeadEnd, SoloTransport, TransportClosed, WorkerEnd
 from metrale_model_engine._engine.forward import stop_on_error
 from metrale_model_engine._engine.reports import WorkerReports
-from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, RunState
+from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkState, Phase
 from metrale_model_engine._engine.settings import LinkSettings
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 
@@ -30,17 +30,21 @@ def test_the_stream_counts_commands_and_folds_every_part_into_one_crc() -> None:
     assert stream.crc == zlib.crc32(b"abcde")
 
 
-def test_the_run_keeps_the_first_reason_and_tells_the_link_each_time() -> None:
-    closed: list[int] = []
-    run = RunState("head", lambda: closed.append(1))
-    run.raise_if_stopped()  # nothing yet
+def test_the_state_keeps_the_first_reason_and_a_shut_down_link_stays_shut_down() -> None:
+    state = LinkState("head")
+    state.raise_if_stopped()  # nothing yet
+    assert (state.phase, state.stopped, state.closed) == (Phase.OPEN, None, False)
     first = RunStopped("worker rank 1 refused")
-    assert run.stop(first) is first
-    run.stop(RunStopped("a later reason"))
-    assert str(run.stopped) == "worker rank 1 refused" and run.stopped is not first
-    assert closed == [1, 1]
+    assert state.stop(first) is first
+    state.stop(RunStopped("a later reason"))
+    assert str(state.stopped) == "worker rank 1 refused" and state.stopped is not first
+    assert state.phase is Phase.STOPPED and not state.closed  # the link closes itself once the part's call is over
     with pytest.raises(RunStopped, match=r"^head: the run stopped earlier \(worker rank 1 refused\); this link runs"):
-        run.raise_if_stopped()
+        state.raise_if_stopped()
+    shut = LinkState("head")
+    shut.phase = Phase.SHUT_DOWN
+    shut.stop(RunStopped("a sync point before the shutdown failed"))
+    assert shut.phase is Phase.SHUT_DOWN and shut.stopped is not None
 
 
 def never(error: BaseException) -> RunStopped:
@@ -49,36 +53,36 @@ def never(error: BaseException) -> RunStopped:
 
 
 def test_an_error_in_a_collective_block_stops_the_run_with_what_the_rank_makes_of_it() -> None:
-    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
     stopped = RunStopped("what the head's reports say")
-    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, lambda error: stopped, "head"):
+    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, lambda error: stopped):
         raise KeyError("slot 3")
     assert info.value is stopped and isinstance(info.value.__cause__, KeyError) and scope.blocks == 0
 
 
 def test_the_heads_collective_block_ends_its_forward_which_must_have_run_a_collective() -> None:
-    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
     stream.begin(3, 0xE0)
     scope.begin(False)
-    with stop_on_error(run, stream, scope, never, "head"):
+    with stop_on_error(run, stream, scope, never):
         scope.ran += 1  # what check_collective counts
     assert not scope.open and run.stopped is None
     scope.begin(False)
-    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, never, "head"):
+    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, never):
         pass  # a forward that skipped its all-reduce, or called torch.distributed directly
     assert str(info.value).startswith("head: the run stopped in command 1 (seq_id=3, cmd=224): it ran no collective")
     assert "link.empty_forward()" in str(info.value) and run.stopped is not None
 
 
 def test_a_forward_declared_empty_runs_no_collective_and_a_workers_block_leaves_the_count_to_its_step() -> None:
-    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
+    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
     scope.begin(False)
     scope.empty = True  # what empty_forward() says
-    with stop_on_error(run, stream, scope, never, "head"):
+    with stop_on_error(run, stream, scope, never):
         pass
-    worker = RunState("worker rank 1", lambda: None)
+    worker = LinkState("worker rank 1")
     scope.begin(False)
-    with stop_on_error(worker, stream, scope, never, "worker rank 1"):
+    with stop_on_error(worker, stream, scope, never):
         assert scope.allows()  # inside a block, a collective of a command not declared is allowed
     assert scope.open and not scope.allows() and worker.stopped is None and run.stopped is None
 
@@ -90,8 +94,8 @@ def test_one_rank_keeps_no_scope() -> None:
 
 
 def test_an_interrupt_in_a_collective_block_passes_and_ends_the_run() -> None:
-    run, stream, scope = RunState("head", lambda: None), CommandStream(), ForwardScope(True)
-    with pytest.raises(KeyboardInterrupt), stop_on_error(run, stream, scope, never, "head"):
+    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
+    with pytest.raises(KeyboardInterrupt), stop_on_error(run, stream, scope, never):
         raise KeyboardInterrupt
     assert "the run stopped in command 0" in str(run.stopped) and "KeyboardInterrupt" in str(run.stopped)
 
@@ -133,7 +137,7 @@ def _reports(world_size: int, transport: RecordingTransport | None = None) -> Wo
     stream = CommandStream()
     stream.begin(0, 5)
     head = RecordingTransport(world_size) if transport is None else transport
-    return WorkerReports(head, settings, stream, RunState("head", lambda: None), {})
+    return WorkerReports(head, settings, stream, LinkState("head"), {})
 
 
 def test_the_head_puts_first_hand_reports_before_witnesses() -> None:
@@ -225,6 +229,6 @@ def test_a_corrupt_answer_is_a_link_error() -> None:
     settings = LinkSettings.checked(
         0, 2, num_slots=4, protocol=ProtocolVersion.V2, seq_id_on_wire=True, command_timeout=1.0
     )
-    reports = WorkerReports(Garbled(2), settings, CommandStream(), RunState("head", lambda: None), {})
+    reports = WorkerReports(Garbled(2), settings, CommandStream(), LinkState("head"), {})
     with pytest.raises(EpLinkError, match="head: a corrupt answer"):
         reports.poll()

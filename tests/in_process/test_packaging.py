@@ -27,7 +27,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contents(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     package = {n for n in names if n.startswith("metrale_model_engine/")}
-    modules = ["__init__.py", "py.typed", "_engine/model.py", "_engine/link.py", "_engine/worker.py"]
+    modules = ["__init__.py", "py.typed", "_trait/model_ep.py", "_engine/link.py", "_trait/worker_loop.py"]
     modules += ["_core/codec.py", "_shm/ring.py", "_torch/transport.py", "testing.py", "toy.py", "wire.py"]
     shipped = [f"reference/tiny_moe/{name}" for name in ("config.json", "generation_config.json", "model.safetensors",
                                                          "tokenizer.json")]  # fmt: skip

@@ -5,6 +5,21 @@ The classification is what keeps head and workers in step: a worker that sees
 next command (the head raises the same error for the same request); a worker that
 sees an :class:`EpLinkError` lost the link and must exit, since the next word it
 would read is no longer known to be a header.
+
+The tree (a second base in brackets)::
+
+    EpError
+    ├── EpCommandFailed ............. a worker's command failed; the worker stays up
+    ├── EpWorkerFailed .............. the head: workers reported failed commands
+    ├── EpLinkError [ConnectionError] the link failed; a worker that sees it exits
+    │   ├── EpReceiveError .......... a worker's receive failed
+    │   ├── EpSendError ............. the head's send failed
+    │   └── RunStopped .............. the run is over on every rank
+    │       └── EpCommandRefused .... a worker's collective command failed
+    ├── EpSetupError [RuntimeError] . the ranks disagree at setup
+    ├── EpRoleError [RuntimeError] .. a head's call on a worker, or the reverse
+    ├── EpMismatchError [ValueError]  a follow-up other than the head sent
+    └── EpDivergenceError [RuntimeError]  the ranks' streams or states differ
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
+from typing_extensions import TypeVar
+
 from .words import check_u32, u32_values
 
 
@@ -61,3 +63,7 @@ class SequenceState:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seq_id={self._seq_id}, tokens={self._tokens!r})"
+
+
+S = TypeVar("S", bound=SequenceState, default=SequenceState)
+"""The slot type of a model: :class:`SequenceState` or the model's own subclass."""

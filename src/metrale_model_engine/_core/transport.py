@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 from typing_extensions import Buffer
+
+GATHER_WORDS: Final = 13
+"""u32 words one rank puts into one ``gather`` at most (a shared-memory line's words, less its header)."""
 
 
 class HeadTransport(Protocol):
@@ -25,7 +28,7 @@ class HeadTransport(Protocol):
         ...
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
-        """Every rank's ``words`` (at most 13 u32 words, the same count on each), by rank.  Collective.
+        """Every rank's ``words`` (at most ``GATHER_WORDS`` u32 words, the same count on each), by rank.  Collective.
 
         ``timeout`` bounds the wait for every rank (``None``: the transport's setup
         limit).
@@ -71,7 +74,7 @@ class WorkerTransport(Protocol):
         ...
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
-        """Every rank's ``words`` (at most 13 u32 words, the same count on each), by rank.  Collective.
+        """Every rank's ``words`` (at most ``GATHER_WORDS`` u32 words, the same count on each), by rank.  Collective.
 
         ``timeout`` bounds the wait for every rank (``None``: the transport's setup
         limit).

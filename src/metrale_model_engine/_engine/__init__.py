@@ -1,4 +1,5 @@
-"""The engine: ``EpLink`` and its parts (settings, the setup exchange, the command stream, the run's
-state, the worker's reader, the head's sender and view of its workers' reports, sync points), the
-``ModelEp`` trait, ``LinkedEp`` and ``run_worker``.  Speaks to any transport through the protocol of
-``_core.transport``; imports no backend."""
+"""The engine: ``EpLink`` and its parts, one room per path: ``settings`` (checked once; the setup exchange),
+``run_state`` (the stream's count, the link's one state, the forward's scope), the head's ``sender``,
+``reports`` and ``sync`` (with the pure ``agreement``), the worker's ``reader`` and ``way_back``, ``answers``
+(decoded for both of the head's readers), ``forward`` (a forward's collectives) and ``link``.  Speaks to any
+transport through the protocol of ``_core.transport``; imports no backend."""

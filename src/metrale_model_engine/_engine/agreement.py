@@ -12,13 +12,12 @@ as a digest can tell.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .._core.codec import Ack, Report, WireError, decode_answer
-from .._core.errors import WorkerFailure
+from .._core.codec import Ack
 
-__all__ = ["HeadFigures", "differences", "disagreement_of_values", "read_answers"]
+__all__ = ["HeadFigures", "differences", "disagreement_of_values"]
 
 
 @dataclass(frozen=True)
@@ -31,30 +30,6 @@ class HeadFigures:
     state_digest: int | None
     agreed_commands: int
     """The commands sent by the last sync point where every rank agreed (0: the start)."""
-
-
-def read_answers(rank: int, answers: Iterable[bytes]) -> tuple[list[WorkerFailure], list[Ack]]:
-    """The failures and acknowledgements in worker ``rank``'s answers.
-
-    Raises:
-        WireError: an answer is neither (the message names the rank).
-    """
-    failures: list[WorkerFailure] = []
-    acks: list[Ack] = []
-    for answer in answers:
-        try:
-            decoded = decode_answer(answer)
-        except WireError as error:
-            raise WireError(f"worker rank {rank}: {error}") from None
-        if isinstance(decoded, Report):
-            failures.append(
-                WorkerFailure(
-                    rank, decoded.command, decoded.seq_id, decoded.cmd, decoded.error, decoded.stopped, decoded.witness
-                )
-            )
-        else:
-            acks.append(decoded)
-    return failures, acks
 
 
 def differences(head: HeadFigures, acks: Mapping[int, Ack]) -> tuple[str, list[int]] | None:

@@ -7,20 +7,20 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from .._core.errors import RunStopped, describe_command
-from .reader import CommandReader
 from .reports import EXIT_GRACE, WorkerReports
-from .run_state import CommandStream, ForwardScope, RunState, undeclared
+from .run_state import CommandStream, ForwardScope, LinkState, undeclared
 from .settings import LinkSettings
+from .way_back import WorkerWayBack
 
 
 @contextmanager
 def stop_on_error(
-    run: RunState, stream: CommandStream, scope: ForwardScope, failed: Callable[[BaseException], RunStopped], who: str
+    state: LinkState, stream: CommandStream, scope: ForwardScope, failed: Callable[[BaseException], RunStopped]
 ) -> Iterator[None]:
     """``EpLink.collective``'s block: a failure inside it stops the run with what ``failed`` makes of it.
 
     ``failed`` is a worker's refusal of its command, or the head's reading of its
-    workers' reports.  On the head (``who``), the block's end is its forward's
+    workers' reports.  On the head, the block's end is its forward's
     end; a forward that ran no collective there is refused: it cannot have met
     the workers' collectives.
     """
@@ -33,15 +33,15 @@ def stop_on_error(
         raise failed(error) from error
     except BaseException as interrupt:  # KeyboardInterrupt, SystemExit: they pass, the run is over
         where = describe_command(stream.commands, *stream.command)
-        run.stop(RunStopped(f"{who}: the run stopped in {where}: {type(interrupt).__name__}"))
+        state.stop(RunStopped(f"{state.who}: the run stopped in {where}: {type(interrupt).__name__}"))
         raise
     finally:
         scope.blocks -= 1
-    if who == "head" and scope.open and not scope.blocks:
+    if state.who == "head" and scope.open and not scope.blocks:
         scope.open = False
         if scope.ran_none():
             where = describe_command(stream.commands, *stream.command)
-            raise run.stop(
+            raise state.stop(
                 RunStopped(
                     f"head: the run stopped in {where}: it ran no collective: its forward inside "
                     "`with link.collective():` made no all-reduce through Collectives (it was skipped, or called "
@@ -59,14 +59,23 @@ class ForwardCollectives:
     """
 
     __slots__ = ()
-    _run: RunState
+    _state: LinkState
     _scope: ForwardScope
-    _reader: CommandReader
-    _reports: WorkerReports | None
+    _reports: WorkerReports
+    _way_back: WorkerWayBack
     _settings: LinkSettings
     _stream: CommandStream
     _stand_in: ForwardCollectives | None
     """The link that counts this one's collectives while a replay runs (``testing.RecordingEp.replay``)."""
+
+    def close(self) -> None:
+        """Close the link (``EpLink.close``)."""
+        raise NotImplementedError
+
+    def _close_stopped(self) -> None:
+        """Once a part recorded that the run stopped, the link closes itself (once: ``close`` is idempotent)."""
+        if self._state.stopped is not None:
+            self.close()
 
     def collective(self) -> AbstractContextManager[None]:
         """Run a block that makes collectives with the other ranks: if it raises, the run stops on every rank.
@@ -88,9 +97,16 @@ class ForwardCollectives:
         Raises:
             RunStopped: the block raised, its forward ran no collective, or the run stopped earlier.
         """
-        self._run.raise_if_stopped()
-        failed = self._reader.refuse if self._reports is None else self._reports.forward_failed
-        return stop_on_error(self._run, self._stream, self._scope, failed, self._settings.who)
+        self.raise_if_stopped()
+        return self._block(self._way_back.refuse if self._settings.rank else self._reports.forward_failed)
+
+    @contextmanager
+    def _block(self, failed: Callable[[BaseException], RunStopped]) -> Iterator[None]:
+        try:
+            with stop_on_error(self._state, self._stream, self._scope, failed):
+                yield
+        finally:
+            self._close_stopped()
 
     def check_collective(self, what: str = "a collective") -> None:
         """Before each collective of a forward: refuse it where nothing declared it, else count it.
@@ -116,16 +132,19 @@ class ForwardCollectives:
         if self._stand_in is not None:
             self._stand_in.check_collective(what)
             return
-        self._run.raise_if_stopped()
+        self.raise_if_stopped()
         scope = self._scope
         if scope.allows():
             scope.ran += 1
             return
         text = undeclared(self._settings.who, what, self._stream.command[1])
-        if self._reports is None:
-            raise self._reader.refused(text)
-        where = describe_command(self._stream.commands, *self._stream.command)
-        raise self._run.stop(RunStopped(f"head: the run stopped in {where}: {text}"))
+        if self._settings.rank:
+            refused: RunStopped = self._way_back.refused(text)
+        else:
+            where = describe_command(self._stream.commands, *self._stream.command)
+            refused = self._state.stop(RunStopped(f"head: the run stopped in {where}: {text}"))
+        self._close_stopped()
+        raise refused
 
     def empty_forward(self) -> None:
         """Say that the forward of the command in flight runs no collective, on this rank and every other.
@@ -165,15 +184,22 @@ class ForwardCollectives:
         """
         if self._stand_in is not None:
             return self._stand_in.collective_failed(error, what=what, grace=grace)
-        if self._run.stopped is not None:
-            return self._run.still_stopped()
-        if self._reports is None:
-            return self._reader.witness(error, what)
-        return self._reports.collective_failed(error, what, grace)
+        state = self._state
+        if state.stopped is not None:
+            self.close()
+            return state.still_stopped()
+        if self._settings.rank:
+            stopped = self._way_back.witness(error, what)
+        else:
+            stopped = self._reports.collective_failed(error, what, grace)
+        self._close_stopped()
+        return stopped
 
     def raise_if_stopped(self) -> None:
         """Raise :class:`RunStopped` if the run stopped (:attr:`stopped`); for a model's head methods, first thing.
 
         Sends and steps check it themselves; a head method calls it before its own checks.
         """
-        self._run.raise_if_stopped()
+        if self._state.stopped is not None:
+            self.close()
+            raise self._state.still_stopped()

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Container, MutableSequence
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from typing_extensions import Buffer, Self
 
-from .._core.codec import encode_command, encode_header, encode_plain_command, encode_tokens_prefix, encode_word
-from .._core.errors import RunStopped
+from .._core.errors import EpRoleError, RunStopped
 from .._core.protocol import ProtocolVersion
-from .._core.tokens import ArrayInterface, TokenArray, as_u32_buffer, token_count
+from .._core.state import S
+from .._core.tokens import ArrayInterface, TokenArray
 from .._core.transport import EpTransport
-from .._core.words import check_u32
 from .forward import ForwardCollectives
-from .model import S
-from .reader import CommandReader, RunCommand, StateDigest
+from .reader import CommandReader, RunCommand
 from .reports import WorkerReports
-from .run_state import CommandStream, ForwardScope, RunState
-from .sender import HeadSender, checked_follow_ups, checked_header
+from .run_state import CommandStream, ForwardScope, LinkState, Phase
+from .sender import HeadSender
 from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
-from .sync import SyncPoints
+from .sync import SyncPoints, assert_ranks_agree, gather_u32
+from .way_back import StateDigest, WorkerWayBack
 
 
 class EpLink(ForwardCollectives):
@@ -65,21 +64,23 @@ class EpLink(ForwardCollectives):
         EpLinkError: the setup exchange itself failed (a rank died, a timeout).
     """
 
-    # The parts: settings (read-only), the stream's count, the run's state and its forward's scope, the
-    # worker's reader, the head's sender and view of its workers' reports, the sync points.  _stand_in: the
-    # link whose collectives this one counts while a replay runs (testing.RecordingEp.replay).
+    # The parts: settings (read-only), the stream's count, the link's one state, its forward's scope; the
+    # head's sender, view of its workers' reports and sync points, or the worker's reader and way back (the
+    # other role's parts are stand-ins that raise EpRoleError).  _stand_in: the link whose collectives this
+    # one counts while a replay runs (testing.RecordingEp.replay).
     __slots__ = (
-        "_closed",
         "_reader",
         "_reports",
-        "_run",
         "_scope",
         "_sender",
         "_settings",
         "_stand_in",
+        "_state",
+        "_state_digest",
         "_stream",
         "_sync",
         "_transport",
+        "_way_back",
     )
 
     def __init__(
@@ -96,17 +97,24 @@ class EpLink(ForwardCollectives):
         local_workers = agree_on_setup(transport, settings)
         self._settings = settings
         self._transport = transport
-        self._closed = False
         stream = self._stream = CommandStream()
-        run = self._run = RunState(settings.who, self.close)
+        state = self._state = LinkState(settings.who)
         scope = self._scope = ForwardScope(settings.world_size > 1)
         self._stand_in = None
-        self._reader = CommandReader(transport, settings, stream, run, scope)
-        reports = self._reports = (
-            WorkerReports(transport, settings, stream, run, local_workers) if settings.rank == 0 else None
-        )
-        self._sender = HeadSender(transport, settings, stream, run, scope, reports, lambda: self._closed)
-        self._sync = SyncPoints(transport, settings, stream, reports, self._sender.send)
+        self._state_digest: StateDigest | None = None
+        if settings.rank == 0:
+            reports = self._reports = WorkerReports(transport, settings, stream, state, local_workers)
+            sender = self._sender = HeadSender(transport, settings, stream, state, scope, reports)
+            self._sync = SyncPoints(transport, settings, stream, sender, reports)
+            self._reader = cast(CommandReader, _WORKER_ONLY)
+            self._way_back = cast(WorkerWayBack, _WORKER_ONLY)
+        else:
+            head_only = _HeadOnly(settings.rank)
+            self._reports = cast(WorkerReports, head_only)
+            self._sender = cast(HeadSender, head_only)
+            self._sync = cast(SyncPoints, head_only)
+            way_back = self._way_back = WorkerWayBack(transport, settings, stream, state)
+            self._reader = CommandReader(transport, settings, stream, state, scope, way_back)
 
     # -- what every rank can ask -------------------------------------------
 
@@ -148,17 +156,17 @@ class EpLink(ForwardCollectives):
     @property
     def workers_shut_down(self) -> bool:
         """Whether the head has sent the shutdown header (:meth:`shutdown_workers`)."""
-        return self._sender.shut_down
+        return self._state.phase is Phase.SHUT_DOWN
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran (or the run stopped, which closes the link)."""
-        return self._closed
+        return self._state.closed
 
     @property
     def stopped(self) -> RunStopped | None:
         """Why the run stopped (a copy of the first :class:`RunStopped` raised), ``None`` while it goes on."""
-        return self._run.stopped
+        return self._state.stopped
 
     @property
     def commands(self) -> int:
@@ -171,13 +179,15 @@ class EpLink(ForwardCollectives):
 
         Set it on every rank (the same function): :meth:`sync` compares the workers' with the head's.
         """
-        return self._reader.state_digest
+        return self._state_digest
 
     @state_digest.setter
     def state_digest(self, digest: StateDigest | None) -> None:
         if digest is not None and not callable(digest):
             raise TypeError(f"state_digest must be a function of the slots or None, got {type(digest).__name__}")
-        self._reader.state_digest = digest
+        self._state_digest = digest
+        if self._settings.rank:
+            self._way_back.state_digest = digest
 
     # -- head: sends ---------------------------------------------------------
 
@@ -196,32 +206,38 @@ class EpLink(ForwardCollectives):
             EpWorkerFailed, RunStopped: workers reported failures (nothing is sent).
             EpRoleError, EpSendError: see the class.
         """
-        seq_id, cmd = checked_header(self._settings, seq_id, cmd)
-        plain = encode_plain_command(seq_id, cmd, follow_ups)
-        message = encode_command(seq_id, cmd, checked_follow_ups(follow_ups)) if plain is None else (plain,)
-        self._sender.start(seq_id, cmd, message)
+        try:
+            self._sender.send_command(seq_id, cmd, follow_ups)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     def send_header(self, seq_id: int, cmd: int) -> None:
         """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
 
         Raises as :meth:`send_command`.
         """
-        seq_id, cmd = checked_header(self._settings, seq_id, cmd)
-        self._sender.start(seq_id, cmd, (encode_header(seq_id, cmd),))
+        try:
+            self._sender.send_header(seq_id, cmd)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     def send_word(self, word: int) -> None:
         """Head: send one follow-up word of the command in flight (see the class for what a send raises)."""
-        if type(word) is not int or word >> 32:
-            word = check_u32("word", word)
-        self._sender.require_head()
-        self._sender.send((encode_word(word),))
+        try:
+            self._sender.send_word(word)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     def send_tokens(self, tokens: TokenArray) -> Buffer:
         """Head: send one follow-up token array; return it as the u32 buffer that was sent (see the class)."""
-        buffer = as_u32_buffer("tokens", tokens)
-        self._sender.require_head()
-        self._sender.send((encode_tokens_prefix(token_count(buffer)), buffer))
-        return buffer
+        try:
+            return self._sender.send_tokens(tokens)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     # -- head: the workers' state ------------------------------------------------
 
@@ -241,11 +257,15 @@ class EpLink(ForwardCollectives):
             EpRoleError, EpSendError: see the class.
             EpLinkError: a worker died, or did not answer in ``command_timeout`` (named).
         """
-        self._sender.require_head()
+        sync = self._sync.sync  # EpRoleError on a worker, before the digest runs
         if self._settings.world_size == 1:
             return
-        digest = self._reader.state_digest
-        self._sync.sync(None if slots is None or digest is None else digest(slots))
+        digest = self._state_digest
+        try:
+            sync(None if slots is None or digest is None else digest(slots))
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
         """Head: a sync point (:meth:`sync`), then the shutdown header; every worker's loop then ends.
@@ -259,18 +279,17 @@ class EpLink(ForwardCollectives):
             EpWorkerFailed, EpDivergenceError, RunStopped: as :meth:`sync`.
             EpRoleError, EpSendError: see the class.
         """
-        sender = self._sender
-        sender.require_head()
-        if sender.shut_down:
+        shutdown = self._sender.shutdown  # EpRoleError on a worker
+        if self._state.phase is Phase.SHUT_DOWN:
             return
-        self._run.raise_if_stopped()
+        self.raise_if_stopped()
         self._scope.open = False
         try:
             self.sync(slots)
         except BaseException as failure:
-            sender.shutdown(failure)  # the sync point's error says what went wrong, not this send's
+            shutdown(failure)  # the sync point's error says what went wrong, not this send's
             raise
-        sender.shutdown(None)
+        shutdown(None)
 
     def check_workers(self, timeout: float = 0.0) -> None:
         """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
@@ -288,9 +307,11 @@ class EpLink(ForwardCollectives):
             EpRoleError: called on a worker.
             TypeError, ValueError: ``timeout`` is not a number of seconds ``>= 0``.
         """
-        self._sender.require_head()
-        assert self._reports is not None
-        self._reports.check(timeout)
+        try:
+            self._reports.check(timeout)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     # -- every rank: values all ranks must agree on -----------------------------
 
@@ -302,7 +323,7 @@ class EpLink(ForwardCollectives):
         is not a u32; ``EpLinkError`` when a rank did not take part in time, or died.
         """
         self._scope.ran += 1  # a collective of the command in flight, if any
-        return self._sync.gather_u32(value)
+        return gather_u32(self._transport, self._settings, value)
 
     def min_u32(self, value: int) -> int:
         """The smallest ``value`` (a u32) of every rank, on every rank (a :meth:`gather_u32`)."""
@@ -311,12 +332,12 @@ class EpLink(ForwardCollectives):
     def assert_ranks_agree(self, **values: int) -> None:
         """Raise :class:`EpDivergenceError` on every rank unless every rank passed the same named u32 values.
 
-        Collective, like :meth:`gather_u32`; at most 12 values (``ValueError`` past
-        that).  The message lists every value that differs (the names too count), with
+        Collective, like :meth:`gather_u32`; at most ``AGREED_VALUES`` (12) values
+        (``ValueError`` past that).  The message lists every value that differs (the names too count), with
         each rank's.  Raises as :meth:`gather_u32` otherwise.
         """
         self._scope.ran += 1
-        self._sync.assert_ranks_agree(values)
+        assert_ranks_agree(self._transport, self._settings, values)
 
     # -- worker --------------------------------------------------------------
 
@@ -343,7 +364,11 @@ class EpLink(ForwardCollectives):
                 message, the head closed its link); the worker must exit.
             EpRoleError: called on the head.
         """
-        return self._reader.step(run, slots, collective)
+        try:
+            return self._reader.step(run, slots, collective)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     def recv_word(self) -> int:
         """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
@@ -383,14 +408,17 @@ class EpLink(ForwardCollectives):
         within a second; once the run stopped, without waiting), so that every
         worker's next receive raises :class:`EpReceiveError` at once.
         """
-        if self._closed:
+        state = self._state
+        if state.closed:
             return
-        self._closed = True
+        state.closed = True
         try:
-            self._sender.tell_closed()
+            if self._settings.rank == 0:
+                try:
+                    self._sender.tell_closed()
+                finally:
+                    self._reports.close()
         finally:
-            if self._reports is not None:
-                self._reports.close()
             self._transport.close()
 
     def __enter__(self) -> Self:
@@ -401,8 +429,34 @@ class EpLink(ForwardCollectives):
 
     def __repr__(self) -> str:
         settings = self._settings
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._state.closed else self._state.phase.value
         return (
             f"<EpLink rank {settings.rank} of {settings.world_size}, protocol {settings.protocol.value}, "
             f"{settings.num_slots} slots, {type(self._transport).__name__}, {state}>"
         )
+
+
+class _HeadOnly:
+    """Stands in, on a worker, for the head's parts: whatever is asked of them raises ``EpRoleError``."""
+
+    __slots__ = ("_rank",)
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise EpRoleError(f"only the head (rank 0) sends; this is worker rank {self._rank}")
+
+
+class _WorkerOnly:
+    """Stands in, on the head, for a worker's parts: whatever is asked of them raises ``EpRoleError``."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> NoReturn:
+        if name == "step":
+            raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
+        raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
+
+
+_WORKER_ONLY = _WorkerOnly()

@@ -1,4 +1,4 @@
-"""The worker's side of a link: the item stream, the step that runs a command, the receives.
+"""The worker's reading of the command stream: the step that runs a command, the receives.
 
 Pull-style: a worker asks for the next header (:meth:`CommandReader.step`) and then
 for each follow-up it expects (``recv_word``, ``recv_tokens``...); the reader
@@ -16,123 +16,101 @@ fail here alone: the other ranks are in, or on their way to, its collectives.  A
 failure of one is a refusal (:class:`EpCommandRefused`): it is reported to the head
 as a report that stops the run, and the link refuses every later step.
 
-The way back: every command that fails on a worker is also reported to the head
-(``EpTransport.answer``), and a sync item on the stream is answered with what the
-worker received (a count of commands and a digest of every message) and, when the
-head asks, the digest of its state.
+What a worker answers (reports, refusals, sync points) goes back through ``way_back``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Container, MutableSequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from typing_extensions import Buffer
 
 from .._core.checks import check_slot
 from .._core.codec import (
-    Ack,
     Item,
     ItemKind,
-    Report,
     WireError,
     decode_header,
     decode_item,
     decode_tokens,
     decode_word,
     describe_item,
-    encode_ack,
-    encode_report,
     fold_message,
 )
 from .._core.errors import (
     EpCommandFailed,
-    EpCommandRefused,
     EpLinkError,
     EpMismatchError,
     EpReceiveError,
-    EpRoleError,
     RunStopped,
-    WorkerFailure,
     describe_command,
     error_text,
 )
+from .._core.state import S
 from .._core.tokens import ArrayInterface, writable_u32_buffer
 from .._core.transport import EpTransport
 from .._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from .model import S
-from .run_state import CommandStream, ForwardScope, RunState, ran_no_collective
+from .run_state import CommandStream, ForwardScope, LinkState, ran_no_collective
 from .settings import LinkSettings
+from .way_back import WorkerWayBack
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""
 
-StateDigest = Callable[[Any], int]
-"""A digest of a rank's slots, ``digest(slots) -> int`` (u64), compared at sync points (``EpLink.state_digest``)."""
-
 _NO_WORDS = memoryview(b"").cast(U32_TYPECODE)
-_LOGGER = logging.getLogger("metrale_model_engine.link")
-_LEAVE_TIMEOUT = 1.0
-"""Seconds a worker that stops the run waits to hand its last report over (best effort)."""
 _NO_COMMANDS: frozenset[int] = frozenset()
 
 
 class CommandReader:
-    """A worker's reading of the command stream: the step that runs a command, the follow-ups, the way back.
-
-    Every rank's link has one; on the head its methods raise ``EpRoleError``.
+    """A worker's reading of the command stream (``EpLink.step`` and the receives state the contract).
 
     Args:
-        transport, settings, stream, run, scope: the link's parts.
+        transport, settings, stream, state, scope: the link's parts.
+        way_back: where the worker's answers go.
     """
 
     __slots__ = (
         "_at",
-        "_collective",
         "_last_failed",
-        "_reports",
-        "_run",
         "_scope",
         "_settings",
+        "_state",
         "_stream",
         "_transport",
+        "_way_back",
         "_whole",
         "_words",
-        "state_digest",
     )
 
     def __init__(
-        self, transport: EpTransport, settings: LinkSettings, stream: CommandStream, run: RunState, scope: ForwardScope
+        self,
+        transport: EpTransport,
+        settings: LinkSettings,
+        stream: CommandStream,
+        state: LinkState,
+        scope: ForwardScope,
+        way_back: WorkerWayBack,
     ) -> None:
         self._transport = transport
         self._settings = settings
         self._stream = stream
-        self._run = run
+        self._state = state
         self._scope = scope
+        self._way_back = way_back
         self._words = _NO_WORDS  # the current message, as u32 words
         self._at = 0  # the index of its next unread word
         self._last_failed = False  # the last command failed: skip what it left unread
         self._whole = False  # the command in flight came as one message, every follow-up in it
-        self._collective = False  # the command in flight runs collectives: a failure stops the run
-        self._reports = 0  # failures this worker reported
-        self.state_digest: StateDigest | None = None
-        """The digest of this rank's slots that sync points ask for (``EpLink.state_digest``)."""
 
     # -- the step ------------------------------------------------------------
 
     def step(
         self, run: RunCommand[S], slots: MutableSequence[S | None], collective: Container[int] = _NO_COMMANDS
     ) -> bool:
-        """Worker: ``EpLink.step``: receive the next header and run its command with ``run(seq_id, cmd, slots)``.
-
-        ``collective`` holds the command words whose forward runs collectives.  What
-        it raises, and when, is ``EpLink.step``'s contract.
-        """
-        if self._settings.rank == 0:
-            raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
-        if self._run.stopped is not None:
-            raise self._run.still_stopped()
+        """``EpLink.step``: receive the next header and run its command with ``run(seq_id, cmd, slots)``."""
+        if self._state.stopped is not None:
+            raise self._state.still_stopped()
         if self._at >= len(self._words):
             self._words, self._at = self._receive(None), 0
         header = decode_header(self._words, self._at)
@@ -143,88 +121,35 @@ class CommandReader:
             return False
         self._stream.begin(seq_id, cmd)
         self._last_failed = True  # until the command returns
-        self._collective = cmd in collective
+        way_back = self._way_back
+        way_back.collective = cmd in collective
         scope = self._scope
-        scope.begin(self._collective)
+        scope.begin(way_back.collective)
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
             if self._whole and self._at < len(self._words):
                 raise self._left_unread(self._skip_rest())
             if scope.open and scope.declared and scope.ran_none():
-                raise self.refused(ran_no_collective(cmd))
+                raise way_back.refused(ran_no_collective(cmd))
         except RunStopped as stopped:
-            if self._run.stopped is None:  # the hook refused the command itself: tell the head first
-                self.leave(stopped, error_text(stopped))
+            if self._state.stopped is None:  # the hook refused the command itself: tell the head first
+                way_back.leave(stopped, error_text(stopped))
             raise
         except EpLinkError:
             raise
         except EpCommandFailed as failed:  # the hook tagged it itself
-            if self._collective:
-                raise self._failed(failed.cause) from failed.cause
-            self._report(seq_id, cmd, error_text(failed.cause))
+            if way_back.collective:
+                raise way_back.refuse(failed.cause) from failed.cause
+            way_back.report(error_text(failed.cause))
             raise
         except Exception as error:
-            raise self._failed(error) from error
+            raise way_back.failed(error) from error
         finally:
             self._whole = False  # follow-ups read outside a step wait for the head, as before any command
             scope.open = False
         self._last_failed = False
         return True
-
-    def refuse(self, error: BaseException) -> EpCommandRefused:
-        """Refuse the command in flight, failed by ``error``, as one that runs collectives (``EpLink.collective``)."""
-        return self.refused(error_text(error))
-
-    def refused(self, text: str) -> EpCommandRefused:
-        """Refuse the command in flight for ``text``: report it to the head as stopping the run, stop; return it."""
-        self._collective = True
-        seq_id, cmd = self._stream.command
-        number = self._stream.commands
-        failure = WorkerFailure(self._settings.rank, number, seq_id, cmd, text, stopped=True)
-        refused = EpCommandRefused(
-            f"{self._settings.who}: {describe_command(number, seq_id, cmd)}, which runs collectives, "
-            f"failed here, so the run stops on every rank: {text}",
-            (failure,),
-        )
-        self.leave(refused, text)
-        return refused
-
-    def _failed(self, error: BaseException) -> EpCommandFailed | EpCommandRefused:
-        """Report the command in flight as failed by ``error``; return what to raise.
-
-        A command that runs collectives is refused: the report stops the run, and so
-        does the :class:`EpCommandRefused` returned.
-        """
-        if self._collective:
-            return self.refuse(error)
-        self._report(*self._stream.command, error_text(error))
-        return EpCommandFailed(error)
-
-    def witness(self, error: BaseException, what: str) -> RunStopped:
-        """A collective (``what``) of the command in flight failed here: report it as a witness, stop; return it."""
-        where = describe_command(self._stream.commands, *self._stream.command)
-        stopped = RunStopped(
-            f"{self._settings.who}: the run stopped in {where}: {what} failed, so a rank died, "
-            f"left the run or stalls: {error_text(error)}"
-        )
-        self.leave(stopped, f"{what} failed here: {error_text(error)}", witness=True)
-        return stopped
-
-    def leave(self, stopped: RunStopped, text: str, *, witness: bool = False) -> None:
-        """Worker: tell the head that the command in flight stopped the run, and why; stop; close the link.
-
-        The report is best effort, within a second (the head may be gone, or its
-        answer ring full); closing the link hands it over even where reports
-        otherwise wait for a sync point.  ``witness``: this worker's collective failed.
-        """
-        try:
-            report = Report(self._stream.commands, *self._stream.command, text, True, witness)
-            self._answer(encode_report(report), timeout=_LEAVE_TIMEOUT)
-            self._reports += 1
-        except EpLinkError as error:
-            _LOGGER.debug("%s could not report why the run stopped: %s", self._settings.who, error)
-        self._run.stop(stopped)
 
     def _skip_rest(self) -> list[str]:
         """Consume the items left in the current message; describe each."""
@@ -244,6 +169,7 @@ class CommandReader:
         """
         skipped: list[str] = []
         reported = self._last_failed  # a failed command was reported already
+        way_back = self._way_back
         while True:
             item = self._peek(None)
             if item.starts_command:
@@ -251,18 +177,18 @@ class CommandReader:
             self._at = item.end
             if item.kind is not ItemKind.SYNC:
                 skipped.append(describe_item(item))
-                if self._collective and not self._last_failed:
+                if way_back.collective and not self._last_failed:
                     self._last_failed = True
-                    raise self._failed(self._left_unread(skipped))
+                    raise way_back.failed(self._left_unread(skipped))
                 continue
             if skipped and not reported:
-                self._report(*self._stream.command, error_text(self._left_unread(skipped)))
+                way_back.report(error_text(self._left_unread(skipped)))
                 reported = True
-            self._answer_sync(item.first, bool(item.second & 1), slots)
+            way_back.acknowledge(item.first, bool(item.second & 1), slots)
         if skipped and not self._last_failed:  # raised once; the header behind them runs at the next step
             error = self._left_unread(skipped)
             if not reported:
-                self._report(*self._stream.command, error_text(error))
+                way_back.report(error_text(error))
             raise EpCommandFailed(error)
         return item.first, item.second, item.end, item.kind is ItemKind.COMMAND
 
@@ -273,39 +199,10 @@ class CommandReader:
             f"left {', '.join(skipped)} unread; {them} skipped"
         )
 
-    def _report(self, seq_id: int, cmd: int, text: str) -> None:
-        """Tell the head that the command in flight (its count of them) failed here, and why (``text``)."""
-        self._answer(encode_report(Report(self._stream.commands, seq_id, cmd, text)))
-        self._reports += 1
-
-    def _answer_sync(self, number: int, compare_state: bool, slots: MutableSequence[S | None]) -> None:
-        digest = self.state_digest(slots) if compare_state and self.state_digest is not None else None
-        stream = self._stream
-        self._answer(encode_ack(Ack(number, stream.crc, stream.commands, self._reports, digest)))
-        try:
-            self._transport.flush_answers(self._settings.command_timeout)
-        except Exception as error:
-            raise EpReceiveError(f"{self._settings.who}: answering sync point {number} failed: {error}") from error
-
-    def _answer(self, answer: bytes, *, timeout: float | None = None) -> None:
-        try:
-            self._transport.answer(answer, self._settings.command_timeout if timeout is None else timeout)
-        except Exception as error:
-            raise EpReceiveError(f"{self._settings.who}: answering the head failed: {error}") from error
-
     # -- follow-ups ----------------------------------------------------------
 
     def recv_word(self) -> int:
-        """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
-
-        Bounded by ``command_timeout``.
-
-        Raises:
-            EpMismatchError: the head sent something else (a token array, or the
-                next command's header, which then runs at the next step).
-            EpReceiveError: the receive failed.
-            EpRoleError: called on the head.
-        """
+        """``EpLink.recv_word``: the next follow-up word."""
         found = decode_word(self._words, self._at)
         if found is not None:
             value, self._at = found
@@ -317,19 +214,7 @@ class CommandReader:
         return item.first
 
     def recv_tokens(self, count: int | None = None) -> list[int]:
-        """Worker: the next follow-up token array, as a list; pass ``count`` to require a length.
-
-        Bounded by ``command_timeout``.
-
-        Raises:
-            TypeError, ValueError: ``count`` is not ``None`` or an int ``>= 0``
-                (nothing is received).
-            EpMismatchError: the head sent something else, or ``count`` tokens were
-                expected and another number came (the message names both; the
-                tokens are consumed).
-            EpReceiveError: the receive failed.
-            EpRoleError: called on the head.
-        """
+        """``EpLink.recv_tokens``: the next follow-up token array, as a list (``count`` tokens if given)."""
         if count is not None and (type(count) is not int or count < 0):
             error = ValueError if type(count) is int else TypeError
             raise error(f"count must be None or an int >= 0, got {type(count).__name__} {count!r}")
@@ -341,21 +226,7 @@ class CommandReader:
         return self._words[item.second : item.end].tolist()
 
     def recv_tokens_into(self, buffer: Buffer | ArrayInterface) -> None:
-        """Worker: the next follow-up token array, written into ``buffer`` in place.
-
-        ``buffer`` must be a writable, C-contiguous, 1-D u32 buffer (``array('I')``,
-        numpy ``uint32``) of the head's length.  For workers that feed the tokens
-        to a tensor rather than to Python code.
-
-        Raises:
-            TypeError: ``buffer`` is not a u32 buffer (a non-native byte order
-                included); ValueError: not writable, 1-D and contiguous (nothing is
-                received in either case).
-            EpMismatchError: the head sent something else, or a token array of
-                another length (the message names both; it is consumed).
-            EpReceiveError: the receive failed.
-            EpRoleError: called on the head.
-        """
+        """``EpLink.recv_tokens_into``: the next follow-up token array, written into ``buffer``."""
         view = writable_u32_buffer("buffer", buffer)
         item = self._tokens(len(view))
         view[:] = self._words[item.second : item.end]
@@ -369,8 +240,6 @@ class CommandReader:
         return item
 
     def _follow_up(self, expected: str) -> Item:
-        if self._settings.rank == 0:
-            raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
         timeout = self._settings.command_timeout
         if self._at >= len(self._words):
             what = describe_command(self._stream.commands, *self._stream.command)

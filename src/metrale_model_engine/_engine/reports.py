@@ -11,8 +11,8 @@ from .._core.codec import WireError
 from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
 from .._core.transport import EpTransport, NamesLostRanks, NamesSilentRanks
 from .._host.liveness import ProcessWatch
-from .agreement import read_answers
-from .run_state import CommandStream, RunState
+from .answers import read_answers
+from .run_state import CommandStream, LinkState
 from .settings import LinkSettings
 
 EXIT_GRACE: Final = 5.0
@@ -35,24 +35,24 @@ class WorkerReports:
     exited or are stopped.
 
     Args:
-        transport, settings, stream, run: the link's parts.
+        transport, settings, stream, state: the link's parts.
         pids: the pid of every worker on the head's host, by rank.
     """
 
-    __slots__ = ("_ranks", "_run", "_seen", "_settings", "_stream", "_transport", "_watch")
+    __slots__ = ("_ranks", "_seen", "_settings", "_state", "_stream", "_transport", "_watch")
 
     def __init__(
         self,
         transport: EpTransport,
         settings: LinkSettings,
         stream: CommandStream,
-        run: RunState,
+        state: LinkState,
         pids: Mapping[int, int],
     ) -> None:
         self._transport = transport
         self._settings = settings
         self._stream = stream
-        self._run = run
+        self._state = state
         self._seen = [0] * settings.world_size  # by rank: failures the head has read
         self._watch: ProcessWatch | None = ProcessWatch()
         self._ranks = {pid: rank for rank, pid in pids.items()}
@@ -90,7 +90,7 @@ class WorkerReports:
         """Raise what the workers reported since the last look: the command being sent is not sent.
 
         Raises:
-            RunStopped: a report stopped the run (the link is closed).
+            RunStopped: a report stopped the run.
             EpWorkerFailed: ordinary failed commands.
         """
         failures = self.poll()
@@ -123,8 +123,8 @@ class WorkerReports:
     def stop(
         self, why: str, failures: Sequence[WorkerFailure], ranks: Sequence[int], *, note: str = "", where: str = ""
     ) -> RunStopped:
-        """Stop the run for ``why`` (the link is closed); return the :class:`RunStopped` to raise."""
-        return self._run.stop(RunStopped(f"head: the run stopped{where}: {why}{note}", failures, ranks))
+        """Stop the run for ``why``; return the :class:`RunStopped` to raise (the link closes once the call is over)."""
+        return self._state.stop(RunStopped(f"head: the run stopped{where}: {why}{note}", failures, ranks))
 
     def why(self, failures: Sequence[WorkerFailure], exited: Sequence[int]) -> str:
         """The reason a run stopped, as the head knows it: first-hand reports, the ranks that exited, witnesses.

@@ -1,11 +1,12 @@
-"""The run as every part of a link sees it: the command stream (``CommandStream``), whether the run goes on
-(``RunState``, see ``RunStopped``), and whether the forward of the command in flight may run collectives
-here, and ran one (``ForwardScope``)."""
+"""The run as every part of a link sees it: the command stream (``CommandStream``), the link's one state
+(``LinkState``: open, shut down, stopped, closed), and whether the forward of the command in flight may run
+collectives here, and ran one (``ForwardScope``)."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import enum
+from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
@@ -41,29 +42,48 @@ class CommandStream:
         self.crc = fold_message(self.crc, parts)
 
 
-class RunState:
-    """Why the run stopped, once it has; every part of a link asks it before it sends or steps.
+class Phase(enum.Enum):
+    """Where the run stands, as one rank's link sees it."""
+
+    OPEN = "open"
+    """Commands go on."""
+    SHUT_DOWN = "shut down"
+    """The head sent the shutdown header (after a sync point that failed too: ``LinkState.stopped`` says if
+    that stopped the run)."""
+    STOPPED = "stopped"
+    """The run stopped (``RunStopped``): no rank runs another command."""
+
+
+class LinkState:
+    """The one state of a link that every part reads: the run's phase, why it stopped, whether the link closed.
+
+    The parts record a stop (:meth:`stop`) and return or raise the error; the link
+    closes itself once the part's call is over.  ``closed`` is apart from the
+    phase: a link is closed by its owner in any phase, and by itself once the run
+    stopped.
 
     Args:
         who: how messages name this rank (``"head"``, ``"worker rank 2"``).
-        on_stop: called once the run stopped (the link closes itself).
     """
 
-    __slots__ = ("_on_stop", "_who", "stopped")
+    __slots__ = ("closed", "phase", "stopped", "who")
 
-    def __init__(self, who: str, on_stop: Callable[[], None]) -> None:
-        self._who = who
-        self._on_stop = on_stop
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.phase = Phase.OPEN
         self.stopped: RunStopped | None = None
         """A copy of the first :class:`RunStopped` raised, kept bare (no traceback keeps the frames alive)."""
+        self.closed = False
+        """Whether the link's transport was closed (by its owner, or once the run stopped)."""
 
     def stop(self, stopped: RunStopped) -> RunStopped:
-        """Record why the run stopped (the first reason stays), run ``on_stop``; return ``stopped`` to raise."""
+        """Record why the run stopped (the first reason stays); return ``stopped`` to raise."""
         if self.stopped is None:
             kept = copy.copy(stopped)
             kept.__traceback__ = kept.__cause__ = kept.__context__ = None
             self.stopped = kept
-        self._on_stop()
+            if self.phase is Phase.OPEN:  # a shut-down link stays so: its workers were told to leave
+                self.phase = Phase.STOPPED
         return stopped
 
     def still_stopped(self) -> RunStopped:
@@ -71,7 +91,7 @@ class RunState:
         stopped = self.stopped
         assert stopped is not None
         return RunStopped(
-            f"{self._who}: the run stopped earlier ({stopped}); this link runs no more commands",
+            f"{self.who}: the run stopped earlier ({stopped}); this link runs no more commands",
             stopped.failures,
             stopped.ranks,
         )

@@ -1,20 +1,27 @@
-"""The head's sends: its checks of a command before it goes, and ``HeadSender``, the one path every message takes."""
+"""``HeadSender``: the head's sends, each one call: the checks, the encoding chosen, the one way every message goes."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 from typing_extensions import Buffer
 
-from .._core.codec import encode_close, encode_header
-from .._core.errors import EpError, EpLinkError, EpRoleError, EpSendError, RunStopped
-from .._core.tokens import as_u32_buffer
+from .._core.codec import (
+    encode_close,
+    encode_command,
+    encode_header,
+    encode_plain_command,
+    encode_tokens_prefix,
+    encode_word,
+)
+from .._core.errors import EpError, EpLinkError, EpSendError, RunStopped
+from .._core.tokens import TokenArray, as_u32_buffer, token_count
 from .._core.transport import EpTransport, TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
 from .reports import DEATH_GRACE, WorkerReports
-from .run_state import CommandStream, ForwardScope, RunState
+from .run_state import CommandStream, ForwardScope, LinkState, Phase
 from .settings import LinkSettings
 
 _CLOSE_TIMEOUT: Final[float] = 1.0
@@ -23,62 +30,58 @@ _LOGGER = logging.getLogger("metrale_model_engine.link")
 
 
 class HeadSender:
-    """The head's side of the stream: a command starts once the workers' pending reports are raised.
+    """The head's sends: every check first, the encoding chosen, then the one path every message takes.
+
+    ``EpLink``'s sends state the contract.  A command starts once what the workers
+    reported is raised (the transport's cheap ``answers_ready`` says whether to look).
 
     Args:
-        transport, settings, stream, run, scope: the link's parts.
-        reports: the head's reading of its workers' reports (``None`` on a worker,
-            whose every send raises ``EpRoleError``).
-        closed: whether the link was closed.
+        transport, settings, stream, state, scope: the link's parts.
+        reports: the head's reading of its workers' reports.
     """
 
-    __slots__ = (
-        "_answers_ready",
-        "_closed",
-        "_reports",
-        "_run",
-        "_scope",
-        "_send",
-        "_settings",
-        "_stream",
-        "shut_down",
-    )
+    __slots__ = ("_answers_ready", "_reports", "_scope", "_send", "_settings", "_state", "_stream")
 
     def __init__(
         self,
         transport: EpTransport,
         settings: LinkSettings,
         stream: CommandStream,
-        run: RunState,
+        state: LinkState,
         scope: ForwardScope,
-        reports: WorkerReports | None,
-        closed: Callable[[], bool],
+        reports: WorkerReports,
     ) -> None:
         self._send = transport.send  # the hot paths call these bound methods
         self._answers_ready = transport.answers_ready
         self._settings = settings
         self._stream = stream
-        self._run = run
+        self._state = state
         self._scope = scope
         self._reports = reports
-        self._closed = closed
-        self.shut_down = False
-        """Whether the shutdown header went out: every later send raises."""
 
-    def tell_closed(self) -> None:
-        """Head, closing before the shutdown: tell the workers, so that their next receive raises at once.
+    def send_command(self, seq_id: int, cmd: int, follow_ups: Sequence[int | TokenArray]) -> None:
+        """``EpLink.send_command``: the command and its follow-ups, as one message."""
+        seq_id, cmd = checked_header(self._settings, seq_id, cmd)
+        plain = encode_plain_command(seq_id, cmd, follow_ups)
+        message = encode_command(seq_id, cmd, checked_follow_ups(follow_ups)) if plain is None else (plain,)
+        self._start(seq_id, cmd, message)
 
-        Best effort, within a second (once the run stopped, without waiting: workers
-        may be inside a collective); a failure is only logged.
-        """
-        settings = self._settings
-        if settings.rank or self.shut_down or settings.world_size == 1:
-            return
-        timeout = min(_CLOSE_TIMEOUT, settings.command_timeout or _CLOSE_TIMEOUT)
-        try:
-            self._send((encode_close(),), 0.0 if self._run.stopped is not None else timeout)
-        except Exception as error:  # noqa: BLE001  (the workers may be gone: the transport's close is what is left)
-            _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
+    def send_header(self, seq_id: int, cmd: int) -> None:
+        """``EpLink.send_header``: the header that starts a command, alone."""
+        seq_id, cmd = checked_header(self._settings, seq_id, cmd)
+        self._start(seq_id, cmd, (encode_header(seq_id, cmd),))
+
+    def send_word(self, word: int) -> None:
+        """``EpLink.send_word``: one follow-up word of the command in flight."""
+        if type(word) is not int or word >> 32:
+            word = check_u32("word", word)
+        self.send((encode_word(word),))
+
+    def send_tokens(self, tokens: TokenArray) -> Buffer:
+        """``EpLink.send_tokens``: one follow-up token array; return the u32 buffer sent."""
+        buffer = as_u32_buffer("tokens", tokens)
+        self.send((encode_tokens_prefix(token_count(buffer)), buffer))
+        return buffer
 
     def shutdown(self, failure: BaseException | None) -> None:
         """Send the shutdown header; every later send raises.
@@ -100,18 +103,26 @@ class HeadSender:
                 raise
             _LOGGER.debug("the head could not send the shutdown header after a failed sync point: %s", error)
         finally:
-            self.shut_down = True
+            self._state.phase = Phase.SHUT_DOWN
 
-    def require_head(self) -> None:
-        """Raise ``EpRoleError`` on a worker."""
-        if self._settings.rank:
-            raise EpRoleError(f"only the head (rank 0) sends; this is worker rank {self._settings.rank}")
+    def tell_closed(self) -> None:
+        """The head closes before the shutdown: tell the workers, so that their next receive raises at once.
 
-    def start(self, seq_id: int, cmd: int, message: Sequence[Buffer]) -> None:
+        Best effort, within a second (once the run stopped, without waiting: workers
+        may be inside a collective); a failure is only logged.
+        """
+        settings = self._settings
+        if self._state.phase is Phase.SHUT_DOWN or settings.world_size == 1:
+            return
+        timeout = min(_CLOSE_TIMEOUT, settings.command_timeout or _CLOSE_TIMEOUT)
+        try:
+            self._send((encode_close(),), 0.0 if self._state.stopped is not None else timeout)
+        except Exception as error:  # noqa: BLE001  (the workers may be gone: the transport's close is what is left)
+            _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
+
+    def _start(self, seq_id: int, cmd: int, message: Sequence[Buffer]) -> None:
         """Send a command's first message, once what the workers reported is raised; count the command."""
-        self.require_head()
         if self._answers_ready():
-            assert self._reports is not None
             self._reports.raise_pending()
         self.send(message)
         self._stream.begin(seq_id, cmd)
@@ -119,16 +130,23 @@ class HeadSender:
 
     def send(self, parts: Sequence[Buffer]) -> None:
         """Send one message, the concatenation of ``parts``, and fold it into the stream's digest."""
-        if self.shut_down:
-            raise EpSendError("the workers were shut down (shutdown_workers); nothing more can be sent")
-        if self._closed():
-            self._run.raise_if_stopped()
-            raise EpSendError("this link was closed; nothing more can be sent")
+        state = self._state
+        if state.phase is not Phase.OPEN or state.closed:
+            raise self._refused()
         try:
             self._send(parts, self._settings.command_timeout)
         except Exception as error:
             raise self._failed(error) from error
         self._stream.add(parts)
+
+    def _refused(self) -> EpSendError | RunStopped:
+        """Why nothing more can be sent: the workers were shut down, the run stopped, or the link closed."""
+        state = self._state
+        if state.phase is Phase.SHUT_DOWN:
+            return EpSendError("the workers were shut down (shutdown_workers); nothing more can be sent")
+        if state.stopped is not None:
+            return state.still_stopped()
+        return EpSendError("this link was closed; nothing more can be sent")
 
     def _failed(self, error: Exception) -> EpSendError | RunStopped:
         """Why a send failed, as far as the head can tell: a worker that stopped the run, or the ranks gone.
@@ -136,7 +154,6 @@ class HeadSender:
         Reports found on the way (ordinary ones too) are in the error's message.
         """
         reports = self._reports
-        assert reports is not None
         ours = isinstance(error, (EpError, TransportClosed, TransportTimeout, TransportCorrupt))
         lost, ranks = reports.lost()
         failures, exited = reports.stopped_workers(0.0 if ours or lost else DEATH_GRACE)

@@ -1,61 +1,60 @@
-"""``SyncPoints``: the head's sync points, and the values every rank can check that all ranks agree on."""
+"""``SyncPoints``: the head's sync points; and the values every rank can check that all ranks agree on."""
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
-
-from typing_extensions import Buffer
+from typing import Final
 
 from .._core.codec import Ack, WireError, encode_sync
 from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
-from .._core.transport import EpTransport, PretendGroup
+from .._core.transport import GATHER_WORDS, EpTransport, PretendGroup
 from .._core.words import check_u32
-from .agreement import HeadFigures, differences, disagreement_of_values, read_answers
+from .agreement import HeadFigures, differences, disagreement_of_values
+from .answers import read_answers
 from .reports import WorkerReports
 from .run_state import CommandStream
+from .sender import HeadSender
 from .settings import LinkSettings
 
-Send = Callable[[Sequence[Buffer]], None]
-"""The link's send of one message (its checks, the transport, the stream's digest)."""
+AGREED_VALUES: Final = GATHER_WORDS - 1
+"""How many named values ``EpLink.assert_ranks_agree`` compares at once: a gather's words, less one for the names."""
 
 
 class SyncPoints:
-    """Sync points (head) and agreement helpers (every rank) over a link's transport.
+    """The head's sync points (``EpLink.sync`` states the contract).
 
     Args:
         transport, settings, stream: the link's parts.
-        reports: the head's reading of its workers' reports (``None`` on a worker).
-        send: the link's send of one message.
+        sender: the head's sends (a sync item goes the way every message goes).
+        reports: the head's reading of its workers' reports.
     """
 
-    __slots__ = ("_agreed", "_number", "_reports", "_send", "_settings", "_stream", "_transport")
+    __slots__ = ("_agreed", "_number", "_reports", "_sender", "_settings", "_stream", "_transport")
 
     def __init__(
         self,
         transport: EpTransport,
         settings: LinkSettings,
         stream: CommandStream,
-        reports: WorkerReports | None,
-        send: Send,
+        sender: HeadSender,
+        reports: WorkerReports,
     ) -> None:
         self._transport = transport
         self._settings = settings
         self._stream = stream
+        self._sender = sender
         self._reports = reports
-        self._send = send
         self._number = 0  # sync points sent
         self._agreed = 0  # commands sent by the last sync point where every rank agreed
 
     def sync(self, mine: int | None) -> None:
-        """Head: ``EpLink.sync``, comparing state digests when ``mine`` (the head's) is given."""
+        """``EpLink.sync``, comparing state digests when ``mine`` (the head's) is given."""
         reports = self._reports
-        assert reports is not None  # the link checked the role
         self._number += 1
         number = self._number
         if isinstance(self._transport, PretendGroup):
             self._transport.pretend_state(mine)
-        self._send((encode_sync(number, mine is not None),))
+        self._sender.send((encode_sync(number, mine is not None),))
         failures: list[WorkerFailure] = []
         acks: dict[int, Ack] = {}
         for rank in range(1, self._settings.world_size):
@@ -100,23 +99,26 @@ class SyncPoints:
             + (f"; {silent}" if silent else "")
         )
 
-    def gather_u32(self, value: int) -> list[int]:
-        """``EpLink.gather_u32``: every rank's ``value``, by rank."""
-        return [words[0] for words in self._gather([check_u32("value", value)], "gathering a value")]
 
-    def assert_ranks_agree(self, values: dict[str, int]) -> None:
-        """``EpLink.assert_ranks_agree``: raise on every rank unless every rank passed the same named values."""
-        names = sorted(values)
-        if len(names) > 12:
-            raise ValueError(f"assert_ranks_agree takes at most 12 values, got {len(names)}")
-        words = [zlib.crc32("\0".join(names).encode())] + [check_u32(name, values[name]) for name in names]
-        everyone = self._gather(words, "checking that the ranks agree")
-        differ = disagreement_of_values(["the names of the values", *names], everyone)
-        if differ is not None:
-            raise EpDivergenceError(f"rank {self._settings.rank}: {differ[0]}", differ[1])
+def gather_u32(transport: EpTransport, settings: LinkSettings, value: int) -> list[int]:
+    """``EpLink.gather_u32``: every rank's ``value``, by rank."""
+    return [words[0] for words in _gather(transport, settings, [check_u32("value", value)], "gathering a value")]
 
-    def _gather(self, words: list[int], doing: str) -> list[list[int]]:
-        try:
-            return self._transport.gather(words, self._settings.command_timeout)
-        except Exception as error:
-            raise EpLinkError(f"rank {self._settings.rank}: {doing} failed: {error}") from error
+
+def assert_ranks_agree(transport: EpTransport, settings: LinkSettings, values: dict[str, int]) -> None:
+    """``EpLink.assert_ranks_agree``: raise on every rank unless every rank passed the same named values."""
+    names = sorted(values)
+    if len(names) > AGREED_VALUES:
+        raise ValueError(f"assert_ranks_agree takes at most {AGREED_VALUES} values, got {len(names)}")
+    words = [zlib.crc32("\0".join(names).encode())] + [check_u32(name, values[name]) for name in names]
+    everyone = _gather(transport, settings, words, "checking that the ranks agree")
+    differ = disagreement_of_values(["the names of the values", *names], everyone)
+    if differ is not None:
+        raise EpDivergenceError(f"rank {settings.rank}: {differ[0]}", differ[1])
+
+
+def _gather(transport: EpTransport, settings: LinkSettings, words: list[int], doing: str) -> list[list[int]]:
+    try:
+        return transport.gather(words, settings.command_timeout)
+    except Exception as error:
+        raise EpLinkError(f"rank {settings.rank}: {doing} failed: {error}") from error

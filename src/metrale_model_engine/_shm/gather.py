@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from .._core.transport import PeerLost, TransportClosed, TransportTimeout
+from .._core.transport import GATHER_WORDS, PeerLost, TransportClosed, TransportTimeout
 from .._host.liveness import ProcessWatch
 from . import futex
-from .segment import BELL_AT, GATHER_WORDS, HEAD_PID_AT, Segment
+from .segment import BELL_AT, HEAD_PID_AT, Segment
 from .waiting import DEFAULT_SPIN_TIME, wait_until
 
 

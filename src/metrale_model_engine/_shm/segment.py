@@ -17,7 +17,7 @@ line 4 (answered)         one byte per reader: the low byte of its answers publi
 line 5 (head waits)       one byte: the head sleeps waiting for an answer
 reader lines              one line per reader: consumed position u64 (the head's futex
                           word when the ring is full), pid u32
-gather lines              one line per rank: generation, acknowledgement, count, 13 words
+gather lines              one line per rank: generation, acknowledgement, count, GATHER_WORDS words
 answer blocks             per reader: a line with its answers published u64 and its
                           parked byte, a line with the head's answers consumed u64, then
                           ``ANSWER_SLOTS`` slots of a length u32 and up to
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from .._core.codec import ANSWER_BYTES
-from .._core.transport import TransportCorrupt
+from .._core.transport import GATHER_WORDS, TransportCorrupt
 from .._host.liveness import process_exists
 
 SHM_DIR: Final[str] = "/dev/shm"
@@ -57,8 +57,7 @@ LAYOUT_VERSION: Final[int] = 3
 """2: every record carries its offset in its message; 3: each worker has an answer ring back to the head."""
 MAX_WORLD_SIZE: Final[int] = LINE
 """Ranks in one segment at most: the parked and gone lines hold one byte per reader."""
-GATHER_WORDS: Final[int] = LINE // 4 - 3
-"""u32 words one rank can put into one gather."""
+assert GATHER_WORDS <= LINE // 4 - 3, "a rank's gather line holds a generation, an acknowledgement, a count, the words"
 
 HEAD_OPEN: Final[int] = 0
 HEAD_CLOSED: Final[int] = 1

@@ -260,7 +260,7 @@ class ShmTransport:
             raise
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
-        """Every rank's ``words`` (at most 13 u32 words, the same count on every rank), by rank.
+        """Every rank's ``words`` (at most ``GATHER_WORDS`` u32 words, the same count on every rank), by rank.
 
         Collective: waits for every rank, up to ``timeout`` (default ``setup_timeout``).
         The head's first gather is the moment every worker has attached: it unlinks

@@ -7,7 +7,8 @@ from collections.abc import MutableSequence
 from dataclasses import dataclass
 
 from .._core.errors import EpCommandFailed, EpReceiveError, RunStopped
-from .model import ModelEp, S
+from .._core.state import S
+from .model_ep import ModelEp
 
 _LOGGER = logging.getLogger("metrale_model_engine.worker")
 

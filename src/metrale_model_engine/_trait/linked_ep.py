@@ -8,10 +8,11 @@ from typing import ClassVar, NoReturn, cast
 from typing_extensions import Self
 
 from .._core.protocol import ProtocolVersion
+from .._core.state import S
 from .._core.tokens import TokenArray, token_count
 from .._core.words import check_u32
-from .link import EpLink
-from .model import ModelEp, S
+from .._engine.link import EpLink
+from .model_ep import ModelEp
 
 
 class _NoLink:

@@ -6,14 +6,9 @@ import abc
 from collections.abc import MutableSequence
 from typing import Generic
 
-from typing_extensions import TypeVar
-
-from .._core.state import SequenceState
+from .._core.state import S
 from .._core.tokens import TokenArray
 from .._core.words import check_u32
-
-S = TypeVar("S", bound=SequenceState, default=SequenceState)
-"""The slot type of a model: :class:`SequenceState` or the model's own subclass."""
 
 
 class ModelEp(abc.ABC, Generic[S]):
