@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 from array import array
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 
 import pytest
 
@@ -321,7 +321,54 @@ def test_a_worker_meets_the_heads_close_as_a_receive_error() -> None:
 def test_the_links_repr_says_where_it_stands() -> None:
     head = link(FakeTransport(0, 3))
     assert repr(head) == "<EpLink rank 0 of 3, protocol v2, 4 slots, FakeTransport, open>"
+    head.shutdown_workers()
+    assert repr(head).endswith(", shut down>")
+    head.close()
+    assert repr(head).endswith(", closed>") and head.workers_shut_down  # closing keeps how the run ended
     assert ItemKind.CLOSE in set(ItemKind)
+
+
+def test_a_worker_has_no_head_parts_and_the_head_no_worker_parts() -> None:
+    worker = link(FakeTransport(1, 2))
+    digests: list[object] = []
+
+    def digest(slots: object) -> int:
+        digests.append(slots)
+        return 0
+
+    worker.state_digest = digest
+    calls: list[Callable[[], None]] = [
+        lambda: worker.sync([None]),
+        worker.check_workers,
+        lambda: worker.shutdown_workers([None]),
+    ]
+    for call in calls:
+        with pytest.raises(EpRoleError, match=r"^only the head \(rank 0\) sends; this is worker rank 1$"):
+            call()
+    assert digests == [] and not worker.closed  # refused before the digest ran; the link is untouched
+    head = link(FakeTransport(0, 2))
+    with pytest.raises(EpRoleError, match="follow-ups are received on worker ranks"):
+        head.recv_tokens(3)
+    assert head.stopped is None and not head.closed
+
+
+def test_a_stopped_run_closes_the_link_once_when_the_call_that_stopped_it_returns() -> None:
+    closes: list[str] = []
+
+    class Counting(FakeTransport):
+        def close(self) -> None:
+            closes.append("closed")
+            super().close()
+
+    head = link(Counting(0, 2))
+    head.send_command(0, 7)
+    with pytest.raises(RunStopped, match=r"outside `with link.collective\(\):`"):
+        head.check_collective()
+    assert head.closed and head.stopped is not None and closes == ["closed"]
+    with pytest.raises(RunStopped, match="the run stopped earlier"):
+        head.send_command(0, 7)
+    head.close()
+    assert closes == ["closed"] and repr(head).endswith(", closed>")
 
 
 # -- check_workers: why a model's own collective failed --------------------------

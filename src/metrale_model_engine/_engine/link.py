@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Container, MutableSequence
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 from typing_extensions import Buffer, Self
 
-from .._core.errors import EpRoleError, RunStopped
+from .._core.errors import RunStopped
 from .._core.protocol import ProtocolVersion
 from .._core.state import S
 from .._core.tokens import ArrayInterface, TokenArray
@@ -17,7 +17,7 @@ from .reader import CommandReader, RunCommand
 from .reports import WorkerReports
 from .run_state import CommandStream, ForwardScope, LinkState, Phase
 from .sender import HeadSender
-from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
+from .settings import DEFAULT_COMMAND_TIMEOUT, WORKER_ONLY, HeadOnly, LinkSettings, agree_on_setup
 from .sync import SyncPoints, assert_ranks_agree, gather_u32
 from .way_back import StateDigest, WorkerWayBack
 
@@ -106,10 +106,10 @@ class EpLink(ForwardCollectives):
             reports = self._reports = WorkerReports(transport, settings, stream, state, local_workers)
             sender = self._sender = HeadSender(transport, settings, stream, state, scope, reports)
             self._sync = SyncPoints(transport, settings, stream, sender, reports)
-            self._reader = cast(CommandReader, _WORKER_ONLY)
-            self._way_back = cast(WorkerWayBack, _WORKER_ONLY)
+            self._reader = cast(CommandReader, WORKER_ONLY)
+            self._way_back = cast(WorkerWayBack, WORKER_ONLY)
         else:
-            head_only = _HeadOnly(settings.rank)
+            head_only = HeadOnly(settings.rank)
             self._reports = cast(WorkerReports, head_only)
             self._sender = cast(HeadSender, head_only)
             self._sync = cast(SyncPoints, head_only)
@@ -373,8 +373,7 @@ class EpLink(ForwardCollectives):
     def recv_word(self) -> int:
         """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
 
-        See the class for what a receive raises; also ``EpMismatchError`` when the
-        command came as one message and has no more follow-ups.
+        Raises as a receive does (see the class).
         """
         return self._reader.recv_word()
 
@@ -435,28 +434,3 @@ class EpLink(ForwardCollectives):
             f"{settings.num_slots} slots, {type(self._transport).__name__}, {state}>"
         )
 
-
-class _HeadOnly:
-    """Stands in, on a worker, for the head's parts: whatever is asked of them raises ``EpRoleError``."""
-
-    __slots__ = ("_rank",)
-
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise EpRoleError(f"only the head (rank 0) sends; this is worker rank {self._rank}")
-
-
-class _WorkerOnly:
-    """Stands in, on the head, for a worker's parts: whatever is asked of them raises ``EpRoleError``."""
-
-    __slots__ = ()
-
-    def __getattr__(self, name: str) -> NoReturn:
-        if name == "step":
-            raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
-        raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
-
-
-_WORKER_ONLY = _WorkerOnly()

@@ -67,14 +67,7 @@ class LinkedEp(ModelEp[S]):
     """
 
     def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
-        """Worker: receive one header and run its command through :meth:`ep_run_command`.
-
-        See :meth:`EpLink.step` for what it raises: :class:`EpCommandFailed` when the
-        command failed (the worker stays in step), :class:`EpCommandRefused` when it
-        was one of :attr:`ep_collective_commands`, and :class:`EpReceiveError` when
-        the receive failed (the worker exits in both).  Returns ``False`` on the
-        shutdown word.
-        """
+        """Worker: receive one header and run its command through :meth:`ep_run_command` (as :meth:`EpLink.step`)."""
         return self.ep_link.step(self.ep_run_command, slots, self.ep_collective_commands)
 
     def is_ep(self) -> bool:
