@@ -93,7 +93,7 @@ class WorkerTransport(Protocol):
         ...
 
     def answer(self, answer: Buffer, timeout: float | None) -> None:
-        """Worker: send one small answer (u32 words, at most ``codec.ANSWER_BYTES`` bytes) back to the head.
+        """Worker: send one small answer (u32 words, at most ``wire.ANSWER_BYTES`` bytes) back to the head.
 
         Each worker's answers reach the head in order.  Over shared memory it is on
         its way at once; over a group's collectives it is held until
