@@ -433,4 +433,3 @@ class EpLink(ForwardCollectives):
             f"<EpLink rank {settings.rank} of {settings.world_size}, protocol {settings.protocol.value}, "
             f"{settings.num_slots} slots, {type(self._transport).__name__}, {state}>"
         )
-
