@@ -6,7 +6,6 @@ import datetime
 import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Final
@@ -177,6 +176,7 @@ class TorchTransport:
         open transport when the interpreter exits (see ``metrale_model_engine.torch``);
         the group itself is the program's to destroy.
         """
+        _OPEN_TRANSPORTS.discard(self)
         held, self._held = self._held, []
         self.leave_answers(self.rank, held)
         if self._heartbeat is not None:
@@ -410,5 +410,10 @@ def _timed_out(error: RuntimeError) -> bool:
     return "timed out" in str(error).lower()
 
 
-_OPEN_TRANSPORTS: Final[weakref.WeakSet[TorchTransport]] = weakref.WeakSet()
-"""Every transport not yet garbage: the exit hook drops their group references."""
+_OPEN_TRANSPORTS: Final[set[TorchTransport]] = set()
+"""Every transport not yet closed, held until its close: the exit hook closes them.
+
+Held, not weakly referenced: a worker that drops its link without closing it (its
+program ends on an error) still says in the store, at exit, that it left, so the
+head does not name it silent; its heartbeat beats until then.
+"""
