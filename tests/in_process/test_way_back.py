@@ -335,3 +335,17 @@ def test_shutdown_is_a_sync_point_and_shuts_down_even_when_the_sync_raises() -> 
     pair.head.shutdown_workers()  # done: nothing more is sent
     assert len(pair.head_end.sent) == 4
     assert pair.step() is False
+
+
+def test_the_heads_failed_forward_names_a_worker_that_stopped_the_run_before_its_own_error() -> None:
+    pair = LinkPair(fails_on(5), collective={5})
+    pair.head.send_command(0, 5)
+    with pytest.raises(EpCommandRefused):
+        pair.step()  # the worker leaves the run: the head's all-reduce fails for it
+    with pytest.raises(RunStopped) as info, pair.head.collective():
+        raise RuntimeError("Connection closed by peer")
+    assert str(info.value) == (
+        "head: the run stopped in command 1 (seq_id=0, cmd=5): worker rank 1 failed command 1 (seq_id=0, cmd=5): "
+        "KeyError: 'slot 0 is free'"
+    )
+    assert info.value.ranks == (1,) and pair.head.closed
