@@ -16,7 +16,6 @@ import mmap
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,10 +23,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-TESTS = str(Path(__file__).resolve().parents[1] / "tests")
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)  # the tests' helpers: the CPU sampler is theirs, one copy for both
-from helpers.cpu import IdleSampler  # noqa: E402
+import tests_path  # noqa: F401  (puts tests/ on the path, for helpers)
+
+from helpers.usage import IdleSampler
 
 LINE = 64
 

@@ -31,13 +31,11 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-TESTS = str(Path(__file__).resolve().parents[1] / "tests")
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)  # the tests' helpers: the CPU sampler is theirs, one copy for both
-from helpers.cpu import cpu_share  # noqa: E402
+import tests_path  # noqa: F401  (puts tests/ on the path, for helpers)
+
+from helpers.usage import cpu_share
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

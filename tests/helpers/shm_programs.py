@@ -19,9 +19,9 @@ from metrale_model_engine._shm import waiting as _waiting
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
-from helpers.cpu import IdleSampler
 from helpers.faulty_toy import CMD_CHECK, CMD_DIE, FaultyToy
 from helpers.rank_results import save, wait_until_dead
+from helpers.usage import IdleSampler
 
 SLOTS = 8
 GIANT_PROMPT = 1_048_576
@@ -170,7 +170,7 @@ def wakeups(transport: ShmTransport, gaps_s: list[float], out: str) -> None:
 def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> None:
     """Worker CPU over ``window`` seconds after ``idle`` seconds without a message, then the wake-up.
 
-    A sampler thread (``cpu.IdleSampler``) reads the worker's own CPU time while the
+    A sampler thread (``usage.IdleSampler``) reads the worker's own CPU time while the
     main thread waits in its receive.
     """
     transport.gather([0])  # both ranks are here: the idle time starts now

@@ -1,7 +1,7 @@
-"""How much of a core a process uses: the one CPU sampler of the tests and the benchmarks.
+"""What a process uses, a core's share and memory: the one sampler and reader of the tests and the benchmarks.
 
-The benchmarks import it from here too (``benchmarks/harness.py``, ``benchmarks/peers.py``
-put ``tests/`` on their path), so the package itself never holds a test's instrument.
+The benchmarks import it from here too (``benchmarks/tests_path.py`` puts ``tests/``
+on their path), so the package itself never holds a test's instrument.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import resource
 import threading
 import time
+from pathlib import Path
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -59,3 +60,16 @@ class IdleSampler:
         self._thread.join()
         assert self._share is not None, "the sampler's thread failed"
         return self._share
+
+
+def memory(key: str, default: int | None = None) -> int:
+    """A memory figure of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...), in bytes.
+
+    Raises ``KeyError`` where the kernel gives no such line, unless a ``default`` is given.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    if default is None:
+        raise KeyError(key)
+    return default
