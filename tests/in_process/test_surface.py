@@ -227,7 +227,8 @@ def test_every_public_class_and_function_shows_its_source_and_its_help(name: str
             continue
         assert value.__module__.startswith("metrale_model_engine"), (public, value.__module__)
         assert f"{keyword} {value.__name__}" in inspect.getsource(value), public
-        assert value.__doc__ and value.__doc__.split("\n")[0] in pydoc.render_doc(value), public
+        doc = inspect.getdoc(value)
+        assert doc and doc.splitlines()[0] in pydoc.render_doc(value), public
         checked.append(public)
     assert checked, f"{name} exports no class or function: this test checked nothing"
 
