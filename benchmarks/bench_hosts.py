@@ -49,7 +49,6 @@ from metrale_model_engine.shm import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME, S
 from metrale_model_engine.torch import HostsTransport, TorchTransport, init_group_from_env, open_transport
 from metrale_model_engine.wire import Ack, encode_ack
 
-TESTS: Final = Path(__file__).resolve().parents[1] / "tests"
 SIZES: Final = {"header": 3, "decode 64 pairs": 137, "sync point": 3}
 SYNC: Final = "sync point"
 """The case timed at the head, round trip: the message out, every worker's acknowledgement back."""
@@ -149,7 +148,8 @@ def main(argv: list[str]) -> int:
         out, rounds, calls, spin = args.serve
         serve(Path(out), int(rounds), int(calls), None if spin == "learned" else float(spin))
         return 0
-    sys.path.insert(0, str(TESTS))
+    import tests_path  # noqa: F401  (puts tests/ on the path, for helpers)
+
     from helpers.bounded import finish
     from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 

@@ -18,21 +18,15 @@ import time
 
 import torch
 
-from metrale_model_engine import EpLink
+import model_step
 from metrale_model_engine.reference import LmState, ReferenceLm
-from metrale_model_engine.transport import SoloTransport
 
 PROMPT = tuple(b"Licensed under the Apache License, Version 2.0 (the")  # the shipped model: byte ids
 
 
 def filled(batch: int, check: bool) -> tuple[ReferenceLm, list[LmState | None]]:
     """A one-rank model with ``batch`` slots, each holding :data:`PROMPT`."""
-    model = ReferenceLm(EpLink(SoloTransport(), num_slots=batch), check_kv_values=check)
-    slots: list[LmState | None] = [None] * batch
-    for seq_id in range(batch):
-        model.alloc(slots, seq_id)
-        model.prefill(slots, seq_id, PROMPT, 0, len(PROMPT))
-    return model, slots
+    return model_step.filled(batch, PROMPT, lambda link: ReferenceLm(link, check_kv_values=check))
 
 
 def timed(call: object) -> float:

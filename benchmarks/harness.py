@@ -15,15 +15,17 @@ from __future__ import annotations
 import mmap
 import os
 import random
-import resource
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
+
+import tests_path  # noqa: F401  (puts tests/ on the path, for helpers)
+
+from helpers.usage import IdleSampler
 
 LINE = 64
 
@@ -122,21 +124,10 @@ def idle_probe(rank: int, case: Case, idle_s: float, window_s: float) -> dict[st
         start = time.perf_counter_ns()
         case.head()
         return {"sent_ns": start, "published_ns": time.perf_counter_ns()}
-    readings: list[float] = []
-
-    def sample() -> None:
-        time.sleep(idle_s)
-        for _ in range(2):
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-            readings.append(usage.ru_utime + usage.ru_stime)
-            time.sleep(window_s)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    sampler = IdleSampler(idle_s, window_s)
     case.worker()
     received = time.perf_counter_ns()
-    sampler.join()
-    return {"cpu_fraction": (readings[1] - readings[0]) / window_s, "received_ns": received}
+    return {"cpu_fraction": sampler.share(), "received_ns": received}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
@@ -30,16 +30,24 @@ CUDA_TARGETS_MS: Final = {"eager step ms": 0.6, "graphed step ms": 0.2, "GPU bus
 PROMPT: Final = [76, 105, 99, 101, 110, 115, 101, 100]  # "Licensed"
 
 
-def _filled(device: torch.device, batch: int, graphs: bool) -> tuple[ReferenceLm, list[LmState | None]]:
-    """A one-rank model on ``device`` with ``batch`` slots, each holding the prompt."""
-    model = ReferenceLm(  # its experts run as on a GPU, reading nothing back, on the CPU too: what is counted
-        EpLink(SoloTransport(), num_slots=batch), device=device, cuda_graphs=graphs, expert_routing="device"
-    )
+def filled(
+    batch: int, prompt: Sequence[int], build: Callable[[EpLink], ReferenceLm]
+) -> tuple[ReferenceLm, list[LmState | None]]:
+    """The model ``build`` makes on a one-rank link of ``batch`` slots, each slot holding ``prompt``."""
+    model = build(EpLink(SoloTransport(), num_slots=batch))
     slots: list[LmState | None] = [None] * batch
     for seq_id in range(batch):
         model.alloc(slots, seq_id)
-        model.prefill(slots, seq_id, PROMPT, 0, len(PROMPT))
+        model.prefill(slots, seq_id, prompt, 0, len(prompt))
     return model, slots
+
+
+def _filled(device: torch.device, batch: int, graphs: bool) -> tuple[ReferenceLm, list[LmState | None]]:
+    """A one-rank model on ``device`` with ``batch`` slots, each holding the prompt."""
+    # its experts run as on a GPU, reading nothing back, on the CPU too: what is counted
+    return filled(
+        batch, PROMPT, lambda link: ReferenceLm(link, device=device, cuda_graphs=graphs, expert_routing="device")
+    )
 
 
 def _step(model: ReferenceLm, slots: list[LmState | None], batch: int) -> Callable[[], None]:

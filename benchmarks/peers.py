@@ -33,6 +33,10 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, TypeVar
 
+import tests_path  # noqa: F401  (puts tests/ on the path, for helpers)
+
+from helpers.usage import cpu_share
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from multiprocessing.context import BaseContext, SpawnContext
@@ -460,19 +464,6 @@ def _children(ctx: SpawnContext, target: Callable[..., None], *arg_lists: tuple[
     _check(all(proc.exitcode == 0 for proc in procs), f"children exited with {[p.exitcode for p in procs]}")
 
 
-def _cpu_share(pid: int, seconds: float) -> float:
-    """Share of one core that process ``pid`` used over the next ``seconds`` (utime + stime, /proc/<pid>/stat)."""
-
-    def ticks() -> int:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-
-    start = ticks()
-    time.sleep(seconds)
-    return (ticks() - start) / os.sysconf("SC_CLK_TCK") / seconds
-
-
 def _check_ring(ctx: SpawnContext, names: list[str]) -> str:
     for readers in (2, 3):
         with PickleRing.create(readers) as ring:
@@ -520,9 +511,9 @@ def _check_ring_idle(ctx: SpawnContext, names: list[str]) -> str:
             ring.enqueue("first", timeout=30)
             out.get(timeout=30)
             read_at = time.monotonic()
-            spinning = _cpu_share(pids[0], 0.6)
+            spinning = cpu_share(0.6, pids[0])
             time.sleep(max(0.0, read_at + 1.5 - time.monotonic()))
-            idle = _cpu_share(pids[0], 1.0)
+            idle = cpu_share(1.0, pids[0])
             ring.enqueue(time.monotonic(), timeout=30)
             wake = out.get(timeout=30)
     _check(idle < 0.10, f"an idle reader used {idle:.0%} of a core")

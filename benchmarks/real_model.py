@@ -33,6 +33,10 @@ from typing import Any, Final
 
 import torch
 
+import tests_path  # noqa: F401  (puts tests/ on the path, for helpers)
+
+from helpers.usage import memory
+
 FAMILIES: Final = ("mixtral", "qwen3_moe")
 SHAPE: Final[dict[str, Any]] = {
     "vocab_size": 1024,
@@ -98,14 +102,6 @@ def write_checkpoint(directory: Path, family: str, quick: bool) -> Path:
     return directory
 
 
-def peak_memory() -> int:
-    """This process's peak resident memory so far, in bytes (``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def ours(rank: int, world_size: int, directory: str, work: RealWorkload, out: str) -> None:
     """A rank of ``ours``: serve the workload (head), or run its commands (worker); save the figures."""
     from metrale_model_engine import EpLink, run_worker
@@ -119,7 +115,7 @@ def ours(rank: int, world_size: int, directory: str, work: RealWorkload, out: st
         if rank:
             slots: list[LmState | None] = [None] * work.slots
             run_worker(model, slots)
-            _save(out, rank, peak=peak_memory())
+            _save(out, rank, peak=memory("VmHWM", default=0))
             return
         requests = [Request(i, tuple(prompt), new) for i, (prompt, new) in enumerate(work.build())]
         Server(model, eos_token_ids=()).run([Request(999, (1, 2, 3), 4)])  # warm-up
@@ -138,7 +134,7 @@ def ours(rank: int, world_size: int, directory: str, work: RealWorkload, out: st
         link.shutdown_workers()
         _save(out, rank, tokens_per_s=sum(len(c.tokens) for c in done.values()) / wall,
               ttft_s=statistics.median(first[i] - started for i in range(len(requests))), step_s=step_s,
-              outputs=[done[i].tokens for i in range(len(requests))], peak=peak_memory())  # fmt: skip
+              outputs=[done[i].tokens for i in range(len(requests))], peak=memory("VmHWM", default=0))  # fmt: skip
 
 
 class _Clock:
@@ -184,7 +180,7 @@ def theirs(rank: int, world_size: int, directory: str, work: RealWorkload, batch
             per_token.append((clock.times[-1] - clock.times[1]) / (len(clock.times) - 2))
     wall = time.perf_counter() - started
     _save(out, rank, tokens_per_s=sum(new for _, new in requests) / wall, ttft_s=statistics.median(first),
-          step_s=statistics.median(per_token), outputs=outputs, peak=peak_memory())  # fmt: skip
+          step_s=statistics.median(per_token), outputs=outputs, peak=memory("VmHWM", default=0))  # fmt: skip
 
 
 def _save(out: str, rank: int, **figures: object) -> None:

@@ -1,5 +1,6 @@
 """What every test module shares: rank processes start from one server that imported torch once;
-the shipped model's checkpoint, opened once per module (``shipped``); the tiers.
+the shipped model's checkpoint, opened once per module (``shipped``), and what one rank computes that
+several must equal (``greedy_one_rank``, ``served_one_rank``); torch on one thread (``one_thread``); the tiers.
 
 Tiers, one folder each: ``in_process/`` (no process of its own beyond a short helper),
 ``ranks/`` (rank processes from the start server) and ``programs/`` (the demo, the
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
     from metrale_model_engine.reference import Checkpoint
 
+    from helpers.greedy import Greedy
+    from helpers.serving_sessions import Served
+
 start_ranks_from_a_server(
     ["metrale_model_engine.torch"] if importlib.util.find_spec("torch") is not None else ["metrale_model_engine.shm"]
 )
@@ -42,6 +46,30 @@ def shipped() -> Checkpoint:
     from metrale_model_engine.reference import Checkpoint
 
     return Checkpoint.open()
+
+
+@pytest.fixture
+def one_thread() -> None:
+    """Torch's CPU ops on one thread, as in a rank process (needs torch): ``usefixtures("one_thread")``."""
+    from helpers.greedy import on_one_thread
+
+    on_one_thread()
+
+
+@pytest.fixture(scope="module")
+def greedy_one_rank(shipped: Checkpoint) -> Greedy:
+    """The shipped model's greedy session on one rank, in this process: what a sharded run must equal (needs torch)."""
+    from helpers.greedy import one_rank_greedy
+
+    return one_rank_greedy(shipped)
+
+
+@pytest.fixture(scope="module")
+def served_one_rank() -> Served:
+    """The serving workload on one rank, in this process: its tokens, logits and final digest (needs torch)."""
+    from helpers.serving_sessions import one_rank_reference
+
+    return one_rank_reference()
 
 
 TIERS = ("in_process", "ranks", "programs")

@@ -19,6 +19,7 @@ from metrale_model_engine.transport import SoloTransport
 
 from helpers.oracle import NEW_TOKENS, PROMPTS
 from helpers.rank_results import save
+from helpers.usage import memory
 
 SLOTS = 3
 QUIET = logging.getLogger("tests.checkpoints.quiet")
@@ -50,14 +51,6 @@ def serve_prompts(
             save(out, rank, failed=summary.commands_failed)
 
 
-def _memory(key: str) -> int:
-    """A figure of ``/proc/self/status``, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> None:
     """Load this rank's shard of ``directory``; save how far its resident memory rose meanwhile, at its peak.
 
@@ -66,10 +59,10 @@ def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> No
     """
     torch.set_num_threads(1)
     link = open_link("torch", num_slots=1, command_timeout=60.0)
-    before = _memory("VmRSS")
+    before = memory("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     with ReferenceLm(link, checkpoint=directory) as model:
-        grew = _memory("VmHWM") - before
+        grew = memory("VmHWM") - before
         save(out, rank, grew=grew, shard=model.checkpoint.shard_bytes(rank, world_size, torch.float32))
         if rank == 0:
             link.shutdown_workers()
@@ -80,7 +73,7 @@ def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> No
 
 def open_and_measure(directory: str) -> int:
     """How far this process's resident memory rises, at its peak, while it opens ``directory`` (a launcher's check)."""
-    before = _memory("VmRSS")
+    before = memory("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     Checkpoint.open(directory)
-    return _memory("VmHWM") - before
+    return memory("VmHWM") - before

@@ -35,12 +35,8 @@ class FakeTransport(RecordingTransport):
         """What a worker rank receives, one message each, in order."""
         self.answered: list[bytes] = []
         """What a worker rank answered, in order."""
-        self.flushes = 0
         self.waiting: list[tuple[int, bytes]] = []
         """Answers a head finds when it polls (set by a test)."""
-        self.answers_fail_with: Exception | None = None
-        self.answers_of: dict[int, list[bytes]] = {}
-        """Answers a head receives from a rank at its next sync point (set by a test; else an agreeing ack)."""
 
     @property
     def sent(self) -> list[Message]:
@@ -69,7 +65,7 @@ class FakeTransport(RecordingTransport):
         self.answered.append(bytes(memoryview(answer).cast("B")))
 
     def flush_answers(self, timeout: float | None) -> None:
-        self.flushes += 1
+        pass
 
     def answers_ready(self) -> bool:
         return bool(self.waiting)
@@ -77,13 +73,6 @@ class FakeTransport(RecordingTransport):
     def poll_answers(self) -> list[tuple[int, bytes]]:
         waiting, self.waiting = self.waiting, []
         return waiting
-
-    def receive_answers(self, rank: int, timeout: float | None) -> list[bytes]:
-        if self.answers_fail_with is not None:
-            raise self.answers_fail_with
-        if rank in self.answers_of:
-            return self.answers_of.pop(rank)
-        return super().receive_answers(rank, timeout)
 
 
 class RealHead(HeadEnd):

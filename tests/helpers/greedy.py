@@ -11,6 +11,13 @@ from metrale_model_engine.reference.checkpoint import load_shard
 PROMPTS = ("Licensed under the", "Permission is hereby")
 
 GREEDY_STEPS = 24
+Greedy = dict[str, list[list[float]] | list[list[int]]]
+"""A greedy session's figures: ``"logits"``, every step's rows; ``"tokens"``, each prompt's generated tokens."""
+
+
+def on_one_thread() -> None:
+    """Torch's CPU ops on one thread, as each rank process runs them."""
+    torch.set_num_threads(1)
 
 
 def byte_ids(text: str) -> list[int]:
@@ -48,7 +55,7 @@ def ints(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def greedy_session(model: ShardedLm) -> dict[str, list[list[float]] | list[list[int]]]:
+def greedy_session(model: ShardedLm) -> Greedy:
     """Prefill both prompts (the first in two chunks, in slot 2; the second in slot 0), then greedy-decode
     both in one batch; every step's logits and the tokens."""
     first, second = (byte_ids(prompt) for prompt in PROMPTS)
@@ -65,3 +72,9 @@ def greedy_session(model: ShardedLm) -> dict[str, list[list[float]] | list[list[
         rows = [out[0], out[1]]
         positions = [position + 1 for position in positions]
     return {"logits": logits, "tokens": tokens}
+
+
+def one_rank_greedy(shipped: Checkpoint) -> Greedy:
+    """The shipped model's :func:`greedy_session` on one rank, in this process, on one thread."""
+    on_one_thread()
+    return greedy_session(shipped_model(shipped))

@@ -76,7 +76,11 @@ def drive(model: LoggedLm) -> tuple[dict[int, list[int]], Server]:
     return {i: c.tokens for i, c in server.completions.items()}, server
 
 
-def one_rank_reference() -> tuple[dict[int, list[int]], list[torch.Tensor], int]:
+Served = tuple[dict[int, list[int]], list[torch.Tensor], int]
+"""What a served workload gives: each request's tokens, the logits of every step, the final KV digest."""
+
+
+def one_rank_reference() -> Served:
     """The workload on one rank, in this process: the tokens, the logits, the final digest."""
     from metrale_model_engine.transport import SoloTransport
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-import resource
 import signal
-import threading
 import time
 from array import array
 from multiprocessing.connection import Connection
@@ -23,6 +21,7 @@ from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_diges
 
 from helpers.faulty_toy import CMD_CHECK, CMD_DIE, FaultyToy
 from helpers.rank_results import save, wait_until_dead
+from helpers.usage import IdleSampler
 
 SLOTS = 8
 GIANT_PROMPT = 1_048_576
@@ -171,29 +170,18 @@ def wakeups(transport: ShmTransport, gaps_s: list[float], out: str) -> None:
 def idle_cpu(transport: ShmTransport, idle: float, window: float, out: str) -> None:
     """Worker CPU over ``window`` seconds after ``idle`` seconds without a message, then the wake-up.
 
-    A sampler thread reads the worker's own ``getrusage`` while the main thread
-    waits in its receive.
+    A sampler thread (``usage.IdleSampler``) reads the worker's own CPU time while the
+    main thread waits in its receive.
     """
     transport.gather([0])  # both ranks are here: the idle time starts now
     if transport.rank == 0:
         time.sleep(idle + window + 0.2)
         transport.send((array("Q", [time.perf_counter_ns()]),), 10.0)
         return
-    samples: list[float] = []
-
-    def sample() -> None:
-        time.sleep(idle)
-        for _ in range(2):
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-            samples.append(usage.ru_utime + usage.ru_stime)
-            time.sleep(window)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    sampler = IdleSampler(idle, window)
     sent = array("Q", transport.receive(None).tobytes())[0]
     latency = (time.perf_counter_ns() - sent) / 1e9
-    sampler.join()
-    save(out, transport.rank, cpu_fraction=(samples[1] - samples[0]) / window, wake_latency=latency)
+    save(out, transport.rank, cpu_fraction=sampler.share(), wake_latency=latency)
 
 
 def forked_worker(name: str, rank: int, digests: Connection) -> None:

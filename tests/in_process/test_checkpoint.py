@@ -42,12 +42,7 @@ from metrale_model_engine.transport import SoloTransport
 from helpers import oracle
 from helpers.greedy import byte_ids
 
-pytestmark = pytest.mark.torch
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,12 @@ import zlib
 import pytest
 
 from metrale_model_engine import EpLinkError, ProtocolVersion, RunStopped, WorkerFailure
-from metrale_model_engine._core.codec import Report, encode_report
 from metrale_model_engine._core.transport import HeadEnd, SoloTransport, TransportClosed, WorkerEnd
 from metrale_model_engine._engine.forward import stop_on_error
 from metrale_model_engine._engine.reports import WorkerReports
 from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkState, Phase
 from metrale_model_engine._engine.settings import LinkSettings
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
-
-from helpers.fakes import FakeTransport
 
 
 def test_the_stream_counts_commands_and_folds_every_part_into_one_crc() -> None:
@@ -147,18 +144,6 @@ def test_the_head_puts_first_hand_reports_before_witnesses() -> None:
     why = reports.why([witness, first], [])
     assert why.index("ValueError") < why.index("Connection closed")
     assert "said nothing" not in why
-
-
-def test_the_heads_failed_forward_names_a_worker_that_stopped_the_run_before_its_own_error() -> None:
-    transport = FakeTransport(0, 2)
-    reports = _reports(2, transport)
-    transport.waiting = [(1, encode_report(Report(1, 0, 5, "KeyError: 'slot 0 is free'", stopped=True)))]
-    stopped = reports.forward_failed(RuntimeError("Connection closed by peer"))  # the all-reduce its leaving failed
-    assert str(stopped) == (
-        "head: the run stopped in command 1 (seq_id=0, cmd=5): worker rank 1 failed command 1 (seq_id=0, cmd=5): "
-        "KeyError: 'slot 0 is free'"
-    )
-    assert stopped.ranks == (1,)
 
 
 def test_the_heads_failed_forward_names_its_own_error_when_no_worker_stopped() -> None:

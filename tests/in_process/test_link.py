@@ -19,7 +19,6 @@ from metrale_model_engine import (
     EpRoleError,
     EpSendError,
     EpSetupError,
-    EpWorkerFailed,
     LinkedEp,
     ProtocolVersion,
     RunStopped,
@@ -413,19 +412,6 @@ def test_check_workers_raises_what_workers_reported_first() -> None:
     with pytest.raises(RunStopped, match=r"KeyError: 'slot 0 is free'; worker rank\(s\) \[1\] exited") as info:
         head.check_workers()
     assert info.value.failures == (WorkerFailure(1, 3, 0, 7, "KeyError: 'slot 0 is free'"),)
-
-
-def test_check_workers_raises_ordinary_reports_as_failures_and_a_stopping_one_as_the_run_stopped() -> None:
-    transport = FakeTransport(0, 2)
-    head = EpLink(transport, num_slots=4, protocol=ProtocolVersion.V1)
-    transport.waiting = [(1, encode_report(Report(3, 0, 7, "KeyError: 'slot 0 is free'")))]
-    with pytest.raises(EpWorkerFailed, match=r"worker rank 1 failed command 3 \(seq_id=0, cmd=7\)"):
-        head.check_workers()
-    assert head.stopped is None and not head.closed
-    transport.waiting = [(1, encode_report(Report(4, 1, 9, "ValueError: bad", stopped=True)))]
-    with pytest.raises(RunStopped, match=r"the run stopped: worker rank 1 failed command 4 .*: ValueError: bad"):
-        head.check_workers()
-    assert head.closed
 
 
 def test_check_workers_is_for_the_head_and_takes_seconds() -> None:

@@ -26,18 +26,13 @@ from metrale_model_engine.transport import SoloTransport
 
 from helpers.greedy import shipped_model
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_thread")]
 
 MAX_LAUNCHES = 88
 """The bound on the ops that are not views in one float32 ``decode`` of the shipped model with the experts run
 on the device: 218 before the decode was made for a GPU, 76 after; with grouped-query attention and the span
 read of the cache 80 at batch 4 and 16, and 86 at batch 1, where the picked experts' weights are gathered."""
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 def model_on(shipped: Checkpoint, device: str = "cpu", dtype: torch.dtype = torch.float32) -> ShardedLm:

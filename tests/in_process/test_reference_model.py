@@ -35,18 +35,13 @@ from metrale_model_engine.reference import Checkpoint, LmConfig, ShardedLm, deco
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
 from metrale_model_engine.torch import count_ops
 
-from helpers.greedy import byte_ids, greedy_session, ints, shipped_model
+from helpers.greedy import Greedy, byte_ids, ints, shipped_model
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
 DECODE_TEXTS = ("Licensed under the", "Permission is hereby granted", "THE SOFTWARE IS")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 # Config and arguments
@@ -267,17 +262,11 @@ def test_batched_decode_rows_are_independent(shipped: Checkpoint) -> None:
 # The shipped model's greedy text
 
 
-@pytest.fixture(scope="module")
-def one_rank(shipped: Checkpoint) -> dict[str, list[list[float]] | list[list[int]]]:
-    torch.set_num_threads(1)
-    return greedy_session(shipped_model(shipped))
-
-
-def test_greedy_text_is_license_english(one_rank: dict[str, list[list[float]] | list[list[int]]]) -> None:
-    logits = torch.tensor(one_rank["logits"])
+def test_greedy_text_is_license_english(greedy_one_rank: Greedy) -> None:
+    logits = torch.tensor(greedy_one_rank["logits"])
     top_two = logits.topk(2, dim=-1).values
     assert float((top_two[:, 0] - top_two[:, 1]).min()) > 100 * ATOL  # no near-ties: greedy tokens are robust
-    first, second = (bytes(tokens).decode() for tokens in one_rank["tokens"])  # type: ignore[arg-type]
+    first, second = (bytes(tokens).decode() for tokens in greedy_one_rank["tokens"])  # type: ignore[arg-type]
     assert set(first + second) <= set(string.printable)
     assert first.startswith(" Apache License"), first
 

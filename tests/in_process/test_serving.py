@@ -55,11 +55,6 @@ LOGIT_TOLERANCE = 1e-4
 """Largest difference allowed between a sharded head's logits and one rank's (float32; seen: about 1e-6)."""
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> tuple[dict[int, list[int]], list[torch.Tensor], int]:
-    return sessions.one_rank_reference()
-
-
 def solo_model(slots: int = 4) -> ReferenceLm:
     return ReferenceLm(EpLink(SoloTransport(), num_slots=slots))
 
@@ -74,8 +69,10 @@ def test_one_rank_continues_license_text() -> None:
     assert not solo_model().is_ep()
 
 
-def test_requests_that_arrive_mid_run_get_the_tokens_they_get_alone(one_rank: tuple[dict[int, list[int]], ...]) -> None:
-    batched = one_rank[0]
+def test_requests_that_arrive_mid_run_get_the_tokens_they_get_alone(
+    served_one_rank: tuple[dict[int, list[int]], ...],
+) -> None:
+    batched = served_one_rank[0]
     for request in sessions.WORKLOAD:
         alone = Server(solo_model(sessions.SLOTS), prefill_chunk=sessions.PREFILL_CHUNK).run([request])
         assert alone[request.id].tokens == batched[request.id], request

@@ -212,15 +212,25 @@ def test_each_public_module_exports_exactly_its_surface(name: str, surface: list
 
 
 @pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))
-def test_every_public_class_shows_its_source_and_its_help(name: str, surface: list[str]) -> None:
-    """Classes keep the module that defines them as ``__module__``: ``inspect.getsource`` and ``help()`` find them."""
+def test_every_public_class_and_function_shows_its_source_and_its_help(name: str, surface: list[str]) -> None:
+    """Classes and functions keep the module that defines them as ``__module__``: ``inspect.getsource`` and
+    ``help()`` find them.  Every public module has at least one (``batching`` has functions only)."""
     module = importlib.import_module(name)
+    checked = []
     for public in surface:
         value = getattr(module, public)
         if isinstance(value, type) and not isinstance(value, types.GenericAlias):  # 3.10: list[X] is a type
-            assert value.__module__.startswith("metrale_model_engine"), (public, value.__module__)
-            assert f"class {value.__name__}" in inspect.getsource(value), public
-            assert value.__doc__ and value.__doc__.split("\n")[0] in pydoc.render_doc(value), public
+            keyword = "class"
+        elif inspect.isfunction(value):
+            keyword = "def"
+        else:
+            continue
+        assert value.__module__.startswith("metrale_model_engine"), (public, value.__module__)
+        assert f"{keyword} {value.__name__}" in inspect.getsource(value), public
+        doc = inspect.getdoc(value)
+        assert doc and doc.splitlines()[0] in pydoc.render_doc(value), public
+        checked.append(public)
+    assert checked, f"{name} exports no class or function: this test checked nothing"
 
 
 @pytest.mark.parametrize(("name", "surface"), sorted(surfaces().items()))

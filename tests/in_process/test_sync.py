@@ -1,8 +1,12 @@
-"""The way back, in one process: reports raised on the head, sync points, what a worker answers, agreement checks."""
+"""Sync points and agreement checks in one process: a one-rank group, roles, a worker's answers to a recorded head.
+
+The head against real workers' answers (reports, refusals, sync points that agree or
+differ) is ``test_way_back.py``.
+"""
 
 import zlib
 from array import array
-from collections.abc import Callable, MutableSequence, Sequence
+from collections.abc import MutableSequence, Sequence
 
 import pytest
 
@@ -11,165 +15,18 @@ from metrale_model_engine import (
     EpCommandFailed,
     EpDivergenceError,
     EpLink,
-    EpLinkError,
     EpRoleError,
-    EpWorkerFailed,
     ProtocolVersion,
-    RunStopped,
     SequenceState,
-    WorkerFailure,
 )
 from metrale_model_engine.testing import RecordingEp, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
-from metrale_model_engine.wire import Ack, Report, decode_answer, encode_ack, encode_report, fold_message
+from metrale_model_engine.wire import Ack, Report, decode_answer, fold_message
 
 from helpers.fakes import FakeTransport, ignore, link, no_slots
-from helpers.messages import header, sync, whole, word
+from helpers.messages import header, sync
 
 Slots = MutableSequence[SequenceState | None]
-
-
-def report(command: int, seq_id: int = 0, cmd: int = 7, error: str = "KeyError: 'slot 0 is free'") -> bytes:
-    return encode_report(Report(command, seq_id, cmd, error))
-
-
-def test_a_report_that_arrived_is_raised_before_the_next_command_and_only_once() -> None:
-    transport = FakeTransport(0, 3)
-    head = link(transport)
-    head.send_command(0, 7)
-    transport.waiting = [(2, report(1)), (1, report(1, error="ValueError: bad"))]
-    with pytest.raises(EpWorkerFailed) as info:
-        head.send_command(1, 8, 5)
-    assert info.value.failures == (
-        WorkerFailure(2, 1, 0, 7, "KeyError: 'slot 0 is free'"),
-        WorkerFailure(1, 1, 0, 7, "ValueError: bad"),
-    )
-    message = str(info.value)
-    assert message.startswith("worker rank 2 failed command 1 (seq_id=0, cmd=7): KeyError: 'slot 0 is free'; ")
-    assert message.endswith("; nothing of the command being sent was sent")
-    assert len(transport.sent) == 1 and head.commands == 1  # the new command was not sent
-    head.send_command(1, 8, 5)  # raised once: the next send goes through
-    assert transport.sent[-1] == whole(8, 1) + word(5)
-
-
-def test_a_report_that_stopped_the_run_is_raised_as_such_and_the_link_stays_stopped() -> None:
-    transport = FakeTransport(0, 3)
-    head = link(transport)
-    head.send_command(0, 7)
-    transport.waiting = [(1, encode_report(Report(1, 0, 7, "KeyError: 'slot 0 is free'", stopped=True)))]
-    with pytest.raises(RunStopped) as info:
-        head.send_command(1, 8, 5)
-    assert info.value.failures == (WorkerFailure(1, 1, 0, 7, "KeyError: 'slot 0 is free'", stopped=True),)
-    assert info.value.ranks == (1,)
-    assert str(info.value) == (
-        "head: the run stopped: worker rank 1 failed command 1 (seq_id=0, cmd=7): KeyError: 'slot 0 is free'; "
-        "nothing of the command being sent was sent"
-    )
-    assert head.stopped is not None and str(head.stopped) == str(info.value) and head.closed
-    calls: list[Callable[[], None]] = [lambda: head.send_command(1, 8), head.sync, head.shutdown_workers]
-    for call in calls:
-        with pytest.raises(RunStopped, match=r"head: the run stopped earlier \(head: the run stopped: worker rank 1"):
-            call()
-
-
-def test_a_report_that_stopped_the_run_ends_a_sync_point_without_waiting_for_that_worker() -> None:
-    head, transport = sync_head([])
-    transport.answers_of = {1: [agreeing(transport)], 2: [encode_report(Report(2, 1, 7, "ValueError: x", True))]}
-    with pytest.raises(RunStopped, match=r"worker rank 2 failed command 2 \(seq_id=1, cmd=7\): ValueError: x"):
-        head.sync()
-
-
-def sync_head(acks: Sequence[Sequence[bytes]], world_size: int = 3) -> tuple[EpLink, FakeTransport]:
-    """A head that sent two commands; ``acks`` are what workers 1.. answer at its first sync point."""
-    transport = FakeTransport(0, world_size)
-    head = link(transport)
-    head.send_command(0, 7)
-    head.send_command(1, 7)
-    for rank, answers in enumerate(acks, start=1):
-        transport.answers_of[rank] = list(answers)
-    return head, transport
-
-
-def agreeing(transport: FakeTransport, compare_state: bool = False, **changes: int) -> bytes:
-    """The acknowledgement of sync point 1 by a worker in step, with ``changes``."""
-    from array import array
-
-    crc = 0
-    for message in [*transport.sent, sync(1, compare_state)]:
-        crc = fold_message(crc, [array("I", message)])
-    return encode_ack(Ack(1, crc, 2, 0, None)._replace(**changes))
-
-
-def test_a_sync_point_where_every_worker_agrees_returns() -> None:
-    head, transport = sync_head([])
-    transport.answers_of = {1: [agreeing(transport)], 2: [agreeing(transport)]}
-    head.sync()
-    assert transport.sent[-1] == sync(1)
-
-
-def test_failures_reported_at_a_sync_point_are_raised_there() -> None:
-    head, transport = sync_head([])
-    transport.answers_of = {1: [report(2, 1), agreeing(transport, reports=1)], 2: [agreeing(transport)]}
-    with pytest.raises(EpWorkerFailed) as info:
-        head.sync()
-    assert info.value.failures == (WorkerFailure(1, 2, 1, 7, "KeyError: 'slot 0 is free'"),)
-
-
-@pytest.mark.parametrize(
-    ("changes", "fragment"),
-    [
-        ({"commands": 1}, "worker rank 2: received 1 commands where the head sent 2"),
-        ({"stream_crc": 7}, "worker rank 2: its command stream's CRC-32 is 0x00000007, the head's 0x"),
-    ],
-)
-def test_a_worker_whose_stream_differs_is_a_divergence_naming_it_and_the_commands(
-    changes: dict[str, int], fragment: str
-) -> None:
-    head, transport = sync_head([])
-    transport.answers_of = {1: [agreeing(transport)], 2: [agreeing(transport, False, **changes)]}
-    with pytest.raises(EpDivergenceError, match=fragment) as info:
-        head.sync()
-    assert info.value.ranks == (2,)
-    assert "no sync point has seen every rank agree yet: they diverged within commands 1 ..= 2" in str(info.value)
-
-
-def test_state_digests_are_compared_with_the_heads() -> None:
-    head, transport = sync_head([])
-    head.state_digest = lambda slots: len([s for s in slots if s is not None])
-    transport.answers_of = {
-        1: [agreeing(transport, True, state_digest=1)],
-        2: [agreeing(transport, True, state_digest=0)],
-    }
-    slots: Slots = [SequenceState(0), None]
-    with pytest.raises(EpDivergenceError, match=r"worker rank 2: its state digest is 0x0000000000000000, the head's"):
-        head.sync(slots)
-    # The stream digest counts the sync item, which asked for the state: it carries flag 1.
-    assert transport.sent[-1] == sync(1, compare_state=True)
-
-
-def test_reports_that_never_arrived_are_a_link_error() -> None:
-    head, transport = sync_head([])
-    transport.answers_of = {1: [agreeing(transport, reports=2)], 2: [agreeing(transport)]}
-    with pytest.raises(EpLinkError, match=r"reports of worker rank\(s\) \[1\] were lost"):
-        head.sync()
-
-
-def test_a_sync_point_whose_worker_does_not_answer_is_a_link_error() -> None:
-    head, transport = sync_head([])
-    transport.answers_fail_with = TimeoutError("worker rank 1 sent no answer within 60.0 s")
-    with pytest.raises(EpLinkError, match="head: sync point 1 failed waiting for worker rank 1: worker rank 1 sent no"):
-        head.sync()
-
-
-def test_shutdown_is_a_sync_point_and_shuts_down_even_when_the_sync_raises() -> None:
-    head, transport = sync_head([])
-    transport.answers_of = {1: [report(1), agreeing(transport, reports=1)], 2: [agreeing(transport)]}
-    with pytest.raises(EpWorkerFailed, match="worker rank 1 failed command 1"):
-        head.shutdown_workers()
-    assert transport.sent[-2:] == [sync(1), header(CMD_SHUTDOWN)]
-    assert head.workers_shut_down
-    head.shutdown_workers()  # done: nothing more is sent
-    assert len(transport.sent) == 4
 
 
 def test_a_one_rank_group_has_nothing_to_sync() -> None:

@@ -19,7 +19,7 @@ import torch
 from metrale_model_engine.reference import Checkpoint
 from metrale_model_engine.torch import run_group
 
-from helpers.greedy import greedy_session, shipped_model
+from helpers.greedy import Greedy, greedy_session, shipped_model
 
 pytestmark = pytest.mark.torch
 
@@ -37,20 +37,12 @@ def sharded_session(rank: int, world_size: int, out: str) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(greedy_session(model)))
 
 
-@pytest.fixture(scope="module")
-def one_rank(shipped: Checkpoint) -> dict[str, list[list[float]] | list[list[int]]]:
-    torch.set_num_threads(1)
-    return greedy_session(shipped_model(shipped))
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_equals_one_rank(
-    world_size: int, tmp_path: Path, one_rank: dict[str, list[list[float]] | list[list[int]]]
-) -> None:
+def test_sharded_equals_one_rank(world_size: int, tmp_path: Path, greedy_one_rank: Greedy) -> None:
     assert run_group(sharded_session, world_size, str(tmp_path), backend="gloo", timeout=120.0) == [0] * world_size
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world_size)]
     for result in results:
         assert result == results[0]  # bit for bit: every rank gets the same sums
-    expected = torch.tensor(one_rank["logits"])
+    expected = torch.tensor(greedy_one_rank["logits"])
     torch.testing.assert_close(torch.tensor(results[0]["logits"]), expected, atol=ATOL, rtol=0)
-    assert results[0]["tokens"] == one_rank["tokens"]
+    assert results[0]["tokens"] == greedy_one_rank["tokens"]

@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-import torch
 
 from metrale_model_engine import (
     EpLink,
@@ -37,11 +36,6 @@ RUN_LIMIT = 240.0
 """Seconds a multi-rank test may run before its ranks are killed."""
 FAULT_BOUND = 10.0
 """Seconds from a rank's death (or refusal) to the error on every other rank."""
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> tuple[dict[int, list[int]], list[torch.Tensor], int]:
-    return sessions.one_rank_reference()
 
 
 # -- one rank, in this process ---------------------------------------------------
@@ -87,10 +81,10 @@ def test_every_world_size_serves_the_tokens_of_one_rank(
     world_size: int,
     kind: str,
     protocol: str,
-    one_rank: tuple[dict[int, list[int]], list[torch.Tensor], int],
+    served_one_rank: sessions.Served,
     tmp_path: Path,
 ) -> None:
-    tokens, logits, digest = one_rank
+    tokens, logits, digest = served_one_rank
     codes = run_group(sessions.serve_workload, world_size, kind, protocol, str(tmp_path), timeout=RUN_LIMIT)
     assert codes == [0] * world_size
     results = load(tmp_path, world_size)
