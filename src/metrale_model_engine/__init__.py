@@ -82,7 +82,7 @@ else:
         "U32_TYPECODE": ("metrale_model_engine.wire", "U32_TYPECODE"),
     }
     _REPLACED = {
-        "WireEp": "subclass LinkedEp and hold an EpLink in self.ep_link (see the README, 'Writing a model')",
+        "WireEp": "subclass LinkedEp and hold an EpLink in self.ep_link (see the README, 'Writing a multi-rank model')",
         "Broadcast": "transports now send and receive whole messages: see metrale_model_engine.transport.EpTransport",
         "INLINE_TOKENS": "items carry any number of tokens: see metrale_model_engine.wire",
     }

@@ -125,7 +125,8 @@ def parse_args(argv: Sequence[str] | None = None, *, description: str = "") -> a
         help="what carries the all-reduces (default: nccl on --device cuda, else gloo)")  # fmt: skip
     add("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (one rank, --device cuda)")
     add("--threads", type=lambda t: _whole(t, 1), default=None,
-        help="torch threads per rank (default: 1 per rank with several ranks, 2 with one; see the README)")  # fmt: skip
+        help="torch threads per rank (default: 1 per rank with several ranks, 2 with one; "
+        "see docs/reference.md, 'The demo')")  # fmt: skip
     add("--transport", choices=["auto", "shm", "torch"], default="auto",
         help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
              "a host (auto, the default)")  # fmt: skip

@@ -115,6 +115,6 @@ if not TYPE_CHECKING:
         if name == "TorchEp":
             raise AttributeError(
                 "metrale_model_engine.torch.TorchEp was replaced: subclass LinkedEp and hold the link that "
-                "open_link(num_slots=...) gives, in self.ep_link (see the README, 'Writing a model')"
+                "open_link(num_slots=...) gives, in self.ep_link (see the README, 'Writing a multi-rank model')"
             )
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

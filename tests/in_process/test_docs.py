@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
+import inspect
+import io
 import re
+import textwrap
+import tokenize
+import types
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,3 +52,216 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves(document: Path)
 
 def test_the_readme_stays_a_front_door() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+# Pointers in the sources: every name a docstring, a message or a comment gives (a reST role's target,
+# an autorefs link's identifier, a dotted name of this package) resolves, and every "see the README,
+# 'Heading'" names a heading that exists.
+
+PACKAGE = "metrale_model_engine"
+SOURCES = sorted((ROOT / "src" / PACKAGE).rglob("*.py"))
+ROLE = re.compile(r":(mod|func|class|meth|attr|data|exc|obj|const):`([^`]+)`")
+AUTOREF = re.compile(r"\[([^\[\]]+)\]\[([\w.]*)\]")
+DOTTED = re.compile(rf"\b{PACKAGE}(?:\.[A-Za-z_]\w*)+")
+DOCUMENT = r"(README|ARCHITECTURE|CONTRIBUTING|docs/\w+\.md)(?:\.md)?"
+# "see the README, 'Heading'", "(docs/errors.md, 'Heading')", "the README's 'Heading'"
+QUOTED_HEADING = re.compile(DOCUMENT + r"(?:'s)?,? '([^']+)'")
+# "the README's Install section"
+NAMED_SECTION = re.compile(r"the " + DOCUMENT + r"'s ([A-Z][\w ,-]*?) section")
+DOCS_PATH = re.compile(r"\bdocs/[\w-]+\.md(?:#[\w-]+)?")
+# Where a package that a module imports is not installed (torch on most interpreters), its names are not checked.
+OPTIONAL = {"torch", "numpy", "safetensors", "tokenizers", "transformers"}
+# Dotted names that are not names of the code: loggers, and a name whose message says it is gone.
+LOGGER = re.compile(rf"getLogger\(f?\"{PACKAGE}[\w.]*")
+GONE = {f"{PACKAGE}.torch.TorchEp"}
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string of the sources (a docstring, a message) or a comment, and where its names are looked up."""
+
+    path: Path
+    line: int
+    module: str
+    classes: tuple[str, ...]
+    text: str
+    docstring: bool
+
+    def where(self, offset: int = 0) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line + self.text.count(chr(10), 0, offset)}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT / "src").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _texts() -> list[Text]:
+    texts: list[Text] = []
+    for path in SOURCES:
+        source = path.read_text()
+        module = _module_name(path)
+
+        def visit(node: ast.AST, classes: tuple[str, ...], path: Path = path, module: str = module) -> None:
+            body = getattr(node, "body", None)
+            documented = {
+                id(statement.value)
+                for statement in (body if isinstance(body, list) else [])
+                if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+            }
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Call) and getattr(child.func, "attr", None) == "getLogger":
+                    continue  # a logger's name is not a name of the code
+                if isinstance(child, ast.Expr) and isinstance(child.value, ast.Constant):
+                    constant = child.value
+                    if isinstance(constant.value, str):
+                        documents = id(constant) in documented
+                        texts.append(Text(path, constant.lineno, module, classes, constant.value, documents))
+                    continue
+                if isinstance(child, ast.Constant) and isinstance(child.value, str):
+                    texts.append(Text(path, child.lineno, module, classes, child.value, False))
+                    continue
+                visit(child, (*classes, child.name) if isinstance(child, ast.ClassDef) else classes)
+
+        visit(ast.parse(source), ())
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT:
+                texts.append(Text(path, token.start[0], module, (), token.string, False))
+    return texts
+
+
+TEXTS = _texts()
+
+
+def _instance_attributes(cls: type) -> set[str]:
+    """The names a class's methods assign on ``self`` (``self.name = ...``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return set()
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        if isinstance(node.value, ast.Name) and node.value.id == "self"
+    }
+
+
+def _member(owner: object, name: str) -> tuple[bool, object]:
+    """Whether ``owner`` has ``name`` (as an attribute, an annotated field or an instance attribute), and it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return True, getattr(owner, name)
+        except AttributeError:
+            pass
+    if isinstance(owner, type):
+        for cls in owner.__mro__:
+            if name in vars(cls).get("__annotations__", {}) or name in _instance_attributes(cls):
+                return True, None
+    if isinstance(owner, types.ModuleType):  # a name imported for the type checker only
+        imported = _type_checking_imports(owner).get(name)
+        if imported is not None:
+            found = _lookup(imported)
+            return found is not False, None
+    return False, None
+
+
+@functools.cache
+def _type_checking_imports(module: types.ModuleType) -> dict[str, str]:
+    """The names that ``from X import Y`` binds anywhere at a module's top (under ``TYPE_CHECKING`` too)."""
+    if module.__file__ is None:
+        return {}
+    names: dict[str, str] = {}
+    package = module.__name__ if module.__file__.endswith("__init__.py") else module.__name__.rpartition(".")[0]
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [base])])
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return names
+
+
+def _lookup(dotted: str) -> bool | None:
+    """Whether a dotted name of this package names something; None where an optional package it needs is missing."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError as error:  # metrale_model_engine.torch raises its own, from the missing module's
+            missing = error.name or getattr(error.__cause__, "name", None)
+            if missing is not None and missing.split(".")[0] in OPTIONAL:
+                return None
+            continue
+        for name in parts[cut:]:
+            if found is None:  # an attribute known only from an annotation: its members are not checked
+                return True
+            ok, found = _member(found, name)
+            if not ok:
+                return False
+        return True
+    return False
+
+
+def _resolve_role(text: Text, target: str) -> bool | None:
+    """A role's target as Sphinx reads it: in the enclosing classes, the module, a relative module, the package."""
+    name = re.sub(r"^.*<(.*)>$", r"\1", target).lstrip("~").removesuffix("()")  # "Title <target>" too
+    if name.startswith("."):
+        package = text.module if text.path.name == "__init__.py" else text.module.rpartition(".")[0]
+        name = name[1:]
+        candidates = [f"{package}.{name}", f"{text.module}.{name}"]
+    else:
+        scopes = [".".join([text.module, *text.classes[:depth]]) for depth in range(len(text.classes), -1, -1)]
+        candidates = [f"{scope}.{name}" for scope in scopes] + [name, f"{PACKAGE}.{name}"]
+    results = [_lookup(candidate) for candidate in candidates if candidate.split(".")[0] == PACKAGE]
+    return True if True in results else (None if None in results else False)
+
+
+def _headings(document: str) -> set[str]:
+    """A document's headings, outside fenced code, backticks removed: whole, and up to a colon or a comma."""
+    path = ROOT / (document if document.endswith(".md") else f"{document}.md")
+    if not path.exists():
+        return set()
+    prose = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+    headings = {heading.replace("`", "").strip() for heading in re.findall(r"^#+ (.*)$", prose, flags=re.MULTILINE)}
+    return headings | {re.split(r"[:,]", heading)[0] for heading in headings}
+
+
+def _stale_pointers(text: Text) -> list[str]:
+    stale: list[str] = []
+    for match in ROLE.finditer(text.text):
+        if _resolve_role(text, match.group(2)) is False:
+            stale.append(f"{text.where(match.start())}: {match.group()} names nothing")
+    for match in AUTOREF.finditer(text.text):
+        identifier = match.group(2) or match.group(1).strip("`")
+        if identifier.startswith(PACKAGE) and _lookup(identifier) is False:
+            stale.append(f"{text.where(match.start())}: {match.group()} names nothing")
+    loggers = {match.end() for match in LOGGER.finditer(text.text)}
+    for match in DOTTED.finditer(text.text):
+        if match.end() in loggers or match.group() in GONE:
+            continue
+        if not ROLE.search(text.text, max(0, match.start() - 9), match.end() + 1) and _lookup(match.group()) is False:
+            stale.append(f"{text.where(match.start())}: {match.group()} names nothing")
+    for match in QUOTED_HEADING.finditer(text.text):
+        if match.group(2) not in _headings(match.group(1)):
+            stale.append(f"{text.where(match.start())}: {match.group()}: no such heading in {match.group(1)}")
+    for match in NAMED_SECTION.finditer(text.text):
+        if match.group(2) not in _headings(match.group(1)):
+            stale.append(f"{text.where(match.start())}: {match.group()}: no such heading in {match.group(1)}")
+    for match in DOCS_PATH.finditer(text.text):
+        path, _, anchor = match.group().partition("#")
+        slugs = {re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-") for heading in _headings(path)}
+        if not (ROOT / path).exists() or (anchor and anchor not in slugs):
+            stale.append(f"{text.where(match.start())}: {match.group()} is not in docs/")
+    return stale
+
+
+def test_every_name_and_heading_that_the_sources_point_to_exists() -> None:
+    """Roles (``:class:`...```), autorefs links, dotted names of the package and "see the README, 'Heading'"."""
+    stale = [pointer for text in TEXTS for pointer in _stale_pointers(text)]
+    assert not stale, f"{len(stale)} pointers to names or headings that do not exist:\n" + "\n".join(stale)

@@ -88,7 +88,7 @@ class WorkerTransport(Protocol):
     def receive(self, timeout: float | None) -> memoryview:
         """Worker: the next message, whole, as read-only bytes valid until the next receive or close.
 
-        ``timeout`` as for :meth:`send`.
+        ``timeout`` as for :meth:`HeadTransport.send`.
         """
         ...
 

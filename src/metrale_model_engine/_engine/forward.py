@@ -196,7 +196,7 @@ class ForwardCollectives:
         return stopped
 
     def raise_if_stopped(self) -> None:
-        """Raise :class:`RunStopped` if the run stopped (:attr:`stopped`); for a model's head methods, first thing.
+        """Raise :class:`RunStopped` if the run stopped; for a model's head methods, first thing.
 
         Sends and steps check it themselves; a head method calls it before its own checks.
         """

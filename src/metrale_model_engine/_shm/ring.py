@@ -32,7 +32,7 @@ Memory ordering
     unless a full barrier separates them.  arm64 reorders all of these, so there a
     full barrier also goes between a payload and the stamp that publishes it, and
     between a stamp or counter and what it guards.  The barrier is an uncontended
-    lock's acquire and release (:func:`~metrale_model_engine.futex.full_fence`).
+    lock's acquire and release (:func:`~metrale_model_engine._shm.futex.full_fence`).
 
 A failed send
     A send can fail after publishing part of a message (the ring stayed full for

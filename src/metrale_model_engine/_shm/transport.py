@@ -311,7 +311,7 @@ class ShmTransport:
     def gone_workers(self) -> dict[int, str]:
         """Head: the workers that left the ring or died, by rank, each with how; empty while all are there.
 
-        What makes a wait of the head raise :class:`PeerLost`, told rank by rank, so
+        What makes a wait of the head raise :class:`~metrale_model_engine.transport.PeerLost`, told rank by rank, so
         that a head waiting for one worker can tell whether that one is gone.
         """
         if self._writer is None or self._closed:

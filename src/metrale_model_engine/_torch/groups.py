@@ -163,7 +163,8 @@ def _local_rank_main(
     try:
         target(rank, world_size, *args)
     finally:
-        if dist.is_initialized():  # the target may have left the group itself, as the README advises
+        # The target may have left the group itself, as the README advises ('A worker uses run_worker').
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

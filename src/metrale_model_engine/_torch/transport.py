@@ -192,7 +192,7 @@ class TorchTransport:
 
         Best effort: a failure is only logged.  What :meth:`close` does with this
         rank's held answers; a transport that relays other ranks' answers (a host's
-        leader in :class:`HostsTransport`) calls it for theirs.  Appended to what the
+        leader in :class:`~metrale_model_engine.torch.HostsTransport`) calls it for theirs.  Appended to what the
         rank left before; the head reads each answer once (:meth:`poll_answers`).
         """
         if not answers or self._store is None or self._group is None:
@@ -281,7 +281,7 @@ class TorchTransport:
     def send_answers(self, answers: Sequence[bytes], timeout: float | None) -> None:
         """Worker, at a sync point: ``answers`` (any size) to the head, which takes them with :meth:`receive_answers`.
 
-        What :meth:`flush_answers` sends; a host's leader in :class:`HostsTransport`
+        What :meth:`flush_answers` sends; a host's leader in :class:`~metrale_model_engine.torch.HostsTransport`
         sends its host's answers with it.
         """
         group = self._open_group()
@@ -369,7 +369,8 @@ class TorchTransport:
     ) -> None:
         # The process group's own broadcast, called directly: the same collective as
         # torch.distributed.broadcast without its per-call Python checks, which cost
-        # more than the transfer of a header (see the README's benchmark).  The
+        # more than the transfer of a header (measured in
+        # docs/benchmarks.md, 'The protocol over gloo and over shared memory').  The
         # timeout goes to the collective itself, not to the wait: a wait that timed
         # out would leave the receive pending inside the backend, where it would
         # swallow the head's next broadcast and block the process at exit.

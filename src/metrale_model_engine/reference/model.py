@@ -126,7 +126,7 @@ class ShardedLm(nn.Module):
     checked when they are host (CPU) tensors, and trusted when they already live on
     an accelerator (an index out of range there is a device-side assert).
     :meth:`decode_step` is the decode without any check, for callers that checked
-    the host values they built the tensors from (:class:`ReferenceLm` does), and for
+    the host values they built the tensors from (:class:`~metrale_model_engine.reference.ReferenceLm` does), and for
     CUDA graphs (:mod:`.graphs`).
 
     Args:

@@ -229,8 +229,8 @@ class Server:
         """One scheduling step: admit, one prefill chunk each, one batched decode, free the finished.
 
         With one rank (``is_ep()`` false, and ``fuse`` not off) the chunks and the decode
-        run as one forward (:meth:`ReferenceLm.fused_step`, the single-GPU fused path); a
-        request whose prompt ends there decodes from the next step on.
+        run as one forward (:meth:`~metrale_model_engine.reference.ReferenceLm.fused_step`, the
+        single-GPU fused path); a request whose prompt ends there decodes from the next step on.
 
         Raises:
             RuntimeError: the server was shut down.

@@ -21,7 +21,7 @@ The command words are Metrale's:
   (:func:`~metrale_model_engine.batching.send_batch`): a count, then the slot ids
   and one token per slot as two token arrays; each slot feeds its token.
 
-Failures (the README's contract for failures inside a forward) are the library's:
+Failures (docs/errors.md, 'Failures inside a forward') are the library's:
 prefill and decode are declared collective (:attr:`ReferenceLm.ep_collective_commands`),
 the all-reduces run through :class:`~metrale_model_engine.torch.Collectives`, and the
 head's forward runs inside ``with link.collective():``.  So any failure of a
