@@ -1,5 +1,6 @@
 """The README and the docs: every python block is part of a program under examples/ (run by
-``tests/programs/test_examples.py``), every relative link resolves, the README stays short."""
+``tests/programs/test_examples.py``), every relative link resolves, the README stays short; the
+sources: every name and heading a docstring, a message or a comment points to exists."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def test_every_python_block_of_the_readme_and_the_docs_is_part_of_an_example() -
     assert readme_blocks, "the README has no python blocks"
     for document in DOCUMENTS:
         for block in re.findall(r"```python\n(.*?)```", document.read_text(), flags=re.DOTALL):
+            included = re.fullmatch(r'--8<-- "(examples/\w+\.py)"\n', block)  # a whole example (pymdownx.snippets)
+            if included:
+                assert (ROOT / included.group(1)).is_file(), f"{document.name}: includes a missing {included.group(1)}"
+                continue
             assert any(block in source for source in sources), f"{document.name}: block not in examples/:\n{block}"
 
 
@@ -46,7 +51,7 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves(document: Path)
         assert linked.exists(), f"{document.name}: the link {target!r} names a missing file"
         if anchor and linked.suffix == ".md":
             headings = re.findall(r"^#+ (.*)$", linked.read_text(), flags=re.MULTILINE)
-            slugs = {re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-") for heading in headings}
+            slugs = {re.sub(r"[^a-z0-9_ -]", "", heading.lower()).replace(" ", "-") for heading in headings}
             assert anchor in slugs, f"{document.name}: no heading {anchor!r} in {linked.name}"
 
 
@@ -255,7 +260,7 @@ def _stale_pointers(text: Text) -> list[str]:
             stale.append(f"{text.where(match.start())}: {match.group()}: no such heading in {match.group(1)}")
     for match in DOCS_PATH.finditer(text.text):
         path, _, anchor = match.group().partition("#")
-        slugs = {re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-") for heading in _headings(path)}
+        slugs = {re.sub(r"[^a-z0-9_ -]", "", heading.lower()).replace(" ", "-") for heading in _headings(path)}
         if not (ROOT / path).exists() or (anchor and anchor not in slugs):
             stale.append(f"{text.where(match.start())}: {match.group()} is not in docs/")
     return stale
