@@ -13,8 +13,8 @@ from .._core.checks import check_seconds
 from .._core.transport import PretendGroup
 from .._engine.link import EpLink
 from .._engine.reports import EXIT_GRACE
-from .hosts import HostsTransport
-from .transport import TorchTransport
+from .._torch.hosts import HostsTransport
+from .._torch.transport import TorchTransport
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]
 
