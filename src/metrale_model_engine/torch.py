@@ -60,7 +60,6 @@ except ImportError as _missing:
         "all_gather_object use it): pip install 'metrale-model-engine[torch]' or pip install numpy"
     ) from _missing
 
-import importlib
 import warnings
 from typing import TYPE_CHECKING
 
@@ -113,6 +112,8 @@ if TYPE_CHECKING:
     from ._tensors.op_count import OpCount as OpCount
     from ._tensors.op_count import count_ops as count_ops
 else:
+    from ._tensors import op_count as _op_count
+
     _MOVED = frozenset({"WAITING_OPS", "OpCount", "count_ops"})
     """Names whose home is now ``metrale_model_engine.reference``: kept here, with a warning, until 0.3."""
 
@@ -125,7 +126,7 @@ else:
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return getattr(importlib.import_module("metrale_model_engine.reference"), name)
+            return getattr(_op_count, name)  # the very objects the reference package exports
         if name == "TorchEp":
             raise AttributeError(
                 "metrale_model_engine.torch.TorchEp was replaced: subclass LinkedEp and hold the link that "
