@@ -387,6 +387,16 @@ def _group_store(group: dist.ProcessGroup) -> Store | None:
         return None
 
 
+def group_waits(transport: TorchTransport) -> Callable[[], AbstractContextManager[object]]:
+    """What each of this process's waits on ``transport``'s group runs inside.
+
+    On a head that watches its workers' heartbeats: the watch, which ends every
+    wait on the group once a worker is found lost; otherwise ``nullcontext``.  Read
+    once the transport is kept (``open_transport`` starts the watch last).
+    """
+    return transport._blocking
+
+
 def watch_liveness(transport: TorchTransport, period: float | None, lost_after: float | None) -> None:
     """Start a worker's heartbeat, or the head's reading of them (arguments of :func:`checked_liveness`).
 
