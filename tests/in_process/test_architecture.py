@@ -12,6 +12,9 @@ one fails with that name, the importing file and line, and what it imported:
 * ``plain-errors``: the backends' modules (``_shm``, ``_torch``) build none of the package's
   errors (no import of ``_core.errors``), but the ring's launcher (:data:`ERRORS_IN_BACKENDS`);
 * ``private-names``: no ``from x import _y`` across modules, but for :data:`PRIVATE_IMPORTS`;
+* ``private-attributes``: no ``x._y`` on another object (``x`` not ``self`` or ``cls``) of a
+  name the module does not define or name itself, but for :data:`PRIVATE_ATTRIBUTES`: a
+  class's private state is read by its own module, which gives others a function;
 * ``no-circle``: no circle of imports between modules, nor between layers;
 * ``module-size`` and ``folder-size``: a module of at most 450 lines, a folder of at most
   12 modules besides its ``__init__``;
@@ -81,6 +84,16 @@ PRIVATE_IMPORTS: dict[str, tuple[str, str, str]] = {}
 """Allowed imports of a private name from another module: a short name for each, with
 (importing module, imported module, name).  Empty: every name one module takes from
 another is public in its module (a private folder keeps it inside the package)."""
+
+PRIVATE_ATTRIBUTES: dict[str, tuple[str, str]] = {
+    "torch's timeout of a group": ("_launch.choice", "_get_backend"),
+    "torch's timeout of a group's backend": ("_launch.choice", "_timeout"),
+    "torch's op overloads, which a dispatch mode is handed": ("_tensors.op_count", "_ops"),
+    "os._exit: a process's exit without its cleanup": ("*", "_exit"),
+}
+"""Allowed reads of a private attribute of another object: a short name for each, with (the
+module, below the package, or ``*`` for any; the attribute).  Only other libraries' names:
+within the package, a class's private state stays in the module that defines it."""
 
 FRONTS_WITH_CODE = frozenset({"batching", "testing", "toy"})
 """The public fronts that define functions or classes of their own (ARCHITECTURE.md says why)."""
@@ -198,6 +211,39 @@ def test_no_private_name_crosses_modules_but_the_allowed_ones() -> None:
             continue
         if (found.importer, owner(found.target), name) not in allowed:
             broken.append(f"[private-names] {where(found)} imports {name} from {owner(found.target)}")
+    assert not broken, "\n".join(broken)
+
+
+def own_names(tree: ast.Module) -> set[str]:
+    """Every name a module defines or writes itself: its functions and classes, ``self.x``, names, strings."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # a name in __slots__
+    return names
+
+
+def test_no_module_reaches_into_another_objects_private_state() -> None:
+    allowed = set(PRIVATE_ATTRIBUTES.values())
+    broken = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own = own_names(tree)
+        short = module.removeprefix(f"{PACKAGE}.")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) or node.attr in own:
+                continue
+            if (short, node.attr) not in allowed and ("*", node.attr) not in allowed:
+                where_ = f"{path.relative_to(ROOT)}:{node.lineno}"
+                broken.append(f"[private-attributes] {where_} reads {ast.unparse(node)}, which {short} does not define")
     assert not broken, "\n".join(broken)
 
 
