@@ -18,8 +18,7 @@ from typing import Final
 import torch
 
 from metrale_model_engine import EpLink
-from metrale_model_engine.reference import LmState, ReferenceLm
-from metrale_model_engine.torch import count_ops
+from metrale_model_engine.reference import LmState, ReferenceLm, count_ops
 from metrale_model_engine.transport import SoloTransport
 
 MAX_LAUNCHES: Final = 88

@@ -123,7 +123,7 @@ else
     # torch are followed silently (their own run is the one with torch).
     torch_free=()
     while IFS= read -r file; do
-        grep -qE "^(    )?(import torch|from torch)|^from \.+(_torch|torch)(\.[a-z_]+)? import" \
+        grep -qE "^(    )?(import torch|from torch)|^from \.+(_torch|_launch|_tensors|torch)(\.[a-z_]+)? import" \
             "$file" || torch_free+=("$file")
     done < <(find src/metrale_model_engine -name '*.py' -not -path '*/reference/*' | sort)
     while IFS= read -r file; do

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from ._core.protocol import ProtocolVersion
 from ._core.words import U32_MAX
-from ._shm.segment import MAX_WORLD_SIZE
+from .shm import MAX_WORLD_SIZE
 
 PROMPT_TEXT = "text"
 PROMPT_IDS = "ids"

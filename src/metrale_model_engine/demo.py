@@ -60,7 +60,7 @@ from ._demo_choices import (
 from ._host.launch import INTERRUPTED, stop_resource_tracker
 
 if TYPE_CHECKING:
-    from ._engine.link import EpLink
+    from . import EpLink
     from .reference import Checkpoint, Completion, ReferenceLm, Sampling
 
 __all__ = ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"]

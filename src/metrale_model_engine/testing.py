@@ -26,7 +26,8 @@ from ._core.protocol import ProtocolVersion
 from ._core.state import S
 from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from ._engine.link import EpLink
+from ._engine.forward import command_in_flight
+from ._engine.link import EpLink, route_collectives
 from ._trait.linked_ep import LinkedEp
 from ._trait.model_ep import ModelEp
 from ._trait.worker_loop import WorkerSummary, run_worker
@@ -285,11 +286,11 @@ class RecordingEp(LinkedEp[S]):
         # The attribute lives in the subclass (a slot, or the instance dict of an nn.Module),
         # which the type LinkedEp cannot name: setattr keeps that the subclass's business.
         setattr(worker, "ep_link", link)  # noqa: B010
-        own._stand_in = link
+        route_collectives(own, link)
         try:
             return run_worker(compared, slots, logger=logger)
         finally:
-            own._stand_in = None
+            route_collectives(own, None)
             setattr(worker, "ep_link", own)  # noqa: B010
 
 
@@ -322,7 +323,7 @@ class _Compared(ModelEp[S]):
             return
         mine = link.state_digest(slots)
         if mine != head:
-            where = describe_command(link.commands, *link._stream.command)
+            where = describe_command(link.commands, *command_in_flight(link))
             raise EpDivergenceError(
                 f"replay: after {where}, worker rank 1's state digest is {mine:#018x}, the head's {head:#018x}: "
                 "the worker diverged in that command",

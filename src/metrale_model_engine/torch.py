@@ -14,8 +14,9 @@
   bounded, and a failure stops the run on every rank with a
   :class:`~metrale_model_engine.RunStopped` that names what the link knows.
 * :func:`tensor_tokens` turns a 1-D integer tensor into a token array.
-* :func:`count_ops` counts the aten ops of one call (:class:`OpCount`): the launches,
-  and the ops that would make the host wait for a GPU, on any device.
+* ``count_ops``, ``OpCount`` and ``WAITING_OPS`` moved to
+  :mod:`metrale_model_engine.reference`, beside the model they measure; their old names
+  here still work, with a ``DeprecationWarning``, until 0.3.
 
 Why shared memory by default: each gloo broadcast between two ranks of one host
 is a loopback TCP round trip of 150-300 µs, against a few microseconds for the
@@ -59,12 +60,12 @@ except ImportError as _missing:
         "all_gather_object use it): pip install 'metrale-model-engine[torch]' or pip install numpy"
     ) from _missing
 
+import warnings
 from typing import TYPE_CHECKING
 
 from ._core.namespace import PublicDir, public_dir
-from ._torch.choice import TRANSPORT_KINDS, TransportKind, open_link, open_transport
-from ._torch.collectives import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
-from ._torch.groups import (
+from ._launch.choice import TRANSPORT_KINDS, TransportKind, open_link, open_transport
+from ._launch.groups import (
     DEFAULT_IDLE_TIMEOUT,
     cuda_available,
     default_backend,
@@ -73,11 +74,11 @@ from ._torch.groups import (
     init_local_group,
     run_group,
 )
-from ._torch.groups import run_local as run_local  # deprecated: kept importable, not in __all__
+from ._launch.groups import run_local as run_local  # deprecated: kept importable, not in __all__
+from ._tensors.collectives import DEFAULT_COLLECTIVE_TIMEOUT, EXIT_GRACE, Collectives
+from ._tensors.tokens import tensor_tokens
 from ._torch.heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from ._torch.hosts import HostsTransport
-from ._torch.op_count import WAITING_OPS, OpCount, count_ops
-from ._torch.tokens import tensor_tokens
 from ._torch.transport import TorchTransport
 
 __all__ = [
@@ -88,13 +89,10 @@ __all__ = [
     "EXIT_GRACE",
     "HEAD_LOST_EXIT_CODE",
     "TRANSPORT_KINDS",
-    "WAITING_OPS",
     "Collectives",
     "HostsTransport",
-    "OpCount",
     "TorchTransport",
     "TransportKind",
-    "count_ops",
     "cuda_available",
     "default_backend",
     "free_port",
@@ -109,9 +107,26 @@ __all__ = [
 __dir__: PublicDir = public_dir(globals(), __all__)
 
 
-if not TYPE_CHECKING:
+if TYPE_CHECKING:
+    from ._tensors.op_count import WAITING_OPS as WAITING_OPS
+    from ._tensors.op_count import OpCount as OpCount
+    from ._tensors.op_count import count_ops as count_ops
+else:
+    from ._tensors import op_count as _op_count
+
+    _MOVED = frozenset({"WAITING_OPS", "OpCount", "count_ops"})
+    """Names whose home is now ``metrale_model_engine.reference``: kept here, with a warning, until 0.3."""
 
     def __getattr__(name: str) -> object:
+        """The names that moved (with a ``DeprecationWarning``) or were replaced (with the way)."""
+        if name in _MOVED:
+            warnings.warn(
+                f"metrale_model_engine.torch.{name} is now metrale_model_engine.reference.{name}; "
+                "the old name goes in 0.3",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(_op_count, name)  # the very objects the reference package exports
         if name == "TorchEp":
             raise AttributeError(
                 "metrale_model_engine.torch.TorchEp was replaced: subclass LinkedEp and hold the link that "

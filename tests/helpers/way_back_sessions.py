@@ -92,7 +92,7 @@ def open_link_of(kind: str, *, command_timeout: float) -> EpLink:
     if kind in ("hosts", "hosts-odd-even"):
         import torch.distributed as dist
 
-        from metrale_model_engine._torch import choice
+        from metrale_model_engine._launch import choice
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
         host = rank % 2 if kind == "hosts-odd-even" else int(rank >= world_size // 2)
@@ -254,7 +254,7 @@ def group_timeouts(rank: int, world_size: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from metrale_model_engine._torch.choice import _timeout_of
+    from metrale_model_engine._launch.choice import _timeout_of
 
     cpu = torch.device("cpu")
     subgroup = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=4321))

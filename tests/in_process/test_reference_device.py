@@ -20,8 +20,16 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 import torch
 
 from metrale_model_engine import EpLink
-from metrale_model_engine.reference import Checkpoint, DecodeGraphs, LmConfig, LmState, ReferenceLm, ShardedLm
-from metrale_model_engine.torch import OpCount, count_ops
+from metrale_model_engine.reference import (
+    Checkpoint,
+    DecodeGraphs,
+    LmConfig,
+    LmState,
+    OpCount,
+    ReferenceLm,
+    ShardedLm,
+    count_ops,
+)
 from metrale_model_engine.transport import SoloTransport
 
 from helpers.greedy import shipped_model

@@ -31,9 +31,8 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 
 import torch
 
-from metrale_model_engine.reference import Checkpoint, LmConfig, ShardedLm, decode_span
+from metrale_model_engine.reference import Checkpoint, LmConfig, ShardedLm, count_ops, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
-from metrale_model_engine.torch import count_ops
 
 from helpers.greedy import Greedy, byte_ids, ints, shipped_model
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from metrale_model_engine import EpSetupError
+from metrale_model_engine._core.errors import ring_setup_failed
 from metrale_model_engine._host.launch import launch
 from metrale_model_engine._shm import run as shm_run
 from metrale_model_engine._shm.run import _set_up_head, _set_up_worker
-from metrale_model_engine._shm.transport import ring_setup_failed
 from metrale_model_engine.shm import ShmTransport, shm_supported
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")

@@ -114,13 +114,10 @@ TORCH_SURFACE = [
     "EXIT_GRACE",
     "HEAD_LOST_EXIT_CODE",
     "TRANSPORT_KINDS",
-    "WAITING_OPS",
     "Collectives",
     "HostsTransport",
-    "OpCount",
     "TorchTransport",
     "TransportKind",
-    "count_ops",
     "cuda_available",
     "default_backend",
     "free_port",
@@ -150,6 +147,7 @@ REFERENCE_SURFACE = [
     "LmConfig",
     "LmSlots",
     "LmState",
+    "OpCount",
     "ReferenceLm",
     "Request",
     "RunStopped",
@@ -162,10 +160,12 @@ REFERENCE_SURFACE = [
     "ShardedLm",
     "TimeSpent",
     "Tokenizer",
+    "WAITING_OPS",
     "check_decode",
     "check_prefill",
     "check_prompt",
     "check_world",
+    "count_ops",
     "decode_span",
     "kv_digest",
     "run_summary",
@@ -290,3 +290,17 @@ def test_the_renamed_server_module_warns_and_gives_the_schedulers_names() -> Non
         old = importlib.import_module("metrale_model_engine.reference.server")
     new = importlib.import_module("metrale_model_engine.reference.scheduler")
     assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the op count needs torch")
+@pytest.mark.parametrize("name", ["count_ops", "OpCount", "WAITING_OPS"])
+def test_the_op_count_moved_to_the_reference_and_its_old_name_warns(name: str) -> None:
+    from metrale_model_engine import reference
+    from metrale_model_engine import torch as ep_torch
+
+    assert name not in ep_torch.__all__
+    assert name not in dir(ep_torch)
+    match = rf"metrale_model_engine\.torch\.{name} is now metrale_model_engine\.reference\.{name}; .* goes in 0\.3"
+    with pytest.warns(DeprecationWarning, match=match):
+        value = getattr(ep_torch, name)
+    assert value is getattr(reference, name)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine import EpSetupError
-from metrale_model_engine._torch.choice import _choose, ranks_by_host
+from metrale_model_engine._launch.choice import _choose, ranks_by_host
 from metrale_model_engine.torch import TRANSPORT_KINDS, TorchTransport, TransportKind
 
 pytestmark = pytest.mark.torch

@@ -178,6 +178,16 @@ class EpSetupError(EpError, RuntimeError):
     """
 
 
+def ring_setup_failed(reasons: dict[int, str]) -> EpSetupError:
+    """The error every rank raises when the shared-memory ring could not be set up: ``reasons`` by failed rank.
+
+    Built here, not by the backend, which raises only plain errors; the launchers
+    (``shm.run_ring``, ``torch.open_transport``) gather each rank's reason and raise it.
+    """
+    why = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(reasons.items()))
+    return EpSetupError(f"the shared-memory ring could not be set up ({why})")
+
+
 class EpRoleError(EpError, RuntimeError):
     """A head-only call was made on a worker rank, or a worker-only call on the head."""
 

@@ -203,3 +203,8 @@ class ForwardCollectives:
         if self._state.stopped is not None:
             self.close()
             raise self._state.still_stopped()
+
+
+def command_in_flight(link: ForwardCollectives) -> tuple[int, int]:
+    """The ``(seq_id, cmd)`` of the command ``link`` began last: what a message about it names."""
+    return link._stream.command

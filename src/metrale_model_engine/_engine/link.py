@@ -433,3 +433,12 @@ class EpLink(ForwardCollectives):
             f"<EpLink rank {settings.rank} of {settings.world_size}, protocol {settings.protocol.value}, "
             f"{settings.num_slots} slots, {type(self._transport).__name__}, {state}>"
         )
+
+
+def route_collectives(link: EpLink, to: EpLink | None) -> None:
+    """Let ``to`` check and count ``link``'s collectives from now on; ``None`` gives them back to ``link``.
+
+    What a replay does (``testing.RecordingEp.replay``): the model keeps its own link,
+    and the link that replays counts its forward's collectives.
+    """
+    link._stand_in = to

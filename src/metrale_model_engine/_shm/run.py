@@ -9,13 +9,13 @@ from typing import Final
 
 from typing_extensions import TypeVarTuple, Unpack, deprecated
 
+from .._core.errors import ring_setup_failed
 from .._host.launch import SETUP_FAILED, check_launch, launch, rank_context
 from .segment import MAX_WORLD_SIZE, remove_stale_segments
 from .transport import (
     DEFAULT_SETUP_TIMEOUT,
     RING_SETUP_ERRORS,
     ShmTransport,
-    ring_setup_failed,
     setup_reason,
 )
 from .waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME

@@ -10,7 +10,6 @@ from typing import Final
 from typing_extensions import Buffer, Self
 
 from .._core.checks import check_int, check_seconds
-from .._core.errors import EpSetupError
 from .._core.transport import TransportClosed
 from .._host.liveness import ProcessWatch, process_exists
 from . import futex
@@ -43,7 +42,7 @@ DEFAULT_SETUP_TIMEOUT: Final[float] = 300.0
 RING_SETUP_ERRORS: Final = (OSError, RuntimeError, ValueError)
 """What :meth:`ShmTransport.create` and :meth:`~ShmTransport.attach` raise when the ring cannot be had
 (no space, no platform, a bad segment); launchers gather their :func:`setup_reason` into
-:func:`ring_setup_failed`."""
+``_core.errors.ring_setup_failed``."""
 
 
 def shm_supported() -> bool:
@@ -330,12 +329,6 @@ def setup_reason(error: Exception) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror if error.filename is None else f"{error.strerror}: {error.filename!r}"
     return str(error)
-
-
-def ring_setup_failed(reasons: dict[int, str]) -> EpSetupError:
-    """The error every rank raises when the ring could not be set up: ``reasons`` by failed rank."""
-    why = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(reasons.items()))
-    return EpSetupError(f"the shared-memory ring could not be set up ({why})")
 
 
 def _release(name: str, head_pid: int | None) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Final
 
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from typing_extensions import Buffer
 from .._core.codec import acknowledged, answer_bytes, closes_answers
 from .._core.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
 from .._shm.transport import ShmTransport
-from .transport import TorchTransport
+from .transport import TorchTransport, group_waits
 
 _LOST: Final[int] = 1 << 31
 """Set in the rank word of a leader's bundle entry that says the rank was lost (its text follows)."""
@@ -119,7 +119,7 @@ class HostsTransport:
         if self._ring is not None:
             self._publish(parts, timeout)
         if self._leaders is not None:
-            with self._world._blocking():
+            with group_waits(self._world)():
                 self._leaders.send(parts, timeout)
 
     def _publish(self, parts: Sequence[Buffer], timeout: float | None) -> None:
@@ -282,7 +282,7 @@ class HostsTransport:
         ranks = self._hosts[host]
         whose = f"the answers of the host of ranks {list(ranks)}, which its leader, rank {ranks[0]}, bundles"
         try:
-            with self._world._blocking():
+            with group_waits(self._world)():
                 entries = self._leaders.receive_answers(host, timeout)
         except TransportTimeout as error:
             raise TransportTimeout(f"{whose}, did not come: {error}") from None
@@ -368,3 +368,13 @@ def _opened(entry: bytes) -> tuple[int, bool, bytes]:
     """An entry of :func:`_entry`: its rank, whether it says the rank was lost, and the answer (or the text)."""
     tag = int.from_bytes(entry[:4], sys.byteorder)
     return tag & ~_LOST, bool(tag & _LOST), entry[4:]
+
+
+def waits_of(transport: object) -> Callable[[], AbstractContextManager[object]]:
+    """What a wait on the whole group under ``transport`` runs inside (see :func:`group_waits`).
+
+    A :class:`TorchTransport`'s own, a :class:`HostsTransport`'s group's (the whole
+    group, not the leaders'), and ``nullcontext`` for any other transport.
+    """
+    world = transport._world if isinstance(transport, HostsTransport) else transport
+    return group_waits(world) if isinstance(world, TorchTransport) else nullcontext

@@ -137,26 +137,8 @@ class TorchTransport:
         self._watch: HeadWatch | None = None
         # The head's waits on the group run inside it, so that workers found lost end them (.watch).
         self._blocking: Callable[[], AbstractContextManager[object]] = nullcontext
-        self._watch_liveness(*liveness)
-        _OPEN_TRANSPORTS.add(self)
-
-    def _watch_liveness(self, period: float | None, lost_after: float | None) -> None:
-        """Start the worker's heartbeat, or the head's reading of them (arguments of :func:`checked_liveness`).
-
-        Called once: at construction, or by ``open_transport`` once it keeps the
-        transport it made with ``heartbeat=None`` to choose.
-        """
-        group = self._group
-        if period is None or self.world_size == 1 or group is None:
-            return
-        if self.rank == 0:
-            tcp = tcp_store(self._store)
-            if tcp is not None:
-                self._watch = HeadWatch.start(group.group_name, tcp, range(1, self.world_size), period, lost_after)
-            if self._watch is not None:
-                self._blocking = self._watch.blocking
-        else:
-            self._heartbeat = Heartbeat.start(group.group_name, self._store, self.rank, period, lost_after)
+        watch_liveness(self, *liveness)
+        OPEN_TRANSPORTS.add(self)
 
     @property
     def device(self) -> torch.device:
@@ -176,7 +158,7 @@ class TorchTransport:
         open transport when the interpreter exits (see ``metrale_model_engine.torch``);
         the group itself is the program's to destroy.
         """
-        _OPEN_TRANSPORTS.discard(self)
+        OPEN_TRANSPORTS.discard(self)
         held, self._held = self._held, []
         self.leave_answers(self.rank, held)
         if self._heartbeat is not None:
@@ -406,12 +388,42 @@ def _group_store(group: dist.ProcessGroup) -> Store | None:
         return None
 
 
+def group_waits(transport: TorchTransport) -> Callable[[], AbstractContextManager[object]]:
+    """What each of this process's waits on ``transport``'s group runs inside.
+
+    On a head that watches its workers' heartbeats: the watch, which ends every
+    wait on the group once a worker is found lost; otherwise ``nullcontext``.  Read
+    once the transport is kept (``open_transport`` starts the watch last).
+    """
+    return transport._blocking
+
+
+def watch_liveness(transport: TorchTransport, period: float | None, lost_after: float | None) -> None:
+    """Start a worker's heartbeat, or the head's reading of them (arguments of :func:`checked_liveness`).
+
+    Called once per transport: at its construction, or by ``open_transport`` once it keeps
+    the transport it made with ``heartbeat=None`` to choose.
+    """
+    group = transport._group
+    if period is None or transport.world_size == 1 or group is None:
+        return
+    if transport.rank == 0:
+        tcp = tcp_store(transport._store)
+        workers = range(1, transport.world_size)
+        if tcp is not None:
+            transport._watch = HeadWatch.start(group.group_name, tcp, workers, period, lost_after)
+        if transport._watch is not None:
+            transport._blocking = transport._watch.blocking
+    else:
+        transport._heartbeat = Heartbeat.start(group.group_name, transport._store, transport.rank, period, lost_after)
+
+
 def _timed_out(error: RuntimeError) -> bool:
     """Whether the backend's error says it waited its whole timeout (gloo and NCCL raise a ``RuntimeError``)."""
     return "timed out" in str(error).lower()
 
 
-_OPEN_TRANSPORTS: Final[set[TorchTransport]] = set()
+OPEN_TRANSPORTS: Final[set[TorchTransport]] = set()
 """Every transport not yet closed, held until its close: the exit hook closes them.
 
 Held, not weakly referenced: a worker that drops its link without closing it (its

@@ -47,7 +47,10 @@ replayed from CUDA graphs), :mod:`.checkpoint` (the Hugging Face layout),
 digests of sync points), :mod:`.serving` (:class:`ReferenceLm`, the network served
 over the protocol), :mod:`.requests` (a request, its completion, how its tokens are
 picked), :mod:`.scheduler` (:class:`Server`, continuous batching on the head) and
-:mod:`.summary`.  Everything is exported here.
+:mod:`.summary`.  Everything is exported here, with :func:`count_ops` (what one call
+costs a device: its launches, and the ops that make the host wait for a GPU, on
+any device; :class:`OpCount`, :data:`WAITING_OPS`), the check the tests and
+benchmarks make of these steps.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
     ) from _missing
 
 from .._core.namespace import PublicDir, public_dir
+from .._tensors.op_count import WAITING_OPS, OpCount, count_ops
 from .checkpoint import SHIPPED_MODEL, Checkpoint, CheckpointError, Tokenizer
 from .config import LmConfig, Shard, check_world
 from .experts import ExpertRouting
@@ -93,6 +97,7 @@ __all__ = [
     "EXIT_GRACE",
     "GREEDY",
     "SHIPPED_MODEL",
+    "WAITING_OPS",
     "AllReduce",
     "Checkpoint",
     "CheckpointError",
@@ -104,6 +109,7 @@ __all__ = [
     "LmConfig",
     "LmSlots",
     "LmState",
+    "OpCount",
     "ReferenceLm",
     "Request",
     "RunStopped",
@@ -119,6 +125,7 @@ __all__ = [
     "check_prefill",
     "check_prompt",
     "check_world",
+    "count_ops",
     "decode_span",
     "kv_digest",
     "run_summary",

@@ -15,7 +15,7 @@ from typing_extensions import TypeVarTuple, Unpack, deprecated
 
 from .._host.launch import accept_interrupts, check_launch, launch, rank_context
 from .._shm.segment import remove_stale_segments
-from .transport import _OPEN_TRANSPORTS
+from .._torch.transport import OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
 """Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header over gloo."""
@@ -179,7 +179,7 @@ def _release_at_exit() -> None:
     ``destroy_process_group``.  At exit, before teardown, this drops the references
     of every open transport and destroys the default group if the program did not.
     """
-    for transport in list(_OPEN_TRANSPORTS):
+    for transport in list(OPEN_TRANSPORTS):
         transport.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -11,18 +11,18 @@ import torch
 import torch.distributed as dist
 
 from .._core.checks import check_choice, disagreement
-from .._core.errors import EpLinkError, EpSetupError
+from .._core.errors import EpLinkError, EpSetupError, ring_setup_failed
 from .._core.protocol import ProtocolVersion
 from .._core.words import U32_TYPECODE
 from .._engine.link import EpLink
 from .._engine.settings import DEFAULT_COMMAND_TIMEOUT
 from .._host.liveness import host_fingerprint
-from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, ring_setup_failed, setup_reason, shm_supported
+from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, setup_reason, shm_supported
 from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
+from .._torch.heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, checked_liveness
+from .._torch.hosts import HostsTransport
+from .._torch.transport import TorchTransport, watch_liveness
 from .groups import DEFAULT_IDLE_TIMEOUT
-from .heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, checked_liveness
-from .hosts import HostsTransport
-from .transport import TorchTransport
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 
@@ -88,7 +88,7 @@ def open_transport(
         base.close()
         raise
     if not isinstance(transport, ShmTransport):  # base itself, or the whole group's part of a HostsTransport
-        base._watch_liveness(*liveness)
+        watch_liveness(base, *liveness)
     return transport
 
 

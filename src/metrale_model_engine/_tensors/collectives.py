@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-from contextlib import nullcontext
 from typing import Final
 
 import torch
@@ -13,8 +12,7 @@ from .._core.checks import check_seconds
 from .._core.transport import PretendGroup
 from .._engine.link import EpLink
 from .._engine.reports import EXIT_GRACE
-from .hosts import HostsTransport
-from .transport import TorchTransport
+from .._torch.hosts import waits_of
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]
 
@@ -99,9 +97,7 @@ class Collectives:
         # the interpreter tears down can abort the process (see metrale_model_engine.torch).
         self._group = group
         self._solo = link.world_size == 1 or isinstance(link.transport, PretendGroup)
-        transport = link.transport
-        transport = transport._world if isinstance(transport, HostsTransport) else transport
-        self._blocking = transport._blocking if isinstance(transport, TorchTransport) else nullcontext
+        self._blocking = waits_of(link.transport)
         if self._solo:
             return
         if not dist.is_initialized():
