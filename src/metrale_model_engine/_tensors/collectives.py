@@ -40,7 +40,7 @@ class Collectives:
       backend's own bound, passed to the collective, so nothing is left pending);
     * across hosts, workers whose heartbeat stopped for ``head_lost_after`` while
       the head waits in one are lost, and its wait ends then (see
-      :class:`TorchTransport`);
+      :class:`~metrale_model_engine.torch.TorchTransport`);
     * a failed or timed-out all-reduce stops the run
       (:meth:`EpLink.collective_failed <metrale_model_engine.EpLink.collective_failed>`):
       the head names the worker ranks that reported a failure or exited, with their
