@@ -3,16 +3,16 @@
 Rank 0, the head, runs the scheduler and, before each model operation, sends a
 command (a ``(seq_id, cmd)`` header and its follow-up words and token arrays) to
 every other rank, a worker, which runs it in ``slots[seq_id]`` of its slot array.
-:class:`ModelEp` is the trait, with single-GPU defaults.  A multi-rank model
-inherits :class:`LinkedEp` (the trait, implemented) and holds an :class:`EpLink`
-(the engine: setup agreement, sends, receives) in ``self.ep_link``; a worker runs
-:func:`run_worker`.
+[`ModelEp`][metrale_model_engine.ModelEp] is the trait, with single-GPU defaults.  A multi-rank model
+inherits [`LinkedEp`][metrale_model_engine.LinkedEp] (the trait, implemented) and holds an
+[`EpLink`][metrale_model_engine.EpLink] (the engine: setup agreement, sends, receives) in ``self.ep_link``; a worker
+runs [`run_worker`][metrale_model_engine.run_worker].
 
-Where the rest lives: :mod:`metrale_model_engine.shm` (the shared-memory
-transport), :mod:`metrale_model_engine.torch` (torch.distributed: transport, group
-setup, transport choice; extra ``torch``), :mod:`metrale_model_engine.testing`
-(recording and replay without processes), :mod:`metrale_model_engine.transport`
-(the transport protocol and its errors), :mod:`metrale_model_engine.wire` (the
+Where the rest lives: [`metrale_model_engine.shm`][metrale_model_engine.shm] (the shared-memory
+transport), [`metrale_model_engine.torch`][metrale_model_engine.torch] (torch.distributed: transport, group
+setup, transport choice; extra ``torch``), [`metrale_model_engine.testing`][metrale_model_engine.testing]
+(recording and replay without processes), [`metrale_model_engine.transport`][metrale_model_engine.transport]
+(the transport protocol and its errors), [`metrale_model_engine.wire`][metrale_model_engine.wire] (the
 wire format, for peer implementers).  Importing this package never imports torch.
 """
 

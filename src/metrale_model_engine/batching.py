@@ -1,14 +1,15 @@
 """Batched commands, their checks and prefill chunks: protocol plumbing a model would otherwise repeat.
 
-* :func:`send_batch` and :func:`recv_batch`: Metrale's batched command (a batched
+* [`send_batch`][metrale_model_engine.batching.send_batch] and [`recv_batch`][metrale_model_engine.batching.recv_batch]:
+Metrale's batched command (a batched
   decode, say): a header with ``seq_id`` 0, a count word, then the slot ids and one
   u32 per slot (the tokens) as two token arrays, in one message.
-* :func:`check_batch`: what a worker checks before it touches any slot of a batch
+* [`check_batch`][metrale_model_engine.batching.check_batch]: what a worker checks before it touches any slot of a batch
   (ids in range, no duplicates, every slot live), as Metrale's worker does.
-* :func:`prefill_chunks`: a prompt cut into chunks of at most a given length.
+* [`prefill_chunks`][metrale_model_engine.batching.prefill_chunks]: a prompt cut into chunks of at most a given length.
 
 Torch-free.  The toy model's and the reference model's batched decodes use the
-first three; the reference server cuts prompts with :func:`prefill_chunks`.
+first three; the reference server cuts prompts with [`prefill_chunks`][metrale_model_engine.batching.prefill_chunks].
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def send_batch(link: EpLink, cmd: int, slot_ids: TokenArray, values: TokenArray)
     Raises:
         TypeError, ValueError: an id or value is not a u32, or the two arrays differ
             in length (nothing is sent).
-        EpRoleError, EpSendError: as :meth:`EpLink.send_command`.
+        EpRoleError, EpSendError: as [`EpLink.send_command`][metrale_model_engine.EpLink.send_command].
     """
     if isinstance(slot_ids, (list, tuple)) and isinstance(values, (list, tuple)) and len(slot_ids) == len(values):
         try:  # lists go into the message as they are: converted and checked once, by the link's encoder
@@ -49,14 +50,14 @@ def send_batch(link: EpLink, cmd: int, slot_ids: TokenArray, values: TokenArray)
 
 
 def recv_batch(link: EpLink, slots: Sequence[object | None]) -> tuple[list[int], list[int]]:
-    """Worker: read a batched command's follow-ups, then check the batch (:func:`check_batch`).
+    """Worker: read a batched command's follow-ups, then check the batch (``check_batch``).
 
     Everything is read before anything is checked, so a bad batch leaves nothing
     unread.  Returns the slot ids and the values.
 
     Raises:
         EpMismatchError: the follow-ups are not a count and two arrays of that count.
-        IndexError, ValueError, KeyError: as :func:`check_batch`.
+        IndexError, ValueError, KeyError: as [`check_batch`][metrale_model_engine.batching.check_batch].
         EpReceiveError, EpRoleError: as the link's receives.
     """
     count = link.recv_word()

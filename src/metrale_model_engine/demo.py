@@ -4,13 +4,13 @@ several ranks.
 Run ``python -m metrale_model_engine.demo`` (2 local ranks by default), or under
 ``torchrun --nproc-per-node N -m metrale_model_engine.demo``.  Every rank opens the
 checkpoint (``--model DIR``, a ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``;
-default the shipped model, :data:`~metrale_model_engine.reference.SHIPPED_MODEL`)
+default the shipped model, [`SHIPPED_MODEL`][metrale_model_engine.reference.SHIPPED_MODEL])
 and reads its own shard: its query and KV heads and its experts.  The head serves
 the prompts (``--prompt TEXT``, encoded by the model's ``tokenizer.json``, and
 ``--prompt-ids 1,2,3``; by default a handful from the project's license texts, two of
 which arrive while the others run) with continuous batching, greedy unless
 ``--temperature`` says otherwise; the workers run
-:func:`~metrale_model_engine.run_worker`.  It prints each request's prompt and
+[`run_worker`][metrale_model_engine.run_worker].  It prints each request's prompt and
 generated text (its ids, without a tokenizer), then tokens/s and how the head's
 decode step splits into compute, collectives and protocol (``--json PATH`` writes it
 all too).  Sync points compare every rank's KV bookkeeping as it goes and at the end.
@@ -73,7 +73,7 @@ PROMPTS: Final[tuple[str, ...]] = (
     "Unless required by applicable law",
     "The above copyright notice",
 )
-"""What the demo asks by default; the last :data:`LATE_PROMPTS` arrive at step :data:`LATE_STEP`, while the others
+"""What the demo asks by default; the last ``LATE_PROMPTS`` arrive at step ``LATE_STEP``, while the others
 run.  Prompts given on the command line all arrive at once."""
 LATE_PROMPTS: Final = 2
 LATE_STEP: Final = 6
@@ -89,7 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The demo's command line (``sys.argv[1:]`` by default); a bad argument exits 2 with one ``error:`` line.
 
     ``--json PATH`` is refused here when ``PATH``'s directory does not exist or ``PATH`` is a
-    directory, not after the run; what needs the model is checked by :func:`main`, before any rank starts.
+    directory, not after the run; what needs the model is checked by ``main``, before any rank starts.
     """
     return _parse_args(argv, description=__doc__.split("\n\n")[0])
 
@@ -115,7 +115,7 @@ class Work:
     """What the model runs in; ``None``: the checkpoint's own dtype."""
     max_seq_len: int | None = None
     prompts: tuple[tuple[int, ...], ...] = ()
-    """The prompts, as token ids; the last :attr:`late` of them arrive at step :data:`LATE_STEP`."""
+    """The prompts, as token ids; the last ``late`` of them arrive at step ``LATE_STEP``."""
     late: int = 0
     sampling: Sampling | None = None
     """How every request picks its tokens; ``None``: greedy."""
@@ -150,8 +150,8 @@ def serve(rank: int, world_size: int, work: Work) -> None:
     """One rank's part: build the model over a link, then drive it (head) or serve it (worker).
 
     Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank,
-    and lets :class:`~metrale_model_engine.EpSetupError` (the link's setup failed, the
-    same on every rank) through, for :func:`main` to report once.
+    and lets [`EpSetupError`][metrale_model_engine.EpSetupError] (the link's setup failed, the
+    same on every rank) through, for ``main`` to report once.
     """
     import torch
 

@@ -1,10 +1,12 @@
 """Test doubles: assert what a scheduler sends, and replay it into a worker, without processes.
 
-* :class:`RecordingEp`: a head model (rank 0 of a pretend group) whose link sends
-  over a :class:`RecordingTransport`; its :attr:`~RecordingEp.events` are the items
-  read back from the recorded wire, and :meth:`RecordingEp.replay` feeds that wire
-  to a worker-side model under :func:`~metrale_model_engine.run_worker`.
-* :class:`RecordingTransport` and :class:`ReplayTransport`: the in-memory
+* [`RecordingEp`][metrale_model_engine.testing.RecordingEp]: a head model (rank 0 of a pretend group) whose link sends
+  over a [`RecordingTransport`][metrale_model_engine.testing.RecordingTransport]; its
+  [`events`][metrale_model_engine.testing.RecordingEp.events] are the items read back from the recorded wire, and
+  [`RecordingEp.replay`][metrale_model_engine.testing.RecordingEp.replay] feeds that wire to a worker-side model under
+  [`run_worker`][metrale_model_engine.run_worker].
+* [`RecordingTransport`][metrale_model_engine.testing.RecordingTransport] and
+[`ReplayTransport`][metrale_model_engine.testing.ReplayTransport]: the in-memory
   transports underneath, for running any model's head and worker sides in one
   process.
 """
@@ -59,13 +61,14 @@ _FOLLOW_UPS = (ItemKind.WORD, ItemKind.TOKENS)
 class RecordingTransport(HeadEnd):
     """The head (rank 0) of a pretend group of ``world_size`` ranks: keeps every message it is given.
 
-    Give it to an :class:`~metrale_model_engine.EpLink` to run a head without
-    processes; :attr:`messages` is then exactly what went on the wire.  The setup
-    exchange sees every rank agree, and the pretend workers answer every sync point
+    Give it to an [`EpLink`][metrale_model_engine.EpLink] to run a head without
+    processes; [`messages`][metrale_model_engine.testing.RecordingTransport.messages] is then exactly what went on the
+    wire.  The setup exchange sees every rank agree, and the pretend workers answer every sync point
     as workers in step would (the same commands and stream, the head's own state
-    digest; no failures).  It is a :class:`~metrale_model_engine.transport.PretendGroup`:
+    digest; no failures).  It is a [`PretendGroup`][metrale_model_engine.transport.PretendGroup]:
     a model's collectives over it have one participant.  (A replay compares a real
-    worker's state with the head's after every command: :meth:`RecordingEp.record_digests`.)
+    worker's state with the head's after every command:
+    [`RecordingEp.record_digests`][metrale_model_engine.testing.RecordingEp.record_digests].)
     """
 
     def __init__(self, world_size: int) -> None:
@@ -75,12 +78,13 @@ class RecordingTransport(HeadEnd):
         self.setup: list[int] | None = None
         """The words the link sent in its setup exchange (``None`` until then)."""
         self.closed: bool = False
-        """Whether :meth:`close` ran."""
+        """Whether [`close`][metrale_model_engine.testing.RecordingTransport.close] ran."""
         self.digests: dict[int, int] = {}
-        """The head's state digest after each command, by the command's count from 1 (see :attr:`digest_of_state`)."""
+        """The head's state digest after each command, by the command's count from 1 (see ``digest_of_state``)."""
         self.digest_of_state: Callable[[], int] | None = None
         """The head's state digest, taken, when set, as each message that does not continue a command is
-        recorded: the state after the last command, kept in :attr:`digests`."""
+        recorded: the state after the last command, kept in
+            [`digests`][metrale_model_engine.testing.RecordingTransport.digests]."""
         self._crc = 0
         self._commands = 0
         self._state: int | None = None  # the head's state digest at the last sync point
@@ -100,7 +104,7 @@ class RecordingTransport(HeadEnd):
             self._commands += item.starts_command and item.first != CMD_SHUTDOWN
 
     def take_digest(self) -> None:
-        """Keep the head's state digest (:attr:`digest_of_state`) as the state after the last command, if any."""
+        """Keep the head's state digest (``digest_of_state``) as the state after the last command, if any."""
         if self._commands and self.digest_of_state is not None:
             self.digests[self._commands] = self.digest_of_state()
 
@@ -133,10 +137,10 @@ class ReplayTransport(WorkerEnd):
     Args:
         messages: what the head sent, one sequence of words per message.
         setup: the head's words of the setup exchange, which the worker's are
-            checked against (a :class:`RecordingTransport`'s ``setup``); ``None``:
-            the head agrees with whatever the worker sends.  A worker-side model
+            checked against (a [`RecordingTransport`][metrale_model_engine.testing.RecordingTransport]'s ``setup``);
+            ``None``: the head agrees with whatever the worker sends.  A worker-side model
             built on ``ReplayTransport(())`` needs no process group: it is a
-            :class:`~metrale_model_engine.transport.PretendGroup`, over which a
+            [`PretendGroup`][metrale_model_engine.transport.PretendGroup], over which a
             model's collectives (``Collectives``) have one participant.
     """
 
@@ -162,7 +166,7 @@ class ReplayTransport(WorkerEnd):
         return [head, list(words)]
 
     def answer(self, answer: Buffer, timeout: float | None) -> None:
-        """Keep the answer in :attr:`answers`."""
+        """Keep the answer in [`answers`][metrale_model_engine.testing.ReplayTransport.answers]."""
         self.answers.append(bytes(memoryview(answer).cast("B")))
 
     def pretend_state(self, digest: int | None) -> None:
@@ -172,15 +176,16 @@ class ReplayTransport(WorkerEnd):
 class RecordingEp(LinkedEp[S]):
     """A head whose messages are recorded instead of sent: a scheduler's unit-test double.
 
-    It is a :class:`~metrale_model_engine.LinkedEp` whose link runs over a
-    :class:`RecordingTransport`, so every call is checked as on a real head (u32
-    words, ``seq_id < num_slots``, token arrays) and only what passed reaches the
+    It is a [`LinkedEp`][metrale_model_engine.LinkedEp] whose link runs over a
+    [`RecordingTransport`][metrale_model_engine.testing.RecordingTransport], so every call is checked as on a real head
+    (u32 words, ``seq_id < num_slots``, token arrays) and only what passed reaches the
     recording.
 
     Args:
-        is_ep: what :meth:`is_ep` returns; with ``False`` it is a one-rank group:
-            its :attr:`wire` stays empty, its :attr:`events` are still recorded.
-        protocol_v2: what :meth:`ep_protocol_v2` returns.
+        is_ep: what [`is_ep`][metrale_model_engine.LinkedEp.is_ep] returns; with ``False`` it is a one-rank group:
+            its [`wire`][metrale_model_engine.testing.RecordingEp.wire] stays empty, its
+            [`events`][metrale_model_engine.testing.RecordingEp.events] are still recorded.
+        protocol_v2: what [`ep_protocol_v2`][metrale_model_engine.LinkedEp.ep_protocol_v2] returns.
         num_slots: the slot count.
     """
 
@@ -193,7 +198,7 @@ class RecordingEp(LinkedEp[S]):
         self.ep_link = EpLink(self._recording, num_slots=num_slots, protocol=protocol)
 
     def record_digests(self, slots: Sequence[S | None]) -> None:
-        """Record the digest of the head's ``slots`` after every command, for :meth:`replay` to compare.
+        """Record the digest of the head's ``slots`` after every command, for ``replay`` to compare.
 
         With ``ep_link.state_digest`` (the function every rank sets).  The state after
         a command is taken as the head starts the next one (or a sync point, or the
@@ -243,7 +248,7 @@ class RecordingEp(LinkedEp[S]):
         *,
         logger: logging.Logger | None = None,
     ) -> WorkerSummary:
-        """Feed the recorded wire to ``worker`` as worker rank 1, under :func:`run_worker`.
+        """Feed the recorded wire to ``worker`` as worker rank 1, under [`run_worker`][metrale_model_engine.run_worker].
 
         For the replay the worker speaks over a new link with its own link's
         settings (and ``state_digest``), which first runs the setup agreement
@@ -254,9 +259,9 @@ class RecordingEp(LinkedEp[S]):
         this process as their one participant).  A shutdown header ends the replay
         (one is added if none was recorded).  The recording can be replayed again.
 
-        After :meth:`record_digests`, the worker's state digest is compared with the
-        head's after every command: the first command after which they differ
-        raises :class:`~metrale_model_engine.EpDivergenceError`, naming it (a prompt
+        After [`record_digests`][metrale_model_engine.testing.RecordingEp.record_digests], the worker's state digest is
+        compared with the head's after every command: the first command after which they differ
+        raises [`EpDivergenceError`][metrale_model_engine.EpDivergenceError], naming it (a prompt
         fed twice is caught at the command that fed it, not passed because a later
         command closed it).
 

@@ -1,21 +1,22 @@
 """The protocol over torch.distributed: gloo on CPU, NCCL on CUDA (extra ``torch``).
 
-* :func:`open_link` gives a rank its :class:`~metrale_model_engine.EpLink` over a
-  process group, and :func:`open_transport` the transport underneath, chosen by
+* [`open_link`][metrale_model_engine.torch.open_link] gives a rank its [`EpLink`][metrale_model_engine.EpLink] over a
+  process group, and [`open_transport`][metrale_model_engine.torch.open_transport] the transport underneath, chosen by
   every rank together: shared memory
-  (:class:`~metrale_model_engine.shm.ShmTransport`) when every rank is on one
+  ([`ShmTransport`][metrale_model_engine.shm.ShmTransport]) when every rank is on one
   host; across hosts, one broadcast to a leader per remote host, which
-  republishes on its host's ring (:class:`HostsTransport`), or, when no host
-  holds two ranks, the group's own broadcasts (:class:`TorchTransport`).
-* :func:`init_local_group` and :func:`run_group` start a group of N ranks on
-  loopback for scripts and tests; :func:`init_group_from_env` joins the group
-  ``torchrun`` describes.
-* :class:`Collectives` runs a model's all-reduces inside the protocol's contract:
+  republishes on its host's ring ([`HostsTransport`][metrale_model_engine.torch.HostsTransport]), or, when no host
+  holds two ranks, the group's own broadcasts ([`TorchTransport`][metrale_model_engine.torch.TorchTransport]).
+* [`init_local_group`][metrale_model_engine.torch.init_local_group] and
+[`run_group`][metrale_model_engine.torch.run_group] start a group of N ranks on
+  loopback for scripts and tests; [`init_group_from_env`][metrale_model_engine.torch.init_group_from_env] joins the
+  group ``torchrun`` describes.
+* [`Collectives`][metrale_model_engine.torch.Collectives] runs a model's all-reduces inside the protocol's contract:
   bounded, and a failure stops the run on every rank with a
-  :class:`~metrale_model_engine.RunStopped` that names what the link knows.
-* :func:`tensor_tokens` turns a 1-D integer tensor into a token array.
+  [`RunStopped`][metrale_model_engine.RunStopped] that names what the link knows.
+* [`tensor_tokens`][metrale_model_engine.torch.tensor_tokens] turns a 1-D integer tensor into a token array.
 * ``count_ops``, ``OpCount`` and ``WAITING_OPS`` moved to
-  :mod:`metrale_model_engine.reference`, beside the model they measure; their old names
+  [`metrale_model_engine.reference`][metrale_model_engine.reference], beside the model they measure; their old names
   here still work, with a ``DeprecationWarning``, until 0.3.
 
 Why shared memory by default: each gloo broadcast between two ranks of one host
@@ -24,22 +25,23 @@ ring, and a server sends a command per step.  Only commands take that path;
 tensors stay wherever the model keeps them.
 
 Timeouts.  A worker waits for the next header as long as its transport allows: over
-gloo that is the group's own timeout (the idle limit), which :func:`init_local_group`
-sets to :data:`DEFAULT_IDLE_TIMEOUT` (pass ``timeout=`` to ``init_process_group``
-under torchrun).  A command's follow-ups are bounded by the link's
-``command_timeout``.  A dead peer closes its sockets, which gloo reports at once: the
-other ranks' next receive or send fails with an ``EpLinkError``.
+gloo that is the group's own timeout (the idle limit), which
+[`init_local_group`][metrale_model_engine.torch.init_local_group] sets to
+[`DEFAULT_IDLE_TIMEOUT`][metrale_model_engine.torch.DEFAULT_IDLE_TIMEOUT] (pass ``timeout=`` to ``init_process_group``
+under torchrun).  A command's follow-ups are bounded by the link's ``command_timeout``.  A dead peer closes its sockets,
+which gloo reports at once: the other ranks' next receive or send fails with an ``EpLinkError``.
 
 Across hosts.  A cut cable closes nothing: the head's wait on a lost host would last
 its ``command_timeout`` or the collective's timeout, and an idle worker's the idle
-limit.  So the workers of a :class:`TorchTransport` beat in the group's store every
-:data:`DEFAULT_HEARTBEAT` seconds: a failed send or sync point names the workers
-whose beat stopped ("no heartbeat from worker rank(s) [...]"); while the head waits
-on its group, workers silent for :data:`DEFAULT_HEAD_LOST_AFTER` seconds are lost and
-the run stops, naming them; and a worker that cannot reach the store (on the head's
-host) for as long logs why and exits with :data:`HEAD_LOST_EXIT_CODE`.  One bound,
-both ways.  Both are arguments of :func:`open_link`, :func:`open_transport` and
-:class:`TorchTransport`.
+limit.  So the workers of a [`TorchTransport`][metrale_model_engine.torch.TorchTransport] beat in the group's store
+every [`DEFAULT_HEARTBEAT`][metrale_model_engine.torch.DEFAULT_HEARTBEAT] seconds: a failed send or sync point names the
+workers whose beat stopped ("no heartbeat from worker rank(s) [...]"); while the head waits
+on its group, workers silent for [`DEFAULT_HEAD_LOST_AFTER`][metrale_model_engine.torch.DEFAULT_HEAD_LOST_AFTER] seconds
+are lost and the run stops, naming them; and a worker that cannot reach the store (on the head's
+host) for as long logs why and exits with [`HEAD_LOST_EXIT_CODE`][metrale_model_engine.torch.HEAD_LOST_EXIT_CODE].  One
+bound, both ways.  Both are arguments of [`open_link`][metrale_model_engine.torch.open_link],
+[`open_transport`][metrale_model_engine.torch.open_transport] and
+[`TorchTransport`][metrale_model_engine.torch.TorchTransport].
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 prompt, decode, free).  Its "forward" is a rolling checksum over the tokens, so that
 every rank's slot state can be compared by digest.  It runs over any link: shared
 memory or torch.distributed in the demo, the in-memory doubles of
-:mod:`metrale_model_engine.testing` in unit tests.
+[`metrale_model_engine.testing`][metrale_model_engine.testing] in unit tests.
 
 Each head method first checks everything that could fail, then sends the command
 in one message (``EpLink.send_command``), then applies it locally; the worker hook
@@ -57,7 +57,7 @@ class ToyState(SequenceState):
         self.checksum = 0
 
     def consume(self, tokens: Iterable[int]) -> None:
-        """Append ``tokens`` and fold them into :attr:`checksum`."""
+        """Append ``tokens`` and fold them into [`checksum`][metrale_model_engine.toy.ToyState.checksum]."""
         tokens = list(tokens)
         self.extend(tokens)
         checksum = self.checksum
@@ -79,11 +79,11 @@ ToySlots = MutableSequence[ToyState | None]
 
 
 class ToyModel(LinkedEp[ToyState]):
-    """The toy model: head methods drive a command; workers run it in :meth:`ep_run_command`.
+    """The toy model: head methods drive a command; workers run it in ``ep_run_command``.
 
     ``PREFILL`` carries the prompt as one token array and ``DECODE`` the chosen
     token as one follow-up word; ``ALLOC`` and ``FREE`` carry nothing more;
-    ``DECODE_BATCH`` is a batched command (:mod:`metrale_model_engine.batching`): a
+    ``DECODE_BATCH`` is a batched command ([`metrale_model_engine.batching`][metrale_model_engine.batching]): a
     decode step of several slots at once.  Each is one message.
 
     Args:
@@ -184,7 +184,7 @@ def _check(slots: ToySlots, seq_id: int, cmd: ToyCommand) -> ToyState | None:
 
 
 def _apply(slots: ToySlots, seq_id: int, cmd: ToyCommand, state: ToyState | None, payload: Sequence[int]) -> None:
-    """Apply a command that :func:`_check` passed (``state`` is what it returned)."""
+    """Apply a command that ``_check`` passed (``state`` is what it returned)."""
     if cmd is ToyCommand.ALLOC:
         slots[seq_id] = ToyState(seq_id)
     elif cmd is ToyCommand.FREE:

@@ -2,25 +2,26 @@
 
 A transport moves *messages* (runs of u32 words) from rank 0, the head, to every
 other rank of a fixed group, in order, whole; it also gathers a few words from
-every rank at setup.  It knows nothing of commands: :class:`~metrale_model_engine.EpLink`
-encodes those (see :mod:`metrale_model_engine.wire`) and maps every failure a
+every rank at setup.  It knows nothing of commands: [`EpLink`][metrale_model_engine.EpLink]
+encodes those (see [`metrale_model_engine.wire`][metrale_model_engine.wire]) and maps every failure a
 transport raises, once, to the library's own errors (a failed send to
 ``EpSendError``, a failed receive to ``EpReceiveError``, a failed setup exchange to
 ``EpLinkError``).  A transport raises plain errors: the classes below, ``OSError``,
 or its backend's own.
 
-A transport has two ends, by role: :class:`HeadTransport` (rank 0: sends, reads
-answers) and :class:`WorkerTransport` (receives, answers); :class:`EpTransport` is
-both, as ``EpLink`` takes it.  Implementations:
-:class:`metrale_model_engine.shm.ShmTransport` (one host, shared memory) and
-:class:`metrale_model_engine.torch.TorchTransport` (any torch.distributed group)
-serve every rank; :class:`SoloTransport` (one rank) and the in-memory doubles of
-:mod:`metrale_model_engine.testing` play one role, on :class:`HeadEnd` or
-:class:`WorkerEnd`, whose calls of the other role refuse.  A head transport that
-can tell which workers went silent (ranks on other hosts) also gives
-:class:`NamesSilentRanks`, and the link's errors name them; one that plays its whole
-group in one process (the doubles of :mod:`metrale_model_engine.testing`) gives
-:class:`PretendGroup`, and a model's collectives over it have one participant.
+A transport has two ends, by role: [`HeadTransport`][metrale_model_engine.transport.HeadTransport] (rank 0: sends, reads
+answers) and [`WorkerTransport`][metrale_model_engine.transport.WorkerTransport] (receives, answers);
+[`EpTransport`][metrale_model_engine.transport.EpTransport] is both, as ``EpLink`` takes it.  Implementations:
+[`metrale_model_engine.shm.ShmTransport`][metrale_model_engine.shm.ShmTransport] (one host, shared memory) and
+[`metrale_model_engine.torch.TorchTransport`][metrale_model_engine.torch.TorchTransport] (any torch.distributed group)
+serve every rank; [`SoloTransport`][metrale_model_engine.transport.SoloTransport] (one rank) and the in-memory doubles
+of [`metrale_model_engine.testing`][metrale_model_engine.testing] play one role, on
+[`HeadEnd`][metrale_model_engine.transport.HeadEnd] or [`WorkerEnd`][metrale_model_engine.transport.WorkerEnd], whose
+calls of the other role refuse.  A head transport that can tell which workers went silent (ranks on other hosts) also
+gives [`NamesSilentRanks`][metrale_model_engine.transport.NamesSilentRanks], and the link's errors name them; one that
+plays its whole group in one process (the doubles of [`metrale_model_engine.testing`][metrale_model_engine.testing])
+gives [`PretendGroup`][metrale_model_engine.transport.PretendGroup], and a model's collectives over it have one
+participant.
 """
 
 from ._core.namespace import PublicDir, public_dir

@@ -1,7 +1,7 @@
 """The wire format, for peer implementers: what a head sends, as pure encode and decode functions.
 
 A head sends a stream of *items*, each a run of native-order u32 words whose first
-word says what it is (:class:`ItemKind`):
+word says what it is ([`ItemKind`][metrale_model_engine.wire.ItemKind]):
 
 * header: ``[HEADER, cmd, seq_id]``: starts a command (``seq_id`` is 0 when the
   link leaves it off, bare protocol v1) whose follow-ups come item by item;
@@ -24,7 +24,7 @@ Workers send *answers* back (``EpTransport.answer``), each one message:
 * acknowledgement: ``[ACK, number, stream crc32, commands (u64), reports, has state,
   state digest (u64)]``: the worker reached sync point ``number`` having received
   ``commands`` commands and a stream whose digest is ``stream crc32`` (every
-  message folded in by :func:`fold_message`, the sync's included: whole up to
+  message folded in by [`fold_message`][metrale_model_engine.wire.fold_message], the sync's included: whole up to
   ``2 * DIGEST_EDGE`` bytes, else its length and both edges), and sent ``reports``
   reports in all.
 
@@ -35,16 +35,17 @@ follow-up; the trait's per-word calls send one item per message.  A worker reads
 command the same way whichever the head chose.
 
 A transport over fixed-size collective broadcasts (gloo, NCCL) carries a message
-as one frame of :data:`FRAME_WORDS` words, ``[length, word_0, ..., word_14]``,
-followed, when the message is longer than :data:`FRAME_PAYLOAD` words, by one bulk
-broadcast of exactly the remaining words (:func:`frame_message`).  A shared-memory
+as one frame of [`FRAME_WORDS`][metrale_model_engine.wire.FRAME_WORDS] words, ``[length, word_0, ..., word_14]``,
+followed, when the message is longer than [`FRAME_PAYLOAD`][metrale_model_engine.wire.FRAME_PAYLOAD] words, by one bulk
+broadcast of exactly the remaining words ([`frame_message`][metrale_model_engine.wire.frame_message]).  A shared-memory
 ring carries each message whole, with its length.
 
-Every rank checks :data:`WIRE_VERSION` at setup.  These functions do no IO and
+Every rank checks [`WIRE_VERSION`][metrale_model_engine.wire.WIRE_VERSION] at setup.  These functions do no IO and
 check nothing that the caller checked already: encoders take u32 values and native
-u32 buffers; :func:`decode_item` checks what it reads and raises :class:`WireError`,
-and :func:`decode_header`, :func:`decode_word` and :func:`decode_tokens` read the one
-kind a reader expects, cheaply, or say it is not there.
+u32 buffers; [`decode_item`][metrale_model_engine.wire.decode_item] checks what it reads and raises
+[`WireError`][metrale_model_engine.wire.WireError], and [`decode_header`][metrale_model_engine.wire.decode_header],
+[`decode_word`][metrale_model_engine.wire.decode_word] and [`decode_tokens`][metrale_model_engine.wire.decode_tokens]
+read the one kind a reader expects, cheaply, or say it is not there.
 """
 
 from ._core.codec import (

@@ -59,9 +59,10 @@ def test_the_readme_stays_a_front_door() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
-# Pointers in the sources: every name a docstring, a message or a comment gives (a reST role's target,
-# an autorefs link's identifier, a dotted name of this package) resolves, and every "see the README,
-# 'Heading'" names a heading that exists.
+# Pointers in the sources: every name a docstring, a message or a comment gives (an autorefs link's
+# identifier, a dotted name of this package) resolves, and every "see the README, 'Heading'" names a
+# heading that exists.  No reST role (``:class:`Name```): mkdocstrings reads Markdown, where a role
+# is shown as written; a docstring links a name as ``[`Name`][metrale_model_engine.x.Name]``.
 
 PACKAGE = "metrale_model_engine"
 SOURCES = sorted((ROOT / "src" / PACKAGE).rglob("*.py"))
@@ -76,62 +77,41 @@ NAMED_SECTION = re.compile(r"the " + DOCUMENT + r"'s ([A-Z][\w ,-]*?) section")
 DOCS_PATH = re.compile(r"\bdocs/[\w-]+\.md(?:#[\w-]+)?")
 # Where a package that a module imports is not installed (torch on most interpreters), its names are not checked.
 OPTIONAL = {"torch", "numpy", "safetensors", "tokenizers", "transformers"}
-# Dotted names that are not names of the code: loggers, and a name whose message says it is gone.
+# Dotted names that are not names of the code: a logger's, and one whose message says it is gone.
 LOGGER = re.compile(rf"getLogger\(f?\"{PACKAGE}[\w.]*")
 GONE = {f"{PACKAGE}.torch.TorchEp"}
 
 
 @dataclass(frozen=True)
 class Text:
-    """A string of the sources (a docstring, a message) or a comment, and where its names are looked up."""
+    """A string of the sources (a docstring, a message) or a comment, and where it is."""
 
     path: Path
     line: int
-    module: str
-    classes: tuple[str, ...]
     text: str
-    docstring: bool
 
     def where(self, offset: int = 0) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line + self.text.count(chr(10), 0, offset)}"
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT / "src").with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _texts() -> list[Text]:
     texts: list[Text] = []
     for path in SOURCES:
         source = path.read_text()
-        module = _module_name(path)
 
-        def visit(node: ast.AST, classes: tuple[str, ...], path: Path = path, module: str = module) -> None:
-            body = getattr(node, "body", None)
-            documented = {
-                id(statement.value)
-                for statement in (body if isinstance(body, list) else [])
-                if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
-            }
+        def visit(node: ast.AST, path: Path = path) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.Call) and getattr(child.func, "attr", None) == "getLogger":
                     continue  # a logger's name is not a name of the code
-                if isinstance(child, ast.Expr) and isinstance(child.value, ast.Constant):
-                    constant = child.value
-                    if isinstance(constant.value, str):
-                        documents = id(constant) in documented
-                        texts.append(Text(path, constant.lineno, module, classes, constant.value, documents))
-                    continue
                 if isinstance(child, ast.Constant) and isinstance(child.value, str):
-                    texts.append(Text(path, child.lineno, module, classes, child.value, False))
-                    continue
-                visit(child, (*classes, child.name) if isinstance(child, ast.ClassDef) else classes)
+                    texts.append(Text(path, child.lineno, child.value))
+                else:
+                    visit(child)
 
-        visit(ast.parse(source), ())
+        visit(ast.parse(source))
         for token in tokenize.generate_tokens(io.StringIO(source).readline):
             if token.type == tokenize.COMMENT:
-                texts.append(Text(path, token.start[0], module, (), token.string, False))
+                texts.append(Text(path, token.start[0], token.string))
     return texts
 
 
@@ -213,20 +193,6 @@ def _lookup(dotted: str) -> bool | None:
     return False
 
 
-def _resolve_role(text: Text, target: str) -> bool | None:
-    """A role's target as Sphinx reads it: in the enclosing classes, the module, a relative module, the package."""
-    name = re.sub(r"^.*<(.*)>$", r"\1", target).lstrip("~").removesuffix("()")  # "Title <target>" too
-    if name.startswith("."):
-        package = text.module if text.path.name == "__init__.py" else text.module.rpartition(".")[0]
-        name = name[1:]
-        candidates = [f"{package}.{name}", f"{text.module}.{name}"]
-    else:
-        scopes = [".".join([text.module, *text.classes[:depth]]) for depth in range(len(text.classes), -1, -1)]
-        candidates = [f"{scope}.{name}" for scope in scopes] + [name, f"{PACKAGE}.{name}"]
-    results = [_lookup(candidate) for candidate in candidates if candidate.split(".")[0] == PACKAGE]
-    return True if True in results else (None if None in results else False)
-
-
 def _headings(document: str) -> set[str]:
     """A document's headings, outside fenced code, backticks removed: whole, and up to a colon or a comma."""
     path = ROOT / (document if document.endswith(".md") else f"{document}.md")
@@ -240,17 +206,17 @@ def _headings(document: str) -> set[str]:
 def _stale_pointers(text: Text) -> list[str]:
     stale: list[str] = []
     for match in ROLE.finditer(text.text):
-        if _resolve_role(text, match.group(2)) is False:
-            stale.append(f"{text.where(match.start())}: {match.group()} names nothing")
+        stale.append(f"{text.where(match.start())}: {match.group()} is a reST role: write [`Name`][{PACKAGE}.x.Name]")
+    linked = {match.end() for match in LOGGER.finditer(text.text)}
     for match in AUTOREF.finditer(text.text):
         identifier = match.group(2) or match.group(1).strip("`")
+        linked.add(match.end(2))
         if identifier.startswith(PACKAGE) and _lookup(identifier) is False:
             stale.append(f"{text.where(match.start())}: {match.group()} names nothing")
-    loggers = {match.end() for match in LOGGER.finditer(text.text)}
     for match in DOTTED.finditer(text.text):
-        if match.end() in loggers or match.group() in GONE:
+        if match.end() in linked or match.group() in GONE:
             continue
-        if not ROLE.search(text.text, max(0, match.start() - 9), match.end() + 1) and _lookup(match.group()) is False:
+        if _lookup(match.group()) is False:
             stale.append(f"{text.where(match.start())}: {match.group()} names nothing")
     for match in QUOTED_HEADING.finditer(text.text):
         if match.group(2) not in _headings(match.group(1)):
@@ -267,6 +233,24 @@ def _stale_pointers(text: Text) -> list[str]:
 
 
 def test_every_name_and_heading_that_the_sources_point_to_exists() -> None:
-    """Roles (``:class:`...```), autorefs links, dotted names of the package and "see the README, 'Heading'"."""
+    """Autorefs links, dotted names of the package and "see the README, 'Heading'"; and no reST role."""
     stale = [pointer for text in TEXTS for pointer in _stale_pointers(text)]
-    assert not stale, f"{len(stale)} pointers to names or headings that do not exist:\n" + "\n".join(stale)
+    assert not stale, f"{len(stale)} reST roles, or pointers to what does not exist:\n" + "\n".join(stale)
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        "see the README, 'A heading that is not there'",
+        "the README's Nowhere section",
+        "docs/errors.md#no-such-anchor",
+        "docs/nothing.md",
+        f"{PACKAGE}.no_such_module",
+        f"[`EpLink`][{PACKAGE}.EpLink.no_such_method]",
+        ":class:`EpLink`",
+    ],
+)
+def test_a_stale_pointer_or_a_role_is_named_with_its_place(written: str) -> None:
+    """The check itself: each kind of pointer it reads fails once, at its file and line."""
+    (message,) = _stale_pointers(Text(ROOT / "src" / PACKAGE / "__init__.py", 7, f"A docstring.\n{written}"))
+    assert message.startswith(f"src/{PACKAGE}/__init__.py:8: "), message

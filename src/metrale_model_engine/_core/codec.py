@@ -1,6 +1,6 @@
 """The wire codec: what a head sends and a worker answers, as pure encode and decode functions.
 
-The format is documented in the public module, :mod:`metrale_model_engine.wire`.
+The format is documented in the public module, [`metrale_model_engine.wire`][metrale_model_engine.wire].
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ __all__ = [
 WIRE_VERSION: Final[int] = 6
 """Version of this wire format; every rank must run the same one.  3: items in messages; 4: the setup
 exchange carries each rank's pid and host; 5: whole-command headers and reports that stop the run;
-6: the stream digest folds a large message's edges and length (:func:`fold_message`)."""
+6: the stream digest folds a large message's edges and length
+([`fold_message`][metrale_model_engine.wire.fold_message])."""
 
 DIGEST_EDGE: Final[int] = 4096
 """Bytes at each end of a message that the stream digest folds; a message of up to twice this is folded whole."""
@@ -155,7 +156,7 @@ def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) ->
 
     A follow-up is an ``int`` (a word) or a native u32 buffer (a token array).
     Returns the message's parts, to be sent as one message: a single ``bytes`` up to
-    :data:`_JOIN_LIMIT` bytes of tokens (one copy, cheaper than many small ones), else
+    ``_JOIN_LIMIT`` bytes of tokens (one copy, cheaper than many small ones), else
     the items' ``bytes`` with the token buffers themselves between them (not copied).
     """
     parts: list[Buffer] = [_HEADER.pack(ItemKind.COMMAND, cmd, seq_id)]
@@ -209,7 +210,7 @@ def _fold_range(crc: int, views: Sequence[memoryview], start: int, stop: int) ->
 
 
 def encode_plain_command(seq_id: int, cmd: int, follow_ups: Sequence[object]) -> array[int] | None:
-    """:func:`encode_command`'s message in one pass, when every follow-up is plain Python; else ``None``.
+    """``encode_command``'s message in one pass, when every follow-up is plain Python; else ``None``.
 
     Plain: a word is an ``int`` in ``0 ..= 2**32 - 1``, a token array a ``list`` or
     ``tuple`` of ``int`` in ``0 ..= 2**31 - 1``.  The items are laid out in one list
@@ -308,7 +309,7 @@ def report_text(error: str) -> bytes:
 
 
 def encode_report(report: Report) -> bytes:
-    """A report answer; its error text as :func:`report_text` makes it, to fit one answer."""
+    """A report answer; its error text as ``report_text`` makes it, to fit one answer."""
     text = report_text(report.error)
     kind = ItemKind.WITNESS if report.witness else ItemKind.STOP if report.stopped else ItemKind.REPORT
     head = _REPORT.pack(kind, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text))
@@ -418,7 +419,7 @@ def describe_item(item: Item) -> str:
 def frame_message(message: Buffer) -> tuple[bytes, memoryview | None]:
     """Split a message (its bytes) into the frame and the bulk that fixed-size broadcasts carry.
 
-    The frame is :data:`FRAME_WORDS` words, ``[length in words, the first words...]``
+    The frame is [`FRAME_WORDS`][metrale_model_engine.wire.FRAME_WORDS] words, ``[length in words, the first words...]``
     (zero-padded); the bulk is the rest of the message, ``None`` when it fits.
     """
     view = memoryview(message).cast("B")

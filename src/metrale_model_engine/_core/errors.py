@@ -1,9 +1,9 @@
 """The exceptions of the protocol, each classified where it is raised.
 
 The classification is what keeps head and workers in step: a worker that sees
-:class:`EpCommandFailed` received the whole header and stays in its loop for the
+[`EpCommandFailed`][metrale_model_engine.EpCommandFailed] received the whole header and stays in its loop for the
 next command (the head raises the same error for the same request); a worker that
-sees an :class:`EpLinkError` lost the link and must exit, since the next word it
+sees an [`EpLinkError`][metrale_model_engine.EpLinkError] lost the link and must exit, since the next word it
 would read is no longer known to be a header.
 
 The tree (a second base in brackets)::
@@ -81,7 +81,7 @@ class EpError(Exception):
 class EpCommandFailed(EpError):
     """A command was received and then failed; the worker stays up.
 
-    The underlying error is both :attr:`cause` and ``__cause__``; ``str()`` shows its
+    The underlying error is both ``cause`` and ``__cause__``; ``str()`` shows its
     type and message.  Instances pickle with their cause, so they cross process
     boundaries.  Only this class (and subclasses) carries the tag: no other
     exception is ever treated as "received and failed".
@@ -108,9 +108,9 @@ class EpLinkError(EpError, ConnectionError):
     """The link between head and workers failed: a worker receiving it must exit.
 
     Raised as such when the setup exchange itself fails (a rank died, a timeout);
-    as :class:`EpSendError` or :class:`EpReceiveError` when a send or a receive
-    does.  Never tagged as :class:`EpCommandFailed`.  The transport's own error, if
-    any, is ``__cause__``: each failure is mapped once, where the link meets it.
+    as [`EpSendError`][metrale_model_engine.EpSendError] or [`EpReceiveError`][metrale_model_engine.EpReceiveError] when
+    a send or a receive does.  Never tagged as [`EpCommandFailed`][metrale_model_engine.EpCommandFailed].  The
+    transport's own error, if any, is ``__cause__``: each failure is mapped once, where the link meets it.
     """
 
 
@@ -131,16 +131,16 @@ class RunStopped(EpLinkError):
     instead, on every rank, as Metrale's poisoned communicator does; the link then
     refuses every later send and step with this error.  Raised
 
-    * on a worker whose collective command failed (as :class:`EpCommandRefused`);
+    * on a worker whose collective command failed (as [`EpCommandRefused`][metrale_model_engine.EpCommandRefused]);
     * on the head and the other workers, when their collective fails or times out
       (``metrale_model_engine.torch.Collectives``), or when the head reads the
       failing worker's report (at its next command or sync point);
     * on the head whose own forward failed inside ``with link.collective():``.
 
-    :attr:`failures` holds the workers' reports that reached this rank (the failing
-    worker's error text, its command); :attr:`ranks` the ranks known to have stopped
+    ``failures`` holds the workers' reports that reached this rank (the failing
+    worker's error text, its command); ``ranks`` the ranks known to have stopped
     (reported or exited).  Either may be empty: a rank on another host that died
-    sends no report.  The message says the rest.  It is an :class:`EpLinkError`: a
+    sends no report.  The message says the rest.  It is an [`EpLinkError`][metrale_model_engine.EpLinkError]: a
     worker leaves its loop, and its process should exit (over gloo, a rank's exit is
     what ends its peers' collectives at once).
     """
@@ -166,7 +166,7 @@ class EpCommandRefused(RunStopped):
     by a model's hook that refuses a command itself (the cause is ``__cause__``).
     The link reports it to the head (a report that stops the run) before raising,
     then the worker leaves its loop and its process exits, which makes every other
-    rank's collective fail at once; each raises :class:`RunStopped`.
+    rank's collective fail at once; each raises [`RunStopped`][metrale_model_engine.RunStopped].
     """
 
 
@@ -197,7 +197,7 @@ class EpMismatchError(EpError, ValueError):
 
     Raised by the worker's receive methods after the library has consumed the
     offending message (and any payload of it), so the worker stays in step: inside
-    a command it becomes :class:`EpCommandFailed`.  The message names what was
+    a command it becomes [`EpCommandFailed`][metrale_model_engine.EpCommandFailed].  The message names what was
     expected and what arrived, lengths included.
     """
 
@@ -215,7 +215,7 @@ class WorkerFailure:
     error: str
     """The worker's error, ``"Type: message"`` (cut to fit one answer)."""
     stopped: bool = False
-    """Whether the failure stopped the run (a command that runs collectives): see :class:`RunStopped`."""
+    """Whether the failure stopped the run (a command that runs collectives): see ``RunStopped``."""
     witness: bool = False
     """Whether it was the worker's collective that failed: it may only have seen another rank's failure."""
 
@@ -228,7 +228,7 @@ class EpWorkerFailed(EpError):
 
     Raised on the head at its next command once the reports have arrived (nothing of
     that command is sent), or at the latest at its next sync point.  Every report
-    is raised once, oldest first per worker, in :attr:`failures`: fail the requests
+    is raised once, oldest first per worker, in ``failures``: fail the requests
     of those slots and reset them.
     """
 
@@ -248,7 +248,7 @@ class EpWorkerFailed(EpError):
 class EpDivergenceError(EpError, RuntimeError):
     """The ranks differ where they must agree: their command streams or states at a sync point, or named values.
 
-    :attr:`ranks` are the ranks that differ from the head (rank 0); the message says
+    ``ranks`` are the ranks that differ from the head (rank 0); the message says
     in what, and since when.
     """
 

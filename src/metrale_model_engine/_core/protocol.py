@@ -20,8 +20,8 @@ class ProtocolVersion(enum.Enum):
     * ``V2``: every header carries ``seq_id``; the worker runs the command in
       ``slots[seq_id]``.
 
-    What a model sees is :meth:`~metrale_model_engine.ModelEp.ep_protocol_v2`.
-    Links confirm at setup that all ranks use the same version (by :attr:`code`).
+    What a model sees is [`ep_protocol_v2`][metrale_model_engine.ModelEp.ep_protocol_v2].
+    Links confirm at setup that all ranks use the same version (by [`code`][metrale_model_engine.ProtocolVersion.code]).
     """
 
     V1 = "v1"

@@ -42,13 +42,13 @@ class SequenceState:
         return self._tokens
 
     def append(self, token: int) -> None:
-        """Record one consumed token; raises like :func:`check_u32` for ``token``."""
+        """Record one consumed token; raises like [`check_u32`][metrale_model_engine.check_u32] for ``token``."""
         self._tokens.append(check_u32("token", token))
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Record consumed tokens in order; nothing is recorded if one is invalid.
 
-        Raises like :func:`check_u32` for the first bad token, named ``tokens[i]``.
+        Raises like [`check_u32`][metrale_model_engine.check_u32] for the first bad token, named ``tokens[i]``.
         """
         values = tokens if isinstance(tokens, (list, tuple)) else list(tokens)
         self._tokens.extend(u32_values("tokens", values))
@@ -66,4 +66,4 @@ class SequenceState:
 
 
 S = TypeVar("S", bound=SequenceState, default=SequenceState)
-"""The slot type of a model: :class:`SequenceState` or the model's own subclass."""
+"""The slot type of a model: [`SequenceState`][metrale_model_engine.SequenceState] or the model's own subclass."""

@@ -41,7 +41,7 @@ def as_u32_buffer(name: str, tokens: TokenArray) -> Buffer:
     An ``array('I')`` or a writable contiguous u32 buffer (numpy ``uint32``, a
     ``memoryview``) is returned without copying; a list, a tuple, another sequence of
     ints or a buffer of another integer type is converted once, in C.  Elements are
-    checked as :func:`~metrale_model_engine.check_u32` checks a word: a ``bool`` is
+    checked as [`check_u32`][metrale_model_engine.check_u32] checks a word: a ``bool`` is
     not a token (a buffer of booleans is not a buffer of integers).
 
     Raises:

@@ -1,4 +1,4 @@
-"""The transport protocol and a transport's plain errors (public: :mod:`metrale_model_engine.transport`)."""
+"""The transport protocol and a transport's plain errors (public: ``metrale_model_engine.transport``)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class HeadTransport(Protocol):
         ...
 
     def answers_ready(self) -> bool:
-        """Head: whether :meth:`poll_answers` has something.  Cheap: called before every command."""
+        """Head: whether ``poll_answers`` has something.  Cheap: called before every command."""
         ...
 
     def poll_answers(self) -> list[tuple[int, bytes]]:
@@ -88,7 +88,7 @@ class WorkerTransport(Protocol):
     def receive(self, timeout: float | None) -> memoryview:
         """Worker: the next message, whole, as read-only bytes valid until the next receive or close.
 
-        ``timeout`` as for :meth:`HeadTransport.send`.
+        ``timeout`` as for [`HeadTransport.send`][metrale_model_engine.transport.HeadTransport.send].
         """
         ...
 
@@ -97,7 +97,8 @@ class WorkerTransport(Protocol):
 
         Each worker's answers reach the head in order.  Over shared memory it is on
         its way at once; over a group's collectives it is held until
-        :meth:`flush_answers`, since a worker may send only while the head receives.
+        [`flush_answers`][metrale_model_engine.transport.WorkerTransport.flush_answers], since a worker may send only
+        while the head receives.
         """
         ...
 
@@ -110,17 +111,19 @@ class EpTransport(HeadTransport, WorkerTransport, Protocol):
     """A fixed group of ranks that rank 0 sends messages to: both ends, the rank says which one a process uses.
 
     What ``EpLink`` speaks over.  A transport that only ever plays one role
-    inherits :class:`HeadEnd` or :class:`WorkerEnd`, whose calls of the other role
-    refuse or do nothing, honestly, and implements its own.
+    inherits [`HeadEnd`][metrale_model_engine.transport.HeadEnd] or
+    [`WorkerEnd`][metrale_model_engine.transport.WorkerEnd], whose calls of the other role refuse or do nothing,
+    honestly, and implements its own.
     """
 
 
 class HeadEnd:
     """A base for a transport that is only ever the head: the worker's calls refuse, its answers are none.
 
-    A subclass gives ``world_size``, :meth:`~HeadTransport.send`,
-    :meth:`~HeadTransport.gather` and :meth:`~HeadTransport.receive_answers`; these
-    defaults say what a head without answers between sync points does.
+    A subclass gives ``world_size``, [`send`][metrale_model_engine.transport.HeadTransport.send],
+    [`gather`][metrale_model_engine.transport.HeadTransport.gather] and
+    [`receive_answers`][metrale_model_engine.transport.HeadTransport.receive_answers]; these defaults say what a head
+    without answers between sync points does.
     """
 
     rank = 0
@@ -154,7 +157,7 @@ class NamesSilentRanks(Protocol):
 
     Optional.  When a send or a sync point fails and nothing else explains it, the
     link asks, and names those ranks in its error
-    (:class:`~metrale_model_engine.torch.TorchTransport` reads its workers'
+    ([`TorchTransport`][metrale_model_engine.torch.TorchTransport] reads its workers'
     heartbeats).
     """
 
@@ -167,7 +170,7 @@ class NamesSilentRanks(Protocol):
 class NamesLostRanks(Protocol):
     """A head transport that finds workers lost: silent past a bound while the head waited on them.
 
-    Optional (:class:`~metrale_model_engine.torch.TorchTransport` gives it, by its
+    Optional ([`TorchTransport`][metrale_model_engine.torch.TorchTransport] gives it, by its
     workers' heartbeats and ``head_lost_after``).  Once workers are lost the
     transport has ended the head's wait; the link stops the run, naming them.
     """
@@ -181,7 +184,7 @@ class NamesLostRanks(Protocol):
 class PretendGroup(Protocol):
     """A transport that plays its whole group in one process: the ranks other than this one are pretend.
 
-    Optional: the in-memory doubles of :mod:`metrale_model_engine.testing`
+    Optional: the in-memory doubles of [`metrale_model_engine.testing`][metrale_model_engine.testing]
     (``RecordingTransport``, ``ReplayTransport``) give it.  A model's collectives
     over a link on such a transport have one participant, this process:
     ``metrale_model_engine.torch.Collectives`` needs no process group there, and
@@ -197,8 +200,9 @@ class PretendGroup(Protocol):
 class WorkerEnd:
     """A base for a transport that is only ever a worker: the head's calls refuse.
 
-    A subclass gives ``rank``, ``world_size``, :meth:`~WorkerTransport.receive`,
-    :meth:`~WorkerTransport.gather` and :meth:`~WorkerTransport.answer`.
+    A subclass gives ``rank``, ``world_size``, [`receive`][metrale_model_engine.transport.WorkerTransport.receive],
+    [`gather`][metrale_model_engine.transport.WorkerTransport.gather] and
+    [`answer`][metrale_model_engine.transport.WorkerTransport.answer].
     """
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:

@@ -1,8 +1,8 @@
 """u32 words: their bounds, the word the protocol reserves, and the one policy for what a word is.
 
 Every word that crosses the wire (a command, a ``seq_id``, a follow-up word, a
-token) is an unsigned 32-bit integer.  :func:`check_u32` decides for one value and
-:func:`u32_array` for a sequence of them; both refuse ``bool`` and accept other
+token) is an unsigned 32-bit integer.  [`check_u32`][metrale_model_engine.check_u32] decides for one value and
+``u32_array`` for a sequence of them; both refuse ``bool`` and accept other
 ``int`` subclasses (an ``IntEnum`` of commands) as plain ``int``.  They are the only
 places that decide, and the only places that word the error.
 """
@@ -59,7 +59,7 @@ def check_u32(name: str, value: object) -> int:
 def u32_values(name: str, values: Sequence[int]) -> Sequence[int]:
     """``values`` if every item is a plain u32 ``int``, else a new list of them; raise for a bad item.
 
-    Items are checked as :func:`check_u32` checks one, in C.  First one ``marshal``
+    Items are checked as [`check_u32`][metrale_model_engine.check_u32] checks one, in C.  First one ``marshal``
     pass (format version 2): it writes a plain ``int`` below 2**31 as exactly 5 bytes
     (``i``, then 4 little-endian bytes), a ``bool`` as 1 byte, a larger int as more,
     and refuses ``int`` subclasses; so every item is a plain int in
@@ -70,7 +70,7 @@ def u32_values(name: str, values: Sequence[int]) -> Sequence[int]:
     Python, to name the first bad one (``name[i]``).
 
     Raises:
-        TypeError, ValueError: as :func:`check_u32`, for the first bad item.
+        TypeError, ValueError: as [`check_u32`][metrale_model_engine.check_u32], for the first bad item.
     """
     if plain_small_ints(values):
         return values
@@ -84,7 +84,7 @@ def u32_values(name: str, values: Sequence[int]) -> Sequence[int]:
 
 
 def u32_array(name: str, values: Sequence[int]) -> array[int]:
-    """``values`` as a new ``array('I')``, checked as :func:`u32_values` checks them."""
+    """``values`` as a new ``array('I')``, checked as ``u32_values`` checks them."""
     return array(U32_TYPECODE, u32_values(name, values))
 
 

@@ -54,7 +54,7 @@ def stop_on_error(
 class ForwardCollectives:
     """``EpLink``'s methods for the collectives of a model's forward: its block, their checks, their failure.
 
-    A base of :class:`~metrale_model_engine.EpLink` alone, which holds the parts
+    A base of [`EpLink`][metrale_model_engine.EpLink] alone, which holds the parts
     named below; see it for the link itself.
     """
 
@@ -84,15 +84,15 @@ class ForwardCollectives:
         part that runs collectives, when its command word is not one of
         ``LinkedEp.ep_collective_commands``, whose whole step is covered already): the
         other ranks are in, or on their way to, its collectives.  On the head a
-        failure raises :class:`RunStopped` naming the worker that reported a failure
+        failure raises [`RunStopped`][metrale_model_engine.RunStopped] naming the worker that reported a failure
         or exited, if one did (its leaving may be what failed the head's collective),
         else the command and the head's own error, and closes the link; on a worker
-        it refuses the command (:class:`EpCommandRefused`, reported to the head).  A
-        :class:`RunStopped` raised inside passes as it is.
+        it refuses the command ([`EpCommandRefused`][metrale_model_engine.EpCommandRefused], reported to the head).  A
+        [`RunStopped`][metrale_model_engine.RunStopped] raised inside passes as it is.
 
         On the head the block's end is the end of the command's forward, which must
-        have run a collective (:meth:`check_collective`) or said it has none
-        (:meth:`empty_forward`): else the run stops, "it ran no collective".
+        have run a collective ([`check_collective`][metrale_model_engine.EpLink.check_collective]) or said it has none
+        ([`empty_forward`][metrale_model_engine.EpLink.empty_forward]): else the run stops, "it ran no collective".
 
         Raises:
             RunStopped: the block raised, its forward ran no collective, or the run stopped earlier.
@@ -120,7 +120,7 @@ class ForwardCollectives:
         sending a command and the end of its forward outside ``collective()``.  The
         count: a declared command whose hook returns without one, and a head's
         ``collective()`` block without one, are refused too (see
-        :meth:`empty_forward`).  A no-op on one rank.
+        [`empty_forward`][metrale_model_engine.EpLink.empty_forward]).  A no-op on one rank.
 
         Args:
             what: how messages name the collective (``"an all-reduce"``).
@@ -173,7 +173,7 @@ class ForwardCollectives:
         does it for its all-reduces), whose backend says only that some peer is gone
         or late.  The head looks, up to ``grace`` seconds, for the workers that
         reported a failure, exited or are stopped (a signal, a debugger): the error
-        names them (:attr:`RunStopped.failures`, :attr:`RunStopped.ranks`).  A worker
+        names them (``RunStopped.failures``, ``RunStopped.ranks``).  A worker
         names the command, and reports its failure to the head as a witness (it may
         only have seen another rank's).  The link is closed.
 
@@ -196,7 +196,7 @@ class ForwardCollectives:
         return stopped
 
     def raise_if_stopped(self) -> None:
-        """Raise :class:`RunStopped` if the run stopped; for a model's head methods, first thing.
+        """Raise ``RunStopped`` if the run stopped; for a model's head methods, first thing.
 
         Sends and steps check it themselves; a head method calls it before its own checks.
         """

@@ -25,14 +25,16 @@ from .way_back import StateDigest, WorkerWayBack
 class EpLink(ForwardCollectives):
     """One rank's end of the head/worker command protocol: what a model holds to speak it.
 
-    A model keeps its link in ``self.ep_link`` (:class:`~metrale_model_engine.LinkedEp`):
-    the head starts a command with :meth:`send_command` (one message) or item by
-    item (:meth:`send_header`, :meth:`send_word`, :meth:`send_tokens`: the trait's
-    per-word calls); a worker runs :meth:`step` in its loop, and the model's hook
-    reads the follow-ups with :meth:`recv_word`, :meth:`recv_tokens` and
-    :meth:`recv_tokens_into`.  It owns its transport: :meth:`close` (or a ``with``
-    block) closes both.  Construction is collective: every rank builds its link at
-    the same point, and all confirm that they agree on the wire version, the
+    A model keeps its link in ``self.ep_link`` ([`LinkedEp`][metrale_model_engine.LinkedEp]):
+    the head starts a command with [`send_command`][metrale_model_engine.EpLink.send_command] (one message) or item by
+    item ([`send_header`][metrale_model_engine.EpLink.send_header],
+    [`send_word`][metrale_model_engine.EpLink.send_word], [`send_tokens`][metrale_model_engine.EpLink.send_tokens]: the
+    trait's per-word calls); a worker runs [`step`][metrale_model_engine.EpLink.step] in its loop, and the model's hook
+    reads the follow-ups with [`recv_word`][metrale_model_engine.EpLink.recv_word],
+    [`recv_tokens`][metrale_model_engine.EpLink.recv_tokens] and
+    [`recv_tokens_into`][metrale_model_engine.EpLink.recv_tokens_into].  It owns its transport:
+    [`close`][metrale_model_engine.EpLink.close] (or a ``with`` block) closes both.  Construction is collective: every
+    rank builds its link at the same point, and all confirm that they agree on the wire version, the
     protocol, ``seq_id_on_wire`` and the slot count (on failure the transport stays
     open, the caller's to close).
 
@@ -41,14 +43,15 @@ class EpLink(ForwardCollectives):
     when the transport fails.  A receive waits at most ``command_timeout`` and raises
     ``EpMismatchError`` when the head sent something else (the item is consumed; a
     next command's header stays for the next step), ``EpReceiveError`` when it
-    failed, ``EpRoleError`` on the head.  Once the run stopped (:class:`RunStopped`),
+    failed, ``EpRoleError`` on the head.  Once the run stopped ([`RunStopped`][metrale_model_engine.RunStopped]),
     every send, step and sync point raises it.
 
     Args:
         transport: the group of ranks to speak over.
         num_slots: the slot count, ``--max-batch-size``; a header's ``seq_id`` must
             be below it (checked on the head before sending).
-        protocol: the header layout; default :meth:`ProtocolVersion.from_env`.
+        protocol: the header layout; default
+            [`ProtocolVersion.from_env`][metrale_model_engine.ProtocolVersion.from_env].
         seq_id_on_wire: whether headers carry ``seq_id``: always under v2, by default
             under v1 too (it costs nothing); ``False`` (v1 only) is v1 as the Rust
             engine has it: workers run every command with ``seq_id`` 0.
@@ -155,29 +158,30 @@ class EpLink(ForwardCollectives):
 
     @property
     def workers_shut_down(self) -> bool:
-        """Whether the head has sent the shutdown header (:meth:`shutdown_workers`)."""
+        """Whether the head has sent the shutdown header (``shutdown_workers``)."""
         return self._state.phase is Phase.SHUT_DOWN
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` ran (or the run stopped, which closes the link)."""
+        """Whether [`close`][metrale_model_engine.EpLink.close] ran (or the run stopped, which closes the link)."""
         return self._state.closed
 
     @property
     def stopped(self) -> RunStopped | None:
-        """Why the run stopped (a copy of the first :class:`RunStopped` raised), ``None`` while it goes on."""
+        """Why the run stopped (a copy of the first ``RunStopped`` raised), ``None`` while it goes on."""
         return self._state.stopped
 
     @property
     def commands(self) -> int:
-        """Commands sent (head) or received (worker) so far; a :class:`WorkerFailure` names one by this count."""
+        """Commands sent (head) or received (worker) so far; a ``WorkerFailure`` names one by this count."""
         return self._stream.commands
 
     @property
     def state_digest(self) -> StateDigest | None:
         """A function ``digest(slots) -> int`` (u64) of a rank's slots, compared at sync points; default ``None``.
 
-        Set it on every rank (the same function): :meth:`sync` compares the workers' with the head's.
+        Set it on every rank (the same function): [`sync`][metrale_model_engine.EpLink.sync] compares the workers' with
+        the head's.
         """
         return self._state_digest
 
@@ -195,9 +199,9 @@ class EpLink(ForwardCollectives):
         """Head: send command ``cmd`` for ``seq_id`` with its follow-ups, as one message.
 
         A follow-up is a u32 word (an ``int``) or a token array; workers read them
-        in order with :meth:`recv_word` and :meth:`recv_tokens`.  Over shared memory
-        the command is one ring record (consecutive records only past the record
-        size); over torch.distributed it is at most two broadcasts.
+        in order with [`recv_word`][metrale_model_engine.EpLink.recv_word] and
+        [`recv_tokens`][metrale_model_engine.EpLink.recv_tokens].  Over shared memory the command is one ring record
+        (consecutive records only past the record size); over torch.distributed it is at most two broadcasts.
 
         Raises:
             TypeError, ValueError: a word or token is not a u32 (the message names
@@ -215,7 +219,7 @@ class EpLink(ForwardCollectives):
     def send_header(self, seq_id: int, cmd: int) -> None:
         """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
 
-        Raises as :meth:`send_command`.
+        Raises as [`send_command`][metrale_model_engine.EpLink.send_command].
         """
         try:
             self._sender.send_header(seq_id, cmd)
@@ -246,7 +250,7 @@ class EpLink(ForwardCollectives):
 
         Each worker's loop answers the sync item with what it received (the count of
         commands, a CRC-32 of every message) and, when ``slots`` is given and
-        :attr:`state_digest` is set, the digest of its slots; the head reads every
+        [`state_digest`][metrale_model_engine.EpLink.state_digest] is set, the digest of its slots; the head reads every
         worker's answers, reports first, within ``command_timeout``.  A no-op on one rank.
 
         Raises:
@@ -268,15 +272,15 @@ class EpLink(ForwardCollectives):
             raise
 
     def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
-        """Head: a sync point (:meth:`sync`), then the shutdown header; every worker's loop then ends.
+        """Head: a sync point (``sync``), then the shutdown header; every worker's loop then ends.
 
         The shutdown header goes out even when the sync point raises (without
         waiting, once a worker is dead or silent), then the sync point's error is
         raised: a head cannot shut down past a failure it was not told of.
-        Idempotent; after it, other sends raise :class:`EpSendError`.
+        Idempotent; after it, other sends raise [`EpSendError`][metrale_model_engine.EpSendError].
 
         Raises:
-            EpWorkerFailed, EpDivergenceError, RunStopped: as :meth:`sync`.
+            EpWorkerFailed, EpDivergenceError, RunStopped: as [`sync`][metrale_model_engine.EpLink.sync].
             EpRoleError, EpSendError: see the class.
         """
         shutdown = self._sender.shutdown  # EpRoleError on a worker
@@ -298,8 +302,8 @@ class EpLink(ForwardCollectives):
         worker that just failed takes a moment to exit), and returns when it found
         nothing (or the worker that stopped runs on another host and sent no report:
         a silent heartbeat alone is no proof, so it is named only where something
-        already failed, as in :meth:`collective_failed`, which uses this).  A no-op
-        on one rank.
+        already failed, as in [`collective_failed`][metrale_model_engine.EpLink.collective_failed], which uses this).  A
+        no-op on one rank.
 
         Raises:
             EpWorkerFailed: workers reported failed commands (each once), none stopping the run.
@@ -326,15 +330,15 @@ class EpLink(ForwardCollectives):
         return gather_u32(self._transport, self._settings, value)
 
     def min_u32(self, value: int) -> int:
-        """The smallest ``value`` (a u32) of every rank, on every rank (a :meth:`gather_u32`)."""
+        """The smallest ``value`` (a u32) of every rank, on every rank (a ``gather_u32``)."""
         return min(self.gather_u32(value))
 
     def assert_ranks_agree(self, **values: int) -> None:
-        """Raise :class:`EpDivergenceError` on every rank unless every rank passed the same named u32 values.
+        """Raise ``EpDivergenceError`` on every rank unless every rank passed the same named u32 values.
 
-        Collective, like :meth:`gather_u32`; at most ``AGREED_VALUES`` (12) values
+        Collective, like [`gather_u32`][metrale_model_engine.EpLink.gather_u32]; at most ``AGREED_VALUES`` (12) values
         (``ValueError`` past that).  The message lists every value that differs (the names too count), with
-        each rank's.  Raises as :meth:`gather_u32` otherwise.
+        each rank's.  Raises as [`gather_u32`][metrale_model_engine.EpLink.gather_u32] otherwise.
         """
         self._scope.ran += 1
         assert_ranks_agree(self._transport, self._settings, values)
@@ -405,7 +409,7 @@ class EpLink(ForwardCollectives):
 
         A head that has not shut its workers down tells them first (best effort,
         within a second; once the run stopped, without waiting), so that every
-        worker's next receive raises :class:`EpReceiveError` at once.
+        worker's next receive raises [`EpReceiveError`][metrale_model_engine.EpReceiveError] at once.
         """
         state = self._state
         if state.closed:

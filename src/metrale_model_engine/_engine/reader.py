@@ -1,11 +1,11 @@
 """The worker's reading of the command stream: the step that runs a command, the receives.
 
-Pull-style: a worker asks for the next header (:meth:`CommandReader.step`) and then
+Pull-style: a worker asks for the next header (``CommandReader.step``) and then
 for each follow-up it expects (``recv_word``, ``recv_tokens``...); the reader
 decodes the item the request meets and receives the next message only when the
 current one is used up, so it reads a command the same way whether the head sent it
 as one message or item by item.  A follow-up of another kind or length is an
-:class:`EpMismatchError` after the item was consumed (a next command's header is
+[`EpMismatchError`][metrale_model_engine.EpMismatchError] after the item was consumed (a next command's header is
 left for the next step); so is a follow-up asked for past the end of a command sent
 as one message, at once.  What a failed command left unread is skipped on the way
 to the next header, and what a successful one left unread fails it: at once when it
@@ -13,7 +13,7 @@ came as one message, else when the worker meets the next header.
 
 A command the model declared collective (``LinkedEp.ep_collective_commands``) cannot
 fail here alone: the other ranks are in, or on their way to, its collectives.  Any
-failure of one is a refusal (:class:`EpCommandRefused`): it is reported to the head
+failure of one is a refusal ([`EpCommandRefused`][metrale_model_engine.EpCommandRefused]): it is reported to the head
 as a report that stops the run, and the link refuses every later step.
 
 What a worker answers (reports, refusals, sync points) goes back through ``way_back``.

@@ -22,7 +22,7 @@ DEATH_GRACE: Final = 0.2
 moment before its process shows as exited (the kernel closes its files first), and a report a worker left
 in a group's store is read at most every 10 ms."""
 _CHECK_PAUSE: Final = 0.001
-"""Seconds between two looks of :meth:`WorkerReports.stopped_workers`."""
+"""Seconds between two looks of ``WorkerReports.stopped_workers``."""
 _NOT_SENT: Final = "; nothing of the command being sent was sent"
 
 
@@ -123,7 +123,7 @@ class WorkerReports:
     def stop(
         self, why: str, failures: Sequence[WorkerFailure], ranks: Sequence[int], *, note: str = "", where: str = ""
     ) -> RunStopped:
-        """Stop the run for ``why``; return the :class:`RunStopped` to raise (the link closes once the call is over)."""
+        """Stop the run for ``why``; return the ``RunStopped`` to raise (the link closes once the call is over)."""
         return self._state.stop(RunStopped(f"head: the run stopped{where}: {why}{note}", failures, ranks))
 
     def why(self, failures: Sequence[WorkerFailure], exited: Sequence[int]) -> str:
@@ -149,12 +149,12 @@ class WorkerReports:
         return "; ".join(reasons)
 
     def silent(self) -> list[int]:
-        """The worker ranks whose transport says they went silent (see :class:`NamesSilentRanks`); waits a moment."""
+        """The worker ranks whose transport says they went silent (see ``NamesSilentRanks``); waits a moment."""
         transport = self._transport
         return transport.silent_ranks() if isinstance(transport, NamesSilentRanks) else []
 
     def silence(self) -> str:
-        """:meth:`silent` as the clause an error ends with (those of the head's host that exited, as such).
+        """``silent`` as the clause an error ends with (those of the head's host that exited, as such).
 
         Empty when none went silent.
         """
@@ -198,7 +198,7 @@ class WorkerReports:
     def forward_failed(self, error: BaseException) -> RunStopped:
         """The head's forward failed inside ``EpLink.collective()`` with ``error``: stop the run; return what to raise.
 
-        Its workers first, as :meth:`collective_failed` does: one that reported a
+        Its workers first, as ``collective_failed`` does: one that reported a
         failure that stops the run, or exited, is named, since the head's error may
         be only what its leaving caused (an all-reduce the model ran itself, failed
         with "Connection closed by peer"); else the head's own error.

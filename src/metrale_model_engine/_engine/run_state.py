@@ -57,7 +57,7 @@ class Phase(enum.Enum):
 class LinkState:
     """The one state of a link that every part reads: the run's phase, why it stopped, whether the link closed.
 
-    The parts record a stop (:meth:`stop`) and return or raise the error; the link
+    The parts record a stop (``stop``) and return or raise the error; the link
     closes itself once the part's call is over.  ``closed`` is apart from the
     phase: a link is closed by its owner in any phase, and by itself once the run
     stopped.
@@ -72,7 +72,7 @@ class LinkState:
         self.who = who
         self.phase = Phase.OPEN
         self.stopped: RunStopped | None = None
-        """A copy of the first :class:`RunStopped` raised, kept bare (no traceback keeps the frames alive)."""
+        """A copy of the first ``RunStopped`` raised, kept bare (no traceback keeps the frames alive)."""
         self.closed = False
         """Whether the link's transport was closed (by its owner, or once the run stopped)."""
 
@@ -97,7 +97,7 @@ class LinkState:
         )
 
     def raise_if_stopped(self) -> None:
-        """Raise :meth:`still_stopped`'s error if the run stopped."""
+        """Raise ``still_stopped``'s error if the run stopped."""
         if self.stopped is not None:
             raise self.still_stopped()
 

@@ -190,7 +190,7 @@ def checked_follow_ups(follow_ups: Sequence[object]) -> list[int | Buffer]:
     """A command's follow-ups, each a u32 word or a token array (converted once), checked.
 
     Raises:
-        TypeError, ValueError: as :func:`follow_up_array`, or a word that is not a u32.
+        TypeError, ValueError: as ``follow_up_array``, or a word that is not a u32.
     """
     items: list[int | Buffer] = []
     for index, follow_up in enumerate(follow_ups):

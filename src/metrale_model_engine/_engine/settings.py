@@ -42,7 +42,7 @@ class LinkSettings:
         seq_id_on_wire: object,
         command_timeout: object,
     ) -> LinkSettings:
-        """The settings, each argument checked (``protocol=None``: :meth:`ProtocolVersion.from_env`).
+        """The settings, each argument checked (``protocol=None``: ``ProtocolVersion.from_env``).
 
         Raises:
             TypeError, ValueError: an argument, named in the message.

@@ -34,7 +34,7 @@ class WorkerWayBack:
     """A worker's way back to the head, for the command in flight (``EpLink`` states the contract).
 
     Every failed command is reported (``EpTransport.answer``); one that runs
-    collectives (:attr:`collective`) is refused instead: the report stops the run.
+    collectives (``collective``) is refused instead: the report stops the run.
     A sync item is acknowledged with what the worker received (the count of
     commands, the stream's CRC, the reports it sent) and, when asked, its state's
     digest.
@@ -57,7 +57,7 @@ class WorkerWayBack:
         """The digest of this rank's slots that sync points ask for (``EpLink.state_digest``)."""
 
     def failed(self, error: BaseException) -> EpCommandFailed | EpCommandRefused:
-        """Report the command in flight as failed by ``error``; return what to raise (see :attr:`collective`)."""
+        """Report the command in flight as failed by ``error``; return what to raise (see ``collective``)."""
         if self.collective:
             return self.refuse(error)
         self.report(error_text(error))

@@ -1,21 +1,21 @@
 """Running one function in N fresh processes: the local launchers' common part.
 
-A rank whose setup fails (an :class:`~metrale_model_engine.EpSetupError` out of its
+A rank whose setup fails (an [`EpSetupError`][metrale_model_engine.EpSetupError] out of its
 function) prints no traceback: it sends the error's text to the launcher and exits
-with :data:`SETUP_FAILED`, and the launcher raises the lowest such rank's error
+with ``SETUP_FAILED``, and the launcher raises the lowest such rank's error
 once every rank has ended.  Every rank of a failed setup raises, most with the same
 text, so a program that catches it in the launching process reports it once.
 
-Ctrl-C: a rank interrupted (``KeyboardInterrupt``) exits with :data:`INTERRUPTED`,
+Ctrl-C: a rank interrupted (``KeyboardInterrupt``) exits with ``INTERRUPTED``,
 without a traceback.  A rank starts with SIGINT ignored, until its function runs
 (or, with ``interrupts_from_rank``, until the function calls
-:func:`accept_interrupts`: past its group's rendezvous, which an interrupted system
+``accept_interrupts``: past its group's rendezvous, which an interrupted system
 call would make log a warning), so that an interrupt while it starts prints
 nothing.  (The launcher ignores it for the few milliseconds of each start, so that
 the rank inherits that: an interrupt in those moments is lost.)  A launcher
 interrupted while it waits (or failing there in any way) ends every rank before it
 raises: it passes the interrupt to the ranks still running, kills at once those
-still starting, waits up to :data:`INTERRUPT_GRACE` seconds for the others to leave
+still starting, waits up to ``INTERRUPT_GRACE`` seconds for the others to leave
 (closing what they hold), kills the rest; a second Ctrl-C meanwhile is ignored.  So
 the launcher returns or raises only once every rank process it started has ended.
 """
@@ -64,7 +64,7 @@ def start_ranks_from_a_server(preload: Sequence[str]) -> None:
 
 
 def rank_context() -> SpawnContext | ForkServerContext:
-    """The start method of rank processes: ``spawn``, or the server :func:`start_ranks_from_a_server` asked for."""
+    """The start method of rank processes: ``spawn``, or the server ``start_ranks_from_a_server`` asked for."""
     if not _PRELOAD:
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
@@ -78,7 +78,7 @@ def stop_resource_tracker() -> None:
     For a program's last step, once the ranks it launched have ended (the demo):
     after it, no process the program started is left, not even for the moment the
     tracker takes to see its program gone.  Nothing under the start server of
-    :func:`start_ranks_from_a_server` (it holds the tracker too), nor where Python
+    ``start_ranks_from_a_server`` (it holds the tracker too), nor where Python
     lacks the tracker's ``_stop``.
     """
     tracker = getattr(resource_tracker, "_resource_tracker", None)
@@ -114,7 +114,7 @@ def launch(
     ``parent_ends`` are this process's copies of connections the ranks hold: they
     are closed once every rank has started, so that a rank's death closes its
     peers' ends.  ``interrupts_from_rank``: ``rank_main`` calls
-    :func:`accept_interrupts` itself, once its start-up is over.  Whatever happens,
+    ``accept_interrupts`` itself, once its start-up is over.  Whatever happens,
     every rank process has ended when it returns or raises.
 
     Returns:
@@ -122,7 +122,7 @@ def launch(
 
     Raises:
         EpSetupError: a rank's setup failed: the lowest such rank's error.
-        TimeoutError: see :func:`join_all`.
+        TimeoutError: see ``join_all``.
     """
     reports = [context.Pipe(duplex=False) for _ in rank_args]
     processes = [
@@ -191,7 +191,7 @@ _REPORT_CHARS: Final = 16_384
 
 
 def _interrupt_all(processes: Sequence[BaseProcess]) -> None:
-    """Interrupt the ranks still running, give them :data:`INTERRUPT_GRACE` seconds to leave, kill the rest.
+    """Interrupt the ranks still running, give them ``INTERRUPT_GRACE`` seconds to leave, kill the rest.
 
     A second Ctrl-C meanwhile is ignored: it must not leave a rank behind.
     """

@@ -15,7 +15,7 @@ class ProcessWatch:
     process exits, zombie included, and can never be confused with a later process
     that reuses the pid.  Where pidfds are not available it falls back to
     ``os.kill(pid, 0)``, which sees a zombie as alive and a reused pid as the same
-    process.  Not thread-safe; call :meth:`close` to release the descriptors.
+    process.  Not thread-safe; call ``close`` to release the descriptors.
     """
 
     __slots__ = ("_fds", "_pids", "_poll", "_signalled")

@@ -27,7 +27,7 @@ from .groups import DEFAULT_IDLE_TIMEOUT
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 
 TransportKind = Literal["auto", "shm", "torch"]
-"""Which transport carries the protocol: see :func:`open_transport`."""
+"""Which transport carries the protocol: see [`open_transport`][metrale_model_engine.torch.open_transport]."""
 
 TRANSPORT_KINDS: Final[tuple[TransportKind, ...]] = ("auto", "shm", "torch")
 _NAME_WORDS: Final[int] = 16
@@ -52,27 +52,28 @@ def open_transport(
 
     * ``"auto"`` (the default): shared memory when every rank is on one host with a
       usable ``/dev/shm`` (Linux on x86-64 or arm64); across hosts, a
-      :class:`HostsTransport` (one broadcast to a leader per remote host, a ring on
-      each host of several ranks), or :class:`TorchTransport` when no host holds
-      two ranks; if a ring cannot be set up on some rank, rank 0 logs a warning and
-      every rank uses :class:`TorchTransport`;
-    * ``"shm"``: shared memory, else :class:`EpSetupError` on every rank, with the
+      [`HostsTransport`][metrale_model_engine.torch.HostsTransport] (one broadcast to a leader per remote host, a ring
+      on each host of several ranks), or [`TorchTransport`][metrale_model_engine.torch.TorchTransport] when no host
+      holds two ranks; if a ring cannot be set up on some rank, rank 0 logs a warning and
+      every rank uses [`TorchTransport`][metrale_model_engine.torch.TorchTransport];
+    * ``"shm"``: shared memory, else [`EpSetupError`][metrale_model_engine.EpSetupError] on every rank, with the
       same text on each (which ranks failed, and why);
-    * ``"torch"``: the group's own broadcasts (:class:`TorchTransport`).
+    * ``"torch"``: the group's own broadcasts ([`TorchTransport`][metrale_model_engine.torch.TorchTransport]).
 
     Each host's lowest rank creates its ring, the name travels over the group, the
     others attach; the ring's name is removed from ``/dev/shm`` once all attached.
-    ``device``, ``heartbeat`` and ``head_lost_after`` go to :class:`TorchTransport`
-    (the liveness of ranks across hosts), ``spin_time`` and ``max_spin_time`` to
-    :class:`~metrale_model_engine.shm.ShmTransport`.
+    ``device``, ``heartbeat`` and ``head_lost_after`` go to
+    [`TorchTransport`][metrale_model_engine.torch.TorchTransport] (the liveness of ranks across hosts), ``spin_time``
+    and ``max_spin_time`` to [`ShmTransport`][metrale_model_engine.shm.ShmTransport].
 
     Returns:
         The chosen transport, the caller's to close (or an ``EpLink``'s, given it).
-        Code that needs a :class:`TorchTransport`'s ``group`` or ``device`` checks the
-        type first: a ``ShmTransport`` or a :class:`HostsTransport` has neither.
+        Code that needs a [`TorchTransport`][metrale_model_engine.torch.TorchTransport]'s ``group`` or ``device`` checks
+        the type first: a ``ShmTransport`` or a [`HostsTransport`][metrale_model_engine.torch.HostsTransport] has
+        neither.
 
     Raises:
-        TypeError, ValueError: ``kind`` is not one of :data:`TRANSPORT_KINDS`, or
+        TypeError, ValueError: ``kind`` is not one of ``TRANSPORT_KINDS``, or
             ``heartbeat`` or ``head_lost_after`` is not a positive number of seconds
             or ``None``, or ``head_lost_after`` is shorter than 4 heartbeats
             (checked before the group is touched).
@@ -95,7 +96,7 @@ def open_transport(
 def _choose(
     base: TorchTransport, chosen: TransportKind, spins: tuple[float, float]
 ) -> TorchTransport | ShmTransport | HostsTransport:
-    """:func:`open_transport` past its checks: every rank's kind and host over ``base``, then the choice."""
+    """``open_transport`` past its checks: every rank's kind and host over ``base``, then the choice."""
     try:
         everyone = base.gather([TRANSPORT_KINDS.index(chosen), *_host_words()])
     except Exception as error:
@@ -141,12 +142,12 @@ def open_link(
     heartbeat: float | None = DEFAULT_HEARTBEAT,
     head_lost_after: float | None = DEFAULT_HEAD_LOST_AFTER,
 ) -> EpLink:
-    """An :class:`~metrale_model_engine.EpLink` over the transport :func:`open_transport` chooses.
+    """An [`EpLink`][metrale_model_engine.EpLink] over the transport ``open_transport`` chooses.
 
     Collective over the group.  The link owns the transport (closing it closes
     both); if the link's setup fails, the transport is closed before the error
-    propagates.  Arguments as :func:`open_transport` and
-    :class:`~metrale_model_engine.EpLink`.
+    propagates.  Arguments as [`open_transport`][metrale_model_engine.torch.open_transport] and
+    [`EpLink`][metrale_model_engine.EpLink].
     """
     transport = open_transport(
         kind,
@@ -171,7 +172,7 @@ def open_link(
 
 
 def _host_words() -> list[int]:
-    """[can run shm, the two words of :func:`host_fingerprint`]."""
+    """[can run shm, the two words of ``host_fingerprint``]."""
     return [1, *host_fingerprint()] if shm_supported() else [0, 0, 0]
 
 
@@ -233,7 +234,7 @@ def _failures(base: TorchTransport, problem: str | None) -> dict[int, str]:
 
 
 def _leaders(base: TorchTransport, hosts: list[list[int]], ring: ShmTransport | None) -> HostsTransport:
-    """The :class:`HostsTransport` of this rank, with the group of the head and each host's lowest rank.
+    """The ``HostsTransport`` of this rank, with the group of the head and each host's lowest rank.
 
     Only those ranks make that group (``use_local_synchronization``), with the whole
     group's timeout: a leader's idle wait for the next command is bounded by it.

@@ -18,7 +18,7 @@ from .._shm.segment import remove_stale_segments
 from .._torch.transport import OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
-"""Group timeout :func:`init_local_group` sets: how long an idle worker waits for a header over gloo."""
+"""Group timeout ``init_local_group`` sets: how long an idle worker waits for a header over gloo."""
 
 
 def free_port() -> int:
@@ -66,7 +66,7 @@ def init_local_group(
 def init_group_from_env(*, backend: str | None = None, timeout: datetime.timedelta = DEFAULT_IDLE_TIMEOUT) -> None:
     """Initialise the default group from torchrun's variables (``env://``).
 
-    The same backend and device choice as :func:`init_local_group`, per node:
+    The same backend and device choice as [`init_local_group`][metrale_model_engine.torch.init_local_group], per node:
     ``LOCAL_RANK`` picks the CUDA device, ``LOCAL_WORLD_SIZE`` (else
     ``WORLD_SIZE``) the default backend.
 
@@ -116,8 +116,8 @@ def run_group(
 ) -> list[int]:
     """Run ``target(rank, world_size, *args)`` in ``world_size`` fresh processes that form one group.
 
-    Each process joins a local group (:func:`init_local_group`) first and leaves it
-    after, unless ``target`` left it itself (``torch.distributed.destroy_process_group()``
+    Each process joins a local group ([`init_local_group`][metrale_model_engine.torch.init_local_group]) first and
+    leaves it after, unless ``target`` left it itself (``torch.distributed.destroy_process_group()``
     is fine there too).  ``target`` and ``args`` must be picklable (the ``spawn``
     start method).
     (``metrale_model_engine.shm.run_ring`` is its counterpart without torch: its
@@ -126,7 +126,7 @@ def run_group(
     Every rank process has ended when it returns or raises, whatever happened
     (Ctrl-C included: see ``INTERRUPT_GRACE``), and no ring a rank made is left in
     ``/dev/shm``.  A failed setup is raised here, once, rather than printed by the ranks: an
-    :class:`~metrale_model_engine.EpSetupError` out of ``target`` (``open_link``'s,
+    [`EpSetupError`][metrale_model_engine.EpSetupError] out of ``target`` (``open_link``'s,
     when ``/dev/shm`` is too small for ``"shm"`` or the ranks disagree) makes its
     rank exit with code 2 and no traceback.
 
@@ -193,5 +193,5 @@ def run_local(
     backend: str | None = None,
     timeout: float | None = None,
 ) -> list[int]:
-    """The former name of :func:`run_group`."""
+    """The former name of [`run_group`][metrale_model_engine.torch.run_group]."""
     return run_group(target, world_size, *args, backend=backend, timeout=timeout)

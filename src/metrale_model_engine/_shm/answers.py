@@ -104,11 +104,11 @@ class AnswerReader:
         self.u64 = segment.u64
         self._seen = self._answered()
         self.seen_word = self._seen[0]
-        """The answered word as :meth:`poll` last saw it: the transport compares it in one load."""
+        """The answered word as ``poll`` last saw it: the transport compares it in one load."""
         self._stash: list[tuple[int, bytes]] = []  # answers read while the head waited for room
 
     def ready(self) -> bool:
-        """Whether an answer arrived since the last :meth:`poll` (one load when none did)."""
+        """Whether an answer arrived since the last ``poll`` (one load when none did)."""
         if self._segment.u64[ANSWERED_WORD] != self._seen[0] or self._stash:
             return True
         return self._wide and bytes(self._segment.bytes[_WIDE_ANSWERED]) != self._seen[1]
@@ -122,7 +122,7 @@ class AnswerReader:
         """Every answer published now, as ``(rank, answer)``, each worker's in order.
 
         The answered line is read first: an answer published during the reading
-        shows at the next :meth:`ready` (a line that wrapped back to the same bytes
+        shows at the next ``ready`` (a line that wrapped back to the same bytes
         after 256 answers is read at the next sync point, which waits for them).
         """
         self._seen = self._answered()

@@ -30,7 +30,7 @@ SUPPORTED: Final[bool] = platform.system() == "Linux" and MACHINE in _FUTEX_SYSC
 
 TOTAL_STORE_ORDER: Final[bool] = MACHINE == "x86_64"
 """Whether plain stores become visible in program order, and loads are not reordered
-with each other (x86-64).  Where false (arm64), the ring adds :func:`full_fence`
+with each other (x86-64).  Where false (arm64), the ring adds ``full_fence``
 between a payload and the stamp that publishes it, and between reading a stamp or
 counter and reading what it guards."""
 
@@ -68,7 +68,7 @@ def futex_wait(address: int, expected: int, timeout: float) -> None:
 
 
 def futex_wake(address: int) -> None:
-    """Wake every process sleeping in :func:`futex_wait` on the u32 at ``address``."""
+    """Wake every process sleeping in ``futex_wait`` on the u32 at ``address``."""
     _syscall(_SYS_FUTEX, address, _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
 
 

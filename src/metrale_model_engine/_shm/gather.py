@@ -23,10 +23,11 @@ from .waiting import DEFAULT_SPIN_TIME, wait_until
 class SetupGather:
     """The gathers of one rank of a ring, counted by generation.
 
-    Raises from :meth:`gather` (plain errors): ``ValueError`` for words that are not
-    at most :data:`GATHER_WORDS` u32 words or counts that differ between ranks,
-    :class:`PeerLost` when a rank of the ring died, :class:`TransportTimeout` past
-    ``setup_timeout``, :class:`TransportClosed` once :attr:`closed` is set.
+    Raises from ``gather`` (plain errors): ``ValueError`` for words that are not
+    at most ``GATHER_WORDS`` u32 words or counts that differ between ranks,
+    [`PeerLost`][metrale_model_engine.transport.PeerLost] when a rank of the ring died,
+    [`TransportTimeout`][metrale_model_engine.transport.TransportTimeout] past ``setup_timeout``,
+    [`TransportClosed`][metrale_model_engine.transport.TransportClosed] once ``closed`` is set.
     """
 
     __slots__ = ("_generation", "_rank", "_segment", "_setup_timeout", "closed")

@@ -32,7 +32,7 @@ Memory ordering
     unless a full barrier separates them.  arm64 reorders all of these, so there a
     full barrier also goes between a payload and the stamp that publishes it, and
     between a stamp or counter and what it guards.  The barrier is an uncontended
-    lock's acquire and release (:func:`~metrale_model_engine._shm.futex.full_fence`).
+    lock's acquire and release (``full_fence``).
 
 A failed send
     A send can fail after publishing part of a message (the ring stayed full for
@@ -228,7 +228,7 @@ class RingWriter:
             ) from None
 
     def check_workers(self) -> None:
-        """Raise :class:`PeerLost` if a worker has left or died."""
+        """Raise [`PeerLost`][metrale_model_engine.transport.PeerLost] if a worker has left or died."""
         left = self._left()
         if left:
             reasons = ", ".join(f"worker rank {rank} {how}" for rank, how in left.items())
@@ -380,7 +380,7 @@ class RingReader:
             raise TransportTimeout(f"timed out: no message from the head within {timeout} s") from None
 
     def check_head(self, offset: int = 0, message: int = 0) -> None:
-        """Raise :class:`PeerLost` if the head broke, closed or died (its ``offset`` of ``message`` bytes in)."""
+        """Raise ``PeerLost`` if the head broke, closed or died (its ``offset`` of ``message`` bytes in)."""
         segment = self._segment
         state = segment.u32[HEAD_STATE_AT // 4]
         if state == HEAD_BROKEN:

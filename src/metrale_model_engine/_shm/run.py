@@ -45,7 +45,7 @@ def run_ring(
 
     A failed setup is raised here, once, rather than printed by the ranks: the
     ring's (``/dev/shm`` too small, say), or one that ``target`` raises as an
-    :class:`~metrale_model_engine.EpSetupError` (an ``EpLink`` whose ranks
+    [`EpSetupError`][metrale_model_engine.EpSetupError] (an ``EpLink`` whose ranks
     disagree).  Its ranks exit with code 2 and no traceback.
 
     Returns:
@@ -80,7 +80,7 @@ def run_local(
     timeout: float | None = None,
     spin_time: float = DEFAULT_SPIN_TIME,
 ) -> list[int]:
-    """The former name of :func:`run_ring`."""
+    """The former name of [`run_ring`][metrale_model_engine.shm.run_ring]."""
     return run_ring(target, world_size, *args, timeout=timeout, spin_time=spin_time)
 
 

@@ -139,7 +139,7 @@ class Layout:
 class Segment:
     """A mapped segment with its byte, u32 and u64 views and its base address.
 
-    Not thread-safe.  :meth:`close` releases the views and the mapping; the
+    Not thread-safe.  ``close`` releases the views and the mapping; the
     segment itself lives until its name is unlinked and every rank has closed it.
     """
 
@@ -154,7 +154,7 @@ class Segment:
     u64: memoryview
     """The segment as native u64 words."""
     address: int
-    """Where the mapping starts in this process, for futex calls; valid until :meth:`close`."""
+    """Where the mapping starts in this process, for futex calls; valid until ``close``."""
 
     def __init__(self, name: str, file: mmap.mmap, layout: Layout) -> None:
         self.name = name

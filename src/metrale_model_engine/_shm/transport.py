@@ -1,4 +1,4 @@
-"""``ShmTransport``: the shared-memory transport's class (the public module is :mod:`metrale_model_engine.shm`)."""
+"""``ShmTransport``: the shared-memory transport's class (the public module is ``metrale_model_engine.shm``)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ Measured on a 2-core machine (a 256 KiB message): 16 KiB records cost twice the 
 DEFAULT_SETUP_TIMEOUT: Final[float] = 300.0
 """Seconds a gather (the setup exchange) waits for every rank to attach and answer."""
 RING_SETUP_ERRORS: Final = (OSError, RuntimeError, ValueError)
-"""What :meth:`ShmTransport.create` and :meth:`~ShmTransport.attach` raise when the ring cannot be had
-(no space, no platform, a bad segment); launchers gather their :func:`setup_reason` into
+"""What ``ShmTransport.create`` and ``attach`` raise when the ring cannot be had
+(no space, no platform, a bad segment); launchers gather their ``setup_reason`` into
 ``_core.errors.ring_setup_failed``."""
 
 
@@ -53,11 +53,12 @@ def shm_supported() -> bool:
 class ShmTransport:
     """A group of ranks of one host that rank 0 sends messages to through shared memory.
 
-    Build it with :meth:`create` on the head and :meth:`attach` on each worker;
-    the constructor is theirs.  Give it to an :class:`~metrale_model_engine.EpLink`,
-    whose construction runs the first :meth:`gather` (every rank must take part,
-    within ``setup_timeout``).  A send's or receive's ``timeout`` bounds its wait:
-    on the head, for room in a full ring; on a worker, for the message.  ``None``
+    Build it with [`create`][metrale_model_engine.shm.ShmTransport.create] on the head and
+    [`attach`][metrale_model_engine.shm.ShmTransport.attach] on each worker; the constructor is theirs.  Give it to an
+    [`EpLink`][metrale_model_engine.EpLink], whose construction runs the first
+    [`gather`][metrale_model_engine.shm.ShmTransport.gather] (every rank must take part, within ``setup_timeout``).  A
+    send's or receive's ``timeout`` bounds its wait: on the head, for room in a full ring; on a worker, for the message.
+     ``None``
     waits as long as the peers live; ``0`` or less checks once and does not wait.
     """
 
@@ -113,8 +114,8 @@ class ShmTransport:
     ) -> Self:
         """Create the ring for ``world_size`` ranks; this process is the head (rank 0).
 
-        Pass :attr:`name` to the workers.  The segment takes ``ring_bytes`` and a few
-        pages of ``/dev/shm``.
+        Pass [`name`][metrale_model_engine.shm.ShmTransport.name] to the workers.  The segment takes ``ring_bytes`` and
+        a few pages of ``/dev/shm``.
 
         Args:
             world_size: ranks in the group, head included (``1 ..= 64``).
@@ -134,7 +135,7 @@ class ShmTransport:
                 names it).
             OSError: ``/dev/shm`` lacks the space (the message says how much) or
                 cannot be written.
-            RuntimeError: this platform cannot run it (see :func:`shm_supported`).
+            RuntimeError: this platform cannot run it (see [`shm_supported`][metrale_model_engine.shm.shm_supported]).
         """
         check_int("world_size", world_size, 1, MAX_WORLD_SIZE)
         check_int("chunk_bytes", chunk_bytes, LINE, 1 << 28)
@@ -196,12 +197,12 @@ class ShmTransport:
 
     @property
     def name(self) -> str:
-        """The segment's name, for :meth:`attach`."""
+        """The segment's name, for [`attach`][metrale_model_engine.shm.ShmTransport.attach]."""
         return self._segment.name
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` ran on this rank."""
+        """Whether [`close`][metrale_model_engine.shm.ShmTransport.close] ran on this rank."""
         return self._closed
 
     def __repr__(self) -> str:
@@ -220,7 +221,7 @@ class ShmTransport:
         The head marks the ring closed (a worker's wait ends once it has read
         everything published) and removes the segment's name if it is still there;
         a worker marks itself gone (the head's next send raises).  Later sends and
-        receives on this rank raise :class:`TransportClosed`.  A copy of the
+        receives on this rank raise [`TransportClosed`][metrale_model_engine.transport.TransportClosed].  A copy of the
         transport in a forked child changes nothing in the ring when it closes.
         """
         if self._closed:
@@ -310,7 +311,7 @@ class ShmTransport:
     def gone_workers(self) -> dict[int, str]:
         """Head: the workers that left the ring or died, by rank, each with how; empty while all are there.
 
-        What makes a wait of the head raise :class:`~metrale_model_engine.transport.PeerLost`, told rank by rank, so
+        What makes a wait of the head raise [`PeerLost`][metrale_model_engine.transport.PeerLost], told rank by rank, so
         that a head waiting for one worker can tell whether that one is gone.
         """
         if self._writer is None or self._closed:

@@ -4,12 +4,12 @@ The rule: shared memory is the only source of truth, a wake-up is only a hint, a
 every wait has a deadline.  A waiting rank spins first (yielding the core between
 short bursts of looking), because a kernel wake-up costs a quarter to half a
 millisecond; then it sets its parked flag, looks once more, and sleeps on a futex
-word with the value it saw, capped at :data:`CHECK_INTERVAL`.  The other side
+word with the value it saw, capped at [`CHECK_INTERVAL`][metrale_model_engine.shm.CHECK_INTERVAL].  The other side
 publishes, passes a full barrier, and wakes the word only when a parked flag is
 set: either it sees the flag, or the sleeper's kernel call sees the new value and
 returns at once.  No wake-up is lost.
 
-How long to spin is learned (:class:`SpinBudget`): a worker that sees a message
+How long to spin is learned (``SpinBudget``): a worker that sees a message
 every few milliseconds (a server's step cadence) keeps spinning across the gap, so
 the first message of a step costs what a back-to-back one does; a worker that has
 had nothing for longer than the ceiling sleeps after the floor, at a fraction of a
@@ -42,11 +42,11 @@ _DECAY: Final[float] = 0.9
 class SpinBudget:
     """How long a waiting worker spins before sleeping: twice the longest recent gap, within bounds.
 
-    :meth:`observe` takes how long each receive waited.  A gap longer than the
+    ``observe`` takes how long each receive waited.  A gap longer than the
     ceiling means the head went idle: the budget falls back to the floor (a cold
     worker costs almost nothing).  Shorter gaps raise it to twice the longest
     recent one, capped at the ceiling, so that a cadence of up to half the ceiling
-    is met spinning; the memory of a gap decays by :data:`_DECAY` per message.
+    is met spinning; the memory of a gap decays by ``_DECAY`` per message.
     """
 
     __slots__ = ("_ceiling", "_floor", "_peak")
@@ -79,7 +79,7 @@ def wait_until(
 
     ``parked_flag`` is the byte of ``segment`` that tells the other side to wake this
     rank (``None``: the other side always wakes).  ``check()`` runs at least every
-    :data:`CHECK_INTERVAL` and raises for a dead or gone peer.
+    [`CHECK_INTERVAL`][metrale_model_engine.shm.CHECK_INTERVAL] and raises for a dead or gone peer.
 
     Raises:
         TimeoutError: ``deadline`` (a ``time.monotonic()`` value; ``None``: none) passed.

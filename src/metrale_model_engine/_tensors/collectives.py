@@ -28,9 +28,9 @@ DEFAULT_COLLECTIVE_TIMEOUT: Final[float] = 300.0
 
 
 class Collectives:
-    """The all-reduces of a model's forward, bounded, and mapped to :class:`~metrale_model_engine.RunStopped`.
+    """The all-reduces of a model's forward, bounded, and mapped to [`RunStopped`][metrale_model_engine.RunStopped].
 
-    Call :meth:`all_reduce` where the forward would call
+    Call [`all_reduce`][metrale_model_engine.torch.Collectives.all_reduce] where the forward would call
     ``torch.distributed.all_reduce``.  Every rank of the link runs the same
     commands, so the ranks meet in the same all-reduces; when one cannot (it died,
     refused the command, stalls or skipped its forward), the others must not wait
@@ -40,12 +40,12 @@ class Collectives:
       backend's own bound, passed to the collective, so nothing is left pending);
     * across hosts, workers whose heartbeat stopped for ``head_lost_after`` while
       the head waits in one are lost, and its wait ends then (see
-      :class:`~metrale_model_engine.torch.TorchTransport`);
+      [`TorchTransport`][metrale_model_engine.torch.TorchTransport]);
     * a failed or timed-out all-reduce stops the run
-      (:meth:`EpLink.collective_failed <metrale_model_engine.EpLink.collective_failed>`):
+      ([`EpLink.collective_failed`][metrale_model_engine.EpLink.collective_failed]):
       the head names the worker ranks that reported a failure or exited, with their
       command and error where their reports arrived; every later call of the link
-      raises :class:`~metrale_model_engine.RunStopped`.
+      raises [`RunStopped`][metrale_model_engine.RunStopped].
 
     Over gloo a rank's failure reaches its peers when its process exits (its
     sockets close): within milliseconds when the failing rank leaves as
@@ -55,14 +55,14 @@ class Collectives:
     ``timeout`` is the watchdog's bound for this collective.
 
     The safe pattern holds itself: each all-reduce first passes the link's check
-    (:meth:`EpLink.check_collective <metrale_model_engine.EpLink.check_collective>`),
+    ([`EpLink.check_collective`][metrale_model_engine.EpLink.check_collective]),
     which refuses one that nothing declared (a worker's command not in
     ``ep_collective_commands``; the head's forward outside ``link.collective()``)
     and counts it, so that a declared forward that ran none is refused as well.
 
     With one rank it does nothing and needs no process group.  Over a link on a
-    pretend group (:class:`~metrale_model_engine.transport.PretendGroup`: the
-    doubles of :mod:`metrale_model_engine.testing`, a scheduler's tests) it has one
+    pretend group ([`PretendGroup`][metrale_model_engine.transport.PretendGroup]: the
+    doubles of [`metrale_model_engine.testing`][metrale_model_engine.testing], a scheduler's tests) it has one
     participant, this process: it needs no process group, and an all-reduce leaves
     the tensor as it is, after the link's checks.
 
@@ -70,8 +70,8 @@ class Collectives:
         link: this rank's link; the group's ranks must be the link's.
         group: the process group of the all-reduces; default the world group.
         timeout: seconds one all-reduce may wait (default
-            :data:`DEFAULT_COLLECTIVE_TIMEOUT`, 5 minutes: far above any forward's
-            skew, far below the group's idle timeout); ``None``: the group's own.
+            [`DEFAULT_COLLECTIVE_TIMEOUT`][metrale_model_engine.torch.DEFAULT_COLLECTIVE_TIMEOUT], 5 minutes: far above
+            any forward's skew, far below the group's idle timeout); ``None``: the group's own.
 
     Raises:
         TypeError, ValueError: ``timeout`` is not a positive number of seconds or

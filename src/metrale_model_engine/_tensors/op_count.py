@@ -1,7 +1,7 @@
 """What one call costs a device: the aten ops it dispatches, and which of them make the host wait.
 
-:func:`count_ops` runs a call under a ``TorchDispatchMode`` and sorts every aten op
-it dispatches into views (a new header over the same memory: nothing launched),
+[`count_ops`][metrale_model_engine.reference.count_ops] runs a call under a ``TorchDispatchMode`` and sorts every aten
+op it dispatches into views (a new header over the same memory: nothing launched),
 launches (everything else: on CUDA each is at least one kernel or copy), and waits:
 the ops whose result the host must read back before it can go on (``nonzero``,
 ``item``, ``unique``, boolean indexing, a copy from the device to the host, ...).

@@ -1,4 +1,4 @@
-"""Tensors as token arrays: :func:`tensor_tokens` (public: ``metrale_model_engine.torch``)."""
+"""Tensors as token arrays: ``tensor_tokens`` (public: ``metrale_model_engine.torch``)."""
 
 from __future__ import annotations
 

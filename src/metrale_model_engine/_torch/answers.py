@@ -1,8 +1,8 @@
 """Answers over a process group, as bytes: packed into one payload, and left in the group's store.
 
 A worker's answers travel to the head point to point as one payload of u32 words
-(:func:`pack_answers`); those that will not reach a sync point are appended under
-the worker's key in the group's store (:func:`last_words_key`, :func:`append_text`),
+(``pack_answers``); those that will not reach a sync point are appended under
+the worker's key in the group's store (``last_words_key``, ``append_text``),
 as text, where the head reads them.
 """
 
@@ -41,7 +41,7 @@ def pack_answers(answers: Sequence[bytes]) -> bytearray:
 
 
 def unpack_answers(payload: bytes) -> list[bytes]:
-    """The answers in a payload of :func:`pack_answers`."""
+    """The answers in a payload of ``pack_answers``."""
     found, at = [], 0
     while at + 4 <= len(payload):
         length = int.from_bytes(payload[at : at + 4], sys.byteorder)

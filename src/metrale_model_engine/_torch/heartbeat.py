@@ -2,17 +2,17 @@
 
 The pidfds of the head's host cannot see a rank on another machine, and a cut
 cable tells nobody: gloo's idle receive waits its whole timeout (days).  So every
-worker of a :class:`~metrale_model_engine.torch.TorchTransport` bumps a counter
+worker of a [`TorchTransport`][metrale_model_engine.torch.TorchTransport] bumps a counter
 in the group's ``TCPStore`` (torch's rendezvous store, served on the head's host
-under ``torchrun`` and :func:`~metrale_model_engine.torch.init_group_from_env`)
+under ``torchrun`` and [`init_group_from_env`][metrale_model_engine.torch.init_group_from_env])
 every ``period`` seconds, from a thread of its own with its own connection:
 
-* the head (:mod:`.watch`) names the workers whose counter stopped moving once a
+* the head (``watch``) names the workers whose counter stopped moving once a
   send or a sync point has failed without another explanation, and ends a wait
   on workers silent for ``lost_after`` seconds: they are lost;
 * a worker that could not beat for ``lost_after`` seconds has lost the head's host
   (its cable, or the whole machine): it logs why and ends its process with
-  :data:`HEAD_LOST_EXIT_CODE`, since its main thread sits in a receive that
+  [`HEAD_LOST_EXIT_CODE`][metrale_model_engine.torch.HEAD_LOST_EXIT_CODE], since its main thread sits in a receive that
   nothing can interrupt (NCCL's watchdog ends a process the same way).
 
 One bound for both directions: ``lost_after``, the ``head_lost_after`` of
@@ -74,7 +74,7 @@ def beat_key(group_name: str, rank: int) -> str:
 class Heartbeat:
     """A worker's beat: two daemon threads, one that bumps its counter, one that watches the beats succeed.
 
-    Start it with :meth:`start`; :meth:`stop` ends both threads (idempotent).
+    Start it with ``start``; ``stop`` ends both threads (idempotent).
     """
 
     __slots__ = ("_beating", "_last", "_period", "_stopped")

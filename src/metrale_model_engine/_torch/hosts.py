@@ -29,14 +29,14 @@ _LOOK_PAUSE_MAX: Final[float] = 0.02
 
 
 class HostsTransport:
-    """An :class:`~metrale_model_engine.EpTransport` for ranks on several hosts, several on some.
+    """An [`EpTransport`][metrale_model_engine.EpTransport] for ranks on several hosts, several on some.
 
     Each host's lowest rank is its *leader* (the head leads its own host).  The head
     publishes a message on its host's shared-memory ring and broadcasts it once to
     the leaders, over a process group of the head and the leaders alone; each
     leader republishes it on its own host's ring before it returns it, and every
     other worker reads its host's ring.  So a command pays one network broadcast to
-    ``hosts - 1`` leaders and one ring hop, where :class:`TorchTransport` over the
+    ``hosts - 1`` leaders and one ring hop, where [`TorchTransport`][metrale_model_engine.torch.TorchTransport] over the
     whole group pays a broadcast to every rank.
 
     The way back crosses the same two hops.  The workers of the head's host answer
@@ -50,16 +50,16 @@ class HostsTransport:
     sync point go to the group's store, appended: a remote worker's held ones when it
     leaves (it stopped the run), and a leader's own, its unsent bundle and what its
     readers left on the ring when it closes; the head reads them there once a send
-    fails, as over :class:`TorchTransport`.
+    fails, as over [`TorchTransport`][metrale_model_engine.torch.TorchTransport].
 
     Liveness: the head watches the workers of its host through pidfds, and each
     leader its host's workers the same way (a reader lost at a sync point is named
     in the bundle).  Every worker also beats in the whole group's store, where the
-    head reads which ranks went silent (:meth:`silent_ranks`), and a worker cut off
-    from it ends its process (see :class:`TorchTransport`).  The setup gathers go
-    over the whole group.
+    head reads which ranks went silent ([`silent_ranks`][metrale_model_engine.torch.HostsTransport.silent_ranks]), and a
+    worker cut off from it ends its process (see [`TorchTransport`][metrale_model_engine.torch.TorchTransport]).  The
+    setup gathers go over the whole group.
 
-    Built by :func:`~metrale_model_engine.torch.open_transport` (``"auto"``, when the
+    Built by [`open_transport`][metrale_model_engine.torch.open_transport] (``"auto"``, when the
     ranks span hosts and some host holds several); it owns its three parts.
 
     Args:
@@ -179,7 +179,8 @@ class HostsTransport:
         """Leader: its answers and its readers' for this sync point, to the head in one bundle.
 
         The bundle grows in ``_unsent`` as it is read, so that whatever stops it
-        leaves nothing read in the void: :meth:`close` puts it in the store.
+        leaves nothing read in the void: [`close`][metrale_model_engine.torch.HostsTransport.close] puts it in the
+        store.
         """
         assert self._leaders is not None
         own = list(self._held)
@@ -195,7 +196,7 @@ class HostsTransport:
 
         Read reader by reader as they come; once a wait fails (some reader is gone,
         or the time is up), each reader still awaited is looked at in turn.  The time
-        is :data:`_LEADER_SHARE` of ``timeout``.
+        is ``_LEADER_SHARE`` of ``timeout``.
         """
         ring = self._ring
         if ring is None:
@@ -309,12 +310,12 @@ class HostsTransport:
         return type(error)(f"{error} (this host's ring numbers ranks {list(self._members)} from 0)")
 
     def silent_ranks(self) -> list[int]:
-        """Head: the workers whose heartbeat stopped (see :class:`TorchTransport`)."""
+        """Head: the workers whose heartbeat stopped (see ``TorchTransport``)."""
         return self._world.silent_ranks()
 
     def lost_ranks(self) -> dict[int, float]:
         """Head: the workers found lost while it waited on them, each with how long it was silent (see
-        :class:`TorchTransport`)."""
+        [`TorchTransport`][metrale_model_engine.torch.TorchTransport])."""
         return self._world.lost_ranks()
 
     def close(self) -> None:
@@ -365,16 +366,17 @@ def _entry(tag: int, data: bytes | memoryview) -> bytes:
 
 
 def _opened(entry: bytes) -> tuple[int, bool, bytes]:
-    """An entry of :func:`_entry`: its rank, whether it says the rank was lost, and the answer (or the text)."""
+    """An entry of ``_entry``: its rank, whether it says the rank was lost, and the answer (or the text)."""
     tag = int.from_bytes(entry[:4], sys.byteorder)
     return tag & ~_LOST, bool(tag & _LOST), entry[4:]
 
 
 def waits_of(transport: object) -> Callable[[], AbstractContextManager[object]]:
-    """What a wait on the whole group under ``transport`` runs inside (see :func:`group_waits`).
+    """What a wait on the whole group under ``transport`` runs inside (see ``group_waits``).
 
-    A :class:`TorchTransport`'s own, a :class:`HostsTransport`'s group's (the whole
-    group, not the leaders'), and ``nullcontext`` for any other transport.
+    A [`TorchTransport`][metrale_model_engine.torch.TorchTransport]'s own, a
+    [`HostsTransport`][metrale_model_engine.torch.HostsTransport]'s group's (the whole group, not the leaders'), and
+    ``nullcontext`` for any other transport.
     """
     world = transport._world if isinstance(transport, HostsTransport) else transport
     return group_waits(world) if isinstance(world, TorchTransport) else nullcontext

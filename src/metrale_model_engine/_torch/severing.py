@@ -3,7 +3,7 @@
 ``ProcessGroup.abort()`` leaves a wait of gloo's waiting, and a wait abandoned
 (``Work.wait(timeout)``) keeps the process from exiting until the collective's own
 timeout (both seen with torch 2.13).  A peer's death ends every wait on it at
-once, by closing its connections; so :func:`sever_group_connections` shuts down
+once, by closing its connections; so ``sever_group_connections`` shuts down
 this process's connections that gloo made, those with an end at an address a rank
 published in the group's store at the rendezvous.  The store's own connections,
 and any other of the program's, stay.  Linux (``/proc``).
@@ -77,7 +77,7 @@ def _tcp_connections() -> dict[str, tuple[Endpoint, Endpoint]]:
 
 
 def _endpoint(text: str, family: int) -> Endpoint:
-    """``ADDRESS:PORT`` of ``/proc/net/tcp*`` (the address in 32-bit words of host order) as an :data:`Endpoint`."""
+    """``ADDRESS:PORT`` of ``/proc/net/tcp*`` (the address in 32-bit words of host order) as an ``Endpoint``."""
     address, port = text.split(":")
     raw = bytes.fromhex(address)
     packed = b"".join(raw[at : at + 4][::-1] for at in range(0, len(raw), 4)) if sys.byteorder == "little" else raw

@@ -46,34 +46,34 @@ def _broadcast_options(timeout: float | None) -> dist.BroadcastOptions:
 
 
 class TorchTransport:
-    """An :class:`~metrale_model_engine.EpTransport` over a torch.distributed group.
+    """An [`EpTransport`][metrale_model_engine.EpTransport] over a torch.distributed group.
 
     A message travels as one broadcast of a 16-word frame (its length and up to 15
     words) and, when longer, one broadcast of the rest (see
-    :mod:`metrale_model_engine.wire`): at most two collectives per message, each of
+    [`metrale_model_engine.wire`][metrale_model_engine.wire]): at most two collectives per message, each of
     exactly the size the receivers expect.  Words travel as ``int32`` tensors
     holding the u32 bits (gloo and NCCL have no u32 type).  Under NCCL (or any
     non-CPU ``device``) the frame and the bulk are copied to and from device
     tensors.  A broadcast's ``timeout`` goes to the collective itself, so a wait
     that fires leaves nothing pending in the backend.  Errors are the backend's
-    own (``RuntimeError`` from gloo; :class:`TransportTimeout` when it says it
-    timed out); ``EpLink`` maps them.
+    own (``RuntimeError`` from gloo; [`TransportTimeout`][metrale_model_engine.transport.TransportTimeout] when it says
+    it timed out); ``EpLink`` maps them.
 
     The way back: a worker's answers are held until the head receives them at a
     sync point, point to point.  A worker that leaves with answers still held (it
     stopped the run) puts them in the group's store (``ProcessGroup.get_group_store``,
     torch's own rendezvous store, which outlives a broken collective) when it
-    closes; the head reads them there (:meth:`poll_answers`) once a collective or a
-    send has failed.
+    closes; the head reads them there ([`poll_answers`][metrale_model_engine.torch.TorchTransport.poll_answers]) once a
+    collective or a send has failed.
 
     Liveness across hosts: every worker beats in the same store (see
     ``metrale_model_engine.torch``): the head names the workers that went silent
-    when a send or a sync point fails (:meth:`silent_ranks`); workers silent for
-    ``head_lost_after`` seconds while the head waits on them (a send, a sync point,
-    an all-reduce of ``Collectives``) are lost (:meth:`lost_ranks`), and the wait
-    ends then; and a worker that cannot reach the store for ``head_lost_after``
+    when a send or a sync point fails ([`silent_ranks`][metrale_model_engine.torch.TorchTransport.silent_ranks]);
+    workers silent for ``head_lost_after`` seconds while the head waits on them (a send, a sync point,
+    an all-reduce of ``Collectives``) are lost ([`lost_ranks`][metrale_model_engine.torch.TorchTransport.lost_ranks]),
+    and the wait ends then; and a worker that cannot reach the store for ``head_lost_after``
     seconds logs why and ends its process with status
-    :data:`~metrale_model_engine.torch.HEAD_LOST_EXIT_CODE`.  One bound, both ways.
+    [`HEAD_LOST_EXIT_CODE`][metrale_model_engine.torch.HEAD_LOST_EXIT_CODE].  One bound, both ways.
 
     Args:
         group: the process group; default the world group.  Its rank 0 is the head.
@@ -172,10 +172,11 @@ class TorchTransport:
     def leave_answers(self, rank: int, answers: Sequence[bytes]) -> None:
         """Worker: put worker ``rank``'s answers that will not reach a sync point in the group's store.
 
-        Best effort: a failure is only logged.  What :meth:`close` does with this
-        rank's held answers; a transport that relays other ranks' answers (a host's
-        leader in :class:`~metrale_model_engine.torch.HostsTransport`) calls it for theirs.  Appended to what the
-        rank left before; the head reads each answer once (:meth:`poll_answers`).
+        Best effort: a failure is only logged.  What [`close`][metrale_model_engine.torch.TorchTransport.close] does
+        with this rank's held answers; a transport that relays other ranks' answers (a host's
+        leader in [`HostsTransport`][metrale_model_engine.torch.HostsTransport]) calls it for theirs.  Appended to what
+        the rank left before; the head reads each answer once
+        ([`poll_answers`][metrale_model_engine.torch.TorchTransport.poll_answers]).
         """
         if not answers or self._store is None or self._group is None:
             return
@@ -250,7 +251,7 @@ class TorchTransport:
     # -- the way back: answers travel point to point, at sync points only -------
 
     def answer(self, answer: Buffer, timeout: float | None) -> None:
-        """Worker: hold one answer until :meth:`flush_answers` (a worker sends only while the head receives)."""
+        """Worker: hold one answer until ``flush_answers`` (a worker sends only while the head receives)."""
         if self.rank == 0:
             raise TransportClosed("the head does not answer")
         self._held.append(bytes(answer_bytes(answer)))
@@ -261,10 +262,10 @@ class TorchTransport:
         self.send_answers(held, timeout)
 
     def send_answers(self, answers: Sequence[bytes], timeout: float | None) -> None:
-        """Worker, at a sync point: ``answers`` (any size) to the head, which takes them with :meth:`receive_answers`.
+        """Worker, at a sync point: ``answers`` (any size) to the head, which takes them with ``receive_answers``.
 
-        What :meth:`flush_answers` sends; a host's leader in :class:`~metrale_model_engine.torch.HostsTransport`
-        sends its host's answers with it.
+        What [`flush_answers`][metrale_model_engine.torch.TorchTransport.flush_answers] sends; a host's leader in
+        [`HostsTransport`][metrale_model_engine.torch.HostsTransport] sends its host's answers with it.
         """
         group = self._open_group()
         payload = pack_answers(answers)
@@ -399,7 +400,7 @@ def group_waits(transport: TorchTransport) -> Callable[[], AbstractContextManage
 
 
 def watch_liveness(transport: TorchTransport, period: float | None, lost_after: float | None) -> None:
-    """Start a worker's heartbeat, or the head's reading of them (arguments of :func:`checked_liveness`).
+    """Start a worker's heartbeat, or the head's reading of them (arguments of ``checked_liveness``).
 
     Called once per transport: at its construction, or by ``open_transport`` once it keeps
     the transport it made with ``heartbeat=None`` to choose.

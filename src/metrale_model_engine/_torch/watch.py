@@ -1,20 +1,20 @@
 """The head's watch of its workers' heartbeats: which went silent, and when a wait must end because they are lost.
 
-Every worker of a :class:`~metrale_model_engine.torch.TorchTransport` bumps a counter
-in the group's store (:mod:`.heartbeat`).  On the head, :class:`HeadWatch` reads
+Every worker of a [`TorchTransport`][metrale_model_engine.torch.TorchTransport] bumps a counter
+in the group's store (``heartbeat``).  On the head, ``HeadWatch`` reads
 every counter once a beat, from a thread with its own connection, and keeps when
 each last moved:
 
-* :meth:`HeadWatch.silent` names the workers whose counter stopped (a failed send or
+* ``HeadWatch.silent`` names the workers whose counter stopped (a failed send or
   sync point asks), at once for one silent for four beats already;
-* while the head waits on its group (:meth:`HeadWatch.blocking`: a send, a sync
+* while the head waits on its group (``HeadWatch.blocking``: a send, a sync
   point, an all-reduce of ``Collectives``), workers silent for ``lost_after`` seconds
   are *lost*: the same bound after which a worker cut off from the head ends its
   own process.  The watch then ends the head's wait, every later call of the link
-  names them (:meth:`HeadWatch.lost`), and the workers still in touch end theirs
-  (:data:`~.heartbeat.RUN_OVER`).
+  names them (``HeadWatch.lost``), and the workers still in touch end theirs
+  (``RUN_OVER``).
 
-How a wait of gloo's is ended from another thread: :mod:`.severing`.
+How a wait of gloo's is ended from another thread: ``severing``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class HeadWatch:
         return dict(self._lost)
 
     def silent(self, ranks: Sequence[int]) -> list[int]:
-        """The ``ranks`` whose counter has not moved for :data:`SILENT_AFTER_BEATS` beats, as the readings show.
+        """The ``ranks`` whose counter has not moved for ``SILENT_AFTER_BEATS`` beats, as the readings show.
 
         Waits only for a rank whose counter moved less than that long ago: until it
         moves again (it lives) or the readings show it still for that long (it went
@@ -170,7 +170,7 @@ class HeadWatch:
 
         Then wait, a couple of beats at most, for each told worker to beat once more
         (it has read it) or leave: the store may end with the head's process
-        (:meth:`stop` waits for this).
+        (``stop`` waits for this).
         """
         told: dict[str, int] = {}
         for rank, key in self._ranks.items():

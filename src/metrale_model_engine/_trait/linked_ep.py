@@ -1,4 +1,4 @@
-"""``LinkedEp``: the trait, implemented by a model that holds an :class:`EpLink`."""
+"""``LinkedEp``: the trait, implemented by a model that holds an [`EpLink`][metrale_model_engine.EpLink]."""
 
 from __future__ import annotations
 
@@ -28,26 +28,26 @@ class _NoLink:
 
 
 class LinkedEp(ModelEp[S]):
-    """A :class:`ModelEp` whose six methods speak the protocol over the model's link, ``self.ep_link``.
+    """A ``ModelEp`` whose six methods speak the protocol over the model's link, ``self.ep_link``.
 
     Inherit it beside the model's own bases (``torch.nn.Module``, say), assign the
     link in ``__init__`` (``self.ep_link = EpLink(transport, num_slots=...)``) and
-    override :meth:`ep_run_command`, the worker hook.  The head side of a command is
-    a call to ``self.ep_link.send_command(seq_id, cmd, *follow_ups)`` (or the
+    override [`ep_run_command`][metrale_model_engine.LinkedEp.ep_run_command], the worker hook.  The head side of a
+    command is a call to ``self.ep_link.send_command(seq_id, cmd, *follow_ups)`` (or the
     trait's per-word broadcasts); the worker side reads the follow-ups with
     ``self.ep_link.recv_word()``, ``recv_tokens()`` and ``recv_tokens_into()``.
 
     A model whose commands run collectives (an all-reduce in the forward) declares
-    those command words in :attr:`ep_collective_commands`, runs its collectives
-    through ``metrale_model_engine.torch.Collectives`` and its head's forward inside
+    those command words in [`ep_collective_commands`][metrale_model_engine.LinkedEp.ep_collective_commands], runs its
+    collectives through ``metrale_model_engine.torch.Collectives`` and its head's forward inside
     ``with self.ep_link.collective():``: then any failure of such a command, on any
     rank, stops the run on every rank within seconds (see
-    :class:`~metrale_model_engine.RunStopped`), where it would otherwise leave the
+    [`RunStopped`][metrale_model_engine.RunStopped]), where it would otherwise leave the
     other ranks waiting in the collective.
 
     It adds nothing else to the model's class: the trait's six methods, the hook,
-    :attr:`ep_collective_commands`, the ``ep_link`` attribute, and ``with model:``
-    (which closes the link on the way out).  It has no ``__init__`` and
+    [`ep_collective_commands`][metrale_model_engine.LinkedEp.ep_collective_commands], the ``ep_link`` attribute, and
+    ``with model:`` (which closes the link on the way out).  It has no ``__init__`` and
     ``__slots__ = ()``: a slotted model declares an ``"ep_link"`` slot.
     """
 
@@ -61,13 +61,13 @@ class LinkedEp(ModelEp[S]):
 
     A worker that fails one of them (a plain exception in the hook or its forward, a
     failed check, a follow-up read too few or too many times) refuses it
-    (:class:`~metrale_model_engine.EpCommandRefused`) instead of failing it as an
+    ([`EpCommandRefused`][metrale_model_engine.EpCommandRefused]) instead of failing it as an
     ordinary command: the run stops on every rank.  A ``frozenset`` (or a ``set``) of
     u32 words, as a class attribute.
     """
 
     def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
-        """Worker: receive one header and run its command through :meth:`ep_run_command` (as :meth:`EpLink.step`)."""
+        """Worker: receive one header and run its command through ``ep_run_command`` (as ``EpLink.step``)."""
         return self.ep_link.step(self.ep_run_command, slots, self.ep_collective_commands)
 
     def is_ep(self) -> bool:
@@ -75,13 +75,13 @@ class LinkedEp(ModelEp[S]):
         return self.ep_link.world_size > 1
 
     def ep_broadcast_cmd(self, cmd: int) -> None:
-        """Head: send one u32 follow-up word of the command in flight (:meth:`EpLink.send_word`)."""
+        """Head: send one u32 follow-up word of the command in flight (``EpLink.send_word``)."""
         if type(cmd) is not int or cmd >> 32:
             cmd = check_u32("cmd", cmd)
         self.ep_link.send_word(cmd)
 
     def ep_broadcast_cmd_for_seq(self, seq_id: int, cmd: int) -> None:
-        """Head: send the header that starts command ``cmd`` for ``seq_id`` (:meth:`EpLink.send_header`)."""
+        """Head: send the header that starts command ``cmd`` for ``seq_id`` (``EpLink.send_header``)."""
         self.ep_link.send_header(seq_id, cmd)
 
     def ep_protocol_v2(self) -> bool:
@@ -91,9 +91,9 @@ class LinkedEp(ModelEp[S]):
     def ep_broadcast_tokens(self, tokens: TokenArray) -> list[int]:
         """Send a u32 token array from the head to every worker.
 
-        Head: ``tokens`` is checked and sent (:meth:`EpLink.send_tokens`) and
+        Head: ``tokens`` is checked and sent ([`EpLink.send_tokens`][metrale_model_engine.EpLink.send_tokens]) and
         returned (the same object when it is a list).  Worker: receives the head's
-        array, which must have ``len(tokens)`` tokens (:meth:`EpLink.recv_tokens`).
+        array, which must have ``len(tokens)`` tokens ([`EpLink.recv_tokens`][metrale_model_engine.EpLink.recv_tokens]).
         """
         link = self.ep_link
         if link.rank:
@@ -104,13 +104,14 @@ class LinkedEp(ModelEp[S]):
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[S | None]) -> None:
         """Worker hook: run command ``cmd`` in ``slots[seq_id]`` (override it).
 
-        Called by :meth:`ep_worker_step` once the header arrived and ``seq_id`` is
-        known to be in range.  Read the command's follow-ups before anything that
+        Called by [`ep_worker_step`][metrale_model_engine.LinkedEp.ep_worker_step] once the header arrived and
+        ``seq_id`` is known to be in range.  Read the command's follow-ups before anything that
         may fail: the link skips what a failed command left unread, but state the
         command changed before failing stays changed.  Any exception it raises
-        becomes :class:`EpCommandFailed` (:class:`EpCommandRefused` for one of
-        :attr:`ep_collective_commands`: the run stops), except a receive failure and
-        a :class:`RunStopped`, which pass as they are.
+        becomes [`EpCommandFailed`][metrale_model_engine.EpCommandFailed]
+        ([`EpCommandRefused`][metrale_model_engine.EpCommandRefused] for one of
+        [`ep_collective_commands`][metrale_model_engine.LinkedEp.ep_collective_commands]: the run stops), except a
+        receive failure and a [`RunStopped`][metrale_model_engine.RunStopped], which pass as they are.
 
         Default: every command is unknown (``ValueError``).
         """

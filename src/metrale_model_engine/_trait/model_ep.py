@@ -16,17 +16,18 @@ class ModelEp(abc.ABC, Generic[S]):
 
     Rank 0, the *head*, runs the scheduler and, before each model operation,
     broadcasts command words; every other rank, a *worker*, loops on
-    :meth:`ep_worker_step`, which receives a ``(seq_id, cmd)`` header and runs the
-    command in ``slots[seq_id]`` of its slot array (sized to ``--max-batch-size``).
+    [`ep_worker_step`][metrale_model_engine.ModelEp.ep_worker_step], which receives a ``(seq_id, cmd)`` header and runs
+    the command in ``slots[seq_id]`` of its slot array (sized to ``--max-batch-size``).
 
     A mixin: inherit it beside the model's own bases (``torch.nn.Module``, say).  It
     has no ``__init__`` and ``__slots__ = ()``, so it adds no state and keeps slotted
     subclasses slotted.  Every method has a default that is right for a single-GPU
     model, which therefore overrides nothing.  A multi-rank model overrides them all
-    (or inherits :class:`~metrale_model_engine.LinkedEp`, which speaks them over an :class:`EpLink`).
+    (or inherits [`LinkedEp`][metrale_model_engine.LinkedEp], which speaks them over an
+    [`EpLink`][metrale_model_engine.EpLink]).
 
-    ``S`` is the slot type; it defaults to :class:`SequenceState`.  Errors are
-    raised exceptions: see :class:`EpCommandFailed` for how a worker tells a failed
+    ``S`` is the slot type; it defaults to [`SequenceState`][metrale_model_engine.SequenceState].  Errors are
+    raised exceptions: see [`EpCommandFailed`][metrale_model_engine.EpCommandFailed] for how a worker tells a failed
     command from a lost link.  Every command word and ``seq_id`` is a u32:
     ``TypeError`` for a non-``int`` (``bool`` included), ``ValueError`` outside
     ``0 ..= 0xFFFFFFFF``, even in the defaults.
@@ -74,8 +75,9 @@ class ModelEp(abc.ABC, Generic[S]):
         """Head: send the header that starts a command for sequence ``seq_id``.
 
         The wire carries ``[cmd]`` under protocol v1 and ``[seq_id, cmd]`` under v2
-        (see :meth:`ep_protocol_v2`); follow-up words go with
-        :meth:`ep_broadcast_cmd`.  Default: checks both words and sends nothing.
+        (see [`ep_protocol_v2`][metrale_model_engine.ModelEp.ep_protocol_v2]); follow-up words go with
+        [`ep_broadcast_cmd`][metrale_model_engine.ModelEp.ep_broadcast_cmd].  Default: checks both words and sends
+        nothing.
         """
         if type(seq_id) is not int or seq_id >> 32:
             check_u32("seq_id", seq_id)

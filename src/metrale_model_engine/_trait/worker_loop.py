@@ -32,11 +32,11 @@ def run_worker(
 ) -> WorkerSummary:
     """Run ``model.ep_worker_step(slots)`` until it returns ``False`` (shutdown).
 
-    For ranks above 0.  An :class:`EpCommandFailed` is logged at error level with
+    For ranks above 0.  An [`EpCommandFailed`][metrale_model_engine.EpCommandFailed] is logged at error level with
     its cause and the loop goes on (the command was received; the head raised the
     same error).  Any other exception is logged and re-raised, and the process
-    should exit: a :class:`RunStopped` (the run is over on every rank: a command
-    that runs collectives failed, here or elsewhere), an :class:`EpReceiveError`
+    should exit: a [`RunStopped`][metrale_model_engine.RunStopped] (the run is over on every rank: a command
+    that runs collectives failed, here or elsewhere), an [`EpReceiveError`][metrale_model_engine.EpReceiveError]
     (the link is gone) or anything else a step raised.  ``KeyboardInterrupt`` and
     ``SystemExit`` pass through untouched.
 
@@ -51,7 +51,7 @@ def run_worker(
     Raises:
         ValueError: ``model.is_ep()`` is ``False``: its default ``ep_worker_step``
             would return ``True`` forever.
-        Exception: whatever a step raised other than :class:`EpCommandFailed`.
+        Exception: whatever a step raised other than [`EpCommandFailed`][metrale_model_engine.EpCommandFailed].
 
     After it returns (or raises), leave the group: with torch.distributed, call
     ``torch.distributed.destroy_process_group()`` before the process exits.

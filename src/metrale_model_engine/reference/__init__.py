@@ -1,20 +1,20 @@
 """A tensor- and expert-parallel MoE transformer in plain torch, served over the protocol (extra ``torch``).
 
-The model (:class:`ShardedLm`, shape :class:`LmConfig`) computes Mixtral's and
-Qwen3-MoE's arithmetic, as ``transformers`` does: token embedding; per layer a
-pre-RMSNorm grouped-query causal self-attention with rotary positions (RoPE; with
-Qwen3's per-head query and key norms) and a KV cache per slot, then a pre-RMSNorm
+The model ([`ShardedLm`][metrale_model_engine.reference.ShardedLm], shape
+[`LmConfig`][metrale_model_engine.reference.LmConfig]) computes Mixtral's and Qwen3-MoE's arithmetic, as
+``transformers`` does: token embedding; per layer a pre-RMSNorm grouped-query causal self-attention with rotary
+positions (RoPE; with Qwen3's per-head query and key norms) and a KV cache per slot, then a pre-RMSNorm
 mixture of SwiGLU experts (the router's softmax over every expert picks the
 ``top_k`` largest, renormalised or not); a final RMSNorm and an LM head.  Its
-weights come from a checkpoint in the Hugging Face layout (:mod:`.checkpoint`:
+weights come from a checkpoint in the Hugging Face layout ([`checkpoint`][metrale_model_engine.reference.checkpoint]:
 ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``, ``config.json`` and
 ``*.safetensors``), every rank reading only its own part.  The shipped model
-(:data:`SHIPPED_MODEL`, a ``MixtralForCausalLM`` of about 0.79 M parameters with
-a byte tokenizer) was trained by ``scripts/train_reference.py`` on this project's
+([`SHIPPED_MODEL`][metrale_model_engine.reference.SHIPPED_MODEL], a ``MixtralForCausalLM`` of about 0.79 M parameters
+with a byte tokenizer) was trained by ``scripts/train_reference.py`` on this project's
 two license texts, so it continues ``"Licensed under the"`` with license English.
 
 Sharding over ``world_size`` ranks (the Megatron / vLLM / gpt-fast scheme,
-:meth:`LmConfig.shard`):
+[`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard]):
 
 * attention: each rank holds ``n_heads / world_size`` query heads and the KV heads
   they read (each KV head replicated on several ranks when there are fewer KV heads
@@ -27,9 +27,10 @@ Sharding over ``world_size`` ranks (the Megatron / vLLM / gpt-fast scheme,
 * embedding, norms, router and LM head are replicated.  The residual stream is
   replicated, and every rank ends with the same logits.
 
-So each :meth:`~ShardedLm.forward`, :meth:`~ShardedLm.prefill` and
-:meth:`~ShardedLm.decode` makes ``2 * n_layers`` all-reduces, the same on every
-rank.  With one rank it is the plain single-device model.
+So each [`forward`][metrale_model_engine.reference.ShardedLm.forward],
+[`prefill`][metrale_model_engine.reference.ShardedLm.prefill] and
+[`decode`][metrale_model_engine.reference.ShardedLm.decode] makes ``2 * n_layers`` all-reduces, the same on every rank.
+ With one rank it is the plain single-device model.
 
 Numerics: the ranks sum the partial outputs in another order than one rank's
 matrix products do, so sharded logits equal the one-rank logits to rounding
@@ -40,17 +41,17 @@ checkpoint.  Any floating dtype works: float32, float64, bfloat16 and float16
 (norms, rotations and routing weights are then computed in float32).
 
 This package imports torch; the root package never imports it.  Its modules, one
-job each: :mod:`.config` (the shape and the sharding rule), :mod:`.layers`,
-:mod:`.experts` and :mod:`.model` (the network), :mod:`.graphs` (decode steps
-replayed from CUDA graphs), :mod:`.checkpoint` (the Hugging Face layout),
-:mod:`.state` (a slot's state, the checks every rank makes of a command, the
-digests of sync points), :mod:`.serving` (:class:`ReferenceLm`, the network served
-over the protocol), :mod:`.requests` (a request, its completion, how its tokens are
-picked), :mod:`.scheduler` (:class:`Server`, continuous batching on the head) and
-:mod:`.summary`.  Everything is exported here, with :func:`count_ops` (what one call
+job each: ``config`` (the shape and the sharding rule), ``layers``,
+``experts`` and ``model`` (the network), ``graphs`` (decode steps
+replayed from CUDA graphs), [`checkpoint`][metrale_model_engine.reference.checkpoint] (the Hugging Face layout),
+``state`` (a slot's state, the checks every rank makes of a command, the
+digests of sync points), ``serving`` ([`ReferenceLm`][metrale_model_engine.reference.ReferenceLm], the network served
+over the protocol), ``requests`` (a request, its completion, how its tokens are
+picked), ``scheduler`` ([`Server`][metrale_model_engine.reference.Server], continuous batching on the head) and
+``summary``.  Everything is exported here, with [`count_ops`][metrale_model_engine.reference.count_ops] (what one call
 costs a device: its launches, and the ops that make the host wait for a GPU, on
-any device; :class:`OpCount`, :data:`WAITING_OPS`), the check the tests and
-benchmarks make of these steps.
+any device; [`OpCount`][metrale_model_engine.reference.OpCount],
+[`WAITING_OPS`][metrale_model_engine.reference.WAITING_OPS]), the check the tests and benchmarks make of these steps.
 """
 
 from __future__ import annotations

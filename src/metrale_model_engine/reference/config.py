@@ -1,4 +1,4 @@
-"""The reference model's shape (:class:`LmConfig`) and its sharding rule (:meth:`LmConfig.shard`), stated once.
+"""The reference model's shape (``LmConfig``) and its sharding rule (``LmConfig.shard``), stated once.
 
 A world of ``world_size`` ranks splits the query heads, the KV heads and the
 experts evenly, the way Metrale (and Megatron, vLLM, gpt-fast) shards a model:
@@ -26,7 +26,7 @@ __dir__: PublicDir = public_dir(globals(), __all__)
 
 
 class Shard(NamedTuple):
-    """What one rank of a world holds (:meth:`LmConfig.shard`)."""
+    """What one rank of a world holds ([`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard])."""
 
     first_head: int
     heads: int
@@ -42,7 +42,7 @@ class Shard(NamedTuple):
 _FLOAT_FIELDS: Final = ("rope_base", "norm_eps")
 _BOOL_FIELDS: Final = ("qk_norm", "norm_topk_prob", "tie_embeddings")
 _DERIVED_FIELDS: Final = ("n_kv_heads", "head_dim")
-"""Fields whose 0 means "derived from the others" (see :class:`LmConfig`)."""
+"""Fields whose 0 means "derived from the others" (see [`LmConfig`][metrale_model_engine.reference.LmConfig])."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class LmConfig:
 
     The defaults are those of the shipped model (about 0.79 M parameters); a
     checkpoint's ``config.json`` gives the others
-    (:mod:`metrale_model_engine.reference.checkpoint`).
+    ([`metrale_model_engine.reference.checkpoint`][metrale_model_engine.reference.checkpoint]).
 
     Attributes:
         vocab_size, d_model, n_layers: the vocabulary, the residual width, the layers.
@@ -123,11 +123,11 @@ class LmConfig:
             raise ValueError(f"LmConfig.top_k={self.top_k} must not exceed n_experts={self.n_experts}")
 
     def world_sizes(self) -> list[int]:
-        """Every world size that can split this model (:func:`check_world`), ascending."""
+        """Every world size that can split this model (``check_world``), ascending."""
         return [size for size in range(1, self.n_heads + 1) if _splits(self, size)]
 
     def shard(self, rank: int, world_size: int) -> Shard:
-        """The sharding rule: what rank ``rank`` of ``world_size`` holds (both checked: :func:`check_world`)."""
+        """The sharding rule: what rank ``rank`` of ``world_size`` holds (both checked: ``check_world``)."""
         check_world(self, rank, world_size)
         heads = self.n_heads // world_size
         first_head = rank * heads

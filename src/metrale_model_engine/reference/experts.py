@@ -1,4 +1,4 @@
-"""The experts of the reference model: :class:`ShardedMoe`, one rank's experts of a top-k mixture of SwiGLU experts.
+"""The experts of the reference model: ``ShardedMoe``, one rank's experts of a top-k mixture of SwiGLU experts.
 
 Routing is replicated: every rank computes the router's softmax over every expert
 (in float32) and picks the same ``top_k`` per token; with ``norm_topk_prob`` the
@@ -7,7 +7,7 @@ config), else they are the softmax's own.  A rank adds the weighted outputs of
 the picked experts it holds.
 
 Three ways to run the picked experts, the same sums to rounding
-(:attr:`ShardedMoe.routing`, ``"auto"`` by default):
+(``ShardedMoe.routing``, ``"auto"`` by default):
 
 * **on the host** (``"host"``; ``"auto"`` on the CPU, where reading the routing
   costs no device wait): each picked expert runs on its own tokens, as
@@ -21,7 +21,7 @@ Three ways to run the picked experts, the same sums to rounding
   and no host sync, ``experts / top_k`` times the products of the routed way.
 
 On a device other than the CPU, ``"auto"`` is ``"device"``: a decode step then
-reads nothing back and a CUDA graph can hold it (:mod:`.graphs`).
+reads nothing back and a CUDA graph can hold it (``graphs``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ __dir__: PublicDir = public_dir(globals(), __all__)
 
 
 ExpertRouting = Literal["auto", "host", "device"]
-"""How :class:`ShardedMoe` runs the picked experts (see the module)."""
+"""How ``ShardedMoe`` runs the picked experts (see the module)."""
 ROUTINGS: Final[tuple[ExpertRouting, ...]] = ("auto", "host", "device")
 
 
@@ -91,7 +91,7 @@ class ShardedMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts picked for each token of ``x`` ``[N, D]`` and their weights, both ``[N, top_k]``.
 
-        The weights are in :func:`~.layers.compute_dtype`; with ``norm_topk_prob`` they sum to 1 per token
+        The weights are in ``compute_dtype``; with ``norm_topk_prob`` they sum to 1 per token
         (the softmax over the picked experts' logits: the same as the whole softmax, picked and renormalised).
         """
         logits = F.linear(x, self.router).to(compute_dtype(x.dtype))

@@ -1,12 +1,12 @@
-"""Decode steps replayed from CUDA graphs: :class:`DecodeGraphs`.
+"""Decode steps replayed from CUDA graphs: [`DecodeGraphs`][metrale_model_engine.reference.DecodeGraphs].
 
-A decode step of :class:`~.model.ShardedLm` (:meth:`~.model.ShardedLm.decode_step`)
-launches a fixed sequence of kernels for a given batch size and reads nothing back,
-so it can be recorded once in a CUDA graph and replayed with one launch.  The graph
+A decode step of [`ShardedLm`][metrale_model_engine.reference.ShardedLm]
+([`decode_step`][metrale_model_engine.reference.ShardedLm.decode_step]) launches a fixed sequence of kernels for a given
+batch size and reads nothing back, so it can be recorded once in a CUDA graph and replayed with one launch.  The graph
 reads its inputs from a static buffer and writes its logits to a static tensor; the
 KV cache is the model's own buffer, which every replay updates in place.
 
-One graph per batch size and attention span (:func:`~.model.decode_span`: a power
+One graph per batch size and attention span ([`decode_span`][metrale_model_engine.reference.decode_span]: a power
 of two), recorded at the first step of that shape (continuous batching visits the
 sizes ``1 ..= num_slots``, and the spans as its sequences grow); all of them share
 one memory pool.
@@ -16,7 +16,7 @@ which the replay then writes again, equal: the step is done once as far as the
 cache is concerned.
 
 One rank only.  A replayed all-reduce is no longer a call that
-:class:`~metrale_model_engine.torch.Collectives` can bound: NCCL's watchdog sees no
+[`Collectives`][metrale_model_engine.torch.Collectives] can bound: NCCL's watchdog sees no
 work for it, so a dead or stalled peer would hang the replay on the device and the
 host in its next read, breaking the contract for failures inside a forward; and a
 gloo all-reduce (a host copy and a host wait) cannot be captured at all.

@@ -6,9 +6,9 @@ replicated residual stream.  With one rank the partial is the whole output.
 
 The arithmetic is Mixtral's and Qwen3-MoE's, as ``transformers`` computes them:
 RMSNorm in float32, rotate-half RoPE, grouped-query attention, the top-k experts
-weighed by the router's softmax (:mod:`.experts`).  Every op of the attention has
+weighed by the router's softmax (``experts``).  Every op of the attention has
 a shape fixed by the call's shape alone and reads no value back to the host, so a
-decode step can be held by a CUDA graph (see :mod:`.graphs`).  Hence the fused
+decode step can be held by a CUDA graph (see ``graphs``).  Hence the fused
 weights: one matrix for the queries, keys and values of this rank's heads.
 
 Shapes: ``N`` tokens (the leading dims of the input, ``B`` rows or ``B x T``),
@@ -50,7 +50,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, computed in :func:`compute_dtype`, returned in ``x``'s dtype."""
+    """RMSNorm over the last dimension, computed in ``compute_dtype``, returned in ``x``'s dtype."""
     work = x.to(compute_dtype(x.dtype))
     normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + eps)
     return normed.to(x.dtype) * weight
@@ -61,8 +61,8 @@ class RotaryTables(nn.Module):
 
     The head's dimensions are rotated in pairs ``(i, i + d/2)`` by the angle
     ``position * base ** (-2i / d)``, the angles computed in float32 as ``transformers``
-    does.  ``table[p]`` (``[2, 1, d]``, a non-persistent buffer in :func:`compute_dtype`
-    of ``dtype``) holds position ``p``'s factors for :func:`rotate`: ``table[p, 0]``
+    does.  ``table[p]`` (``[2, 1, d]``, a non-persistent buffer in ``compute_dtype``
+    of ``dtype``) holds position ``p``'s factors for ``rotate``: ``table[p, 0]``
     (``[cos, cos]``) multiplies a head, ``table[p, 1]`` (``[-sin, sin]``) its halves swapped.
     """
 
@@ -80,7 +80,7 @@ class RotaryTables(nn.Module):
 
 
 def rotate(heads: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``heads`` ``[*N, H, d]`` rotated by ``factors`` (rows of :class:`RotaryTables`, ``[*N, 2, 1, d]``).
+    """``heads`` ``[*N, H, d]`` rotated by ``factors`` (rows of ``RotaryTables``, ``[*N, 2, 1, d]``).
 
     Each half of a head is ``x * cos - other_half * sin`` resp. ``x * cos + other_half * sin``.
     """
@@ -148,7 +148,7 @@ class ShardedAttention(nn.Module):
     def forward(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend) -> torch.Tensor:
         """This rank's partial attention output ``[*N, D]`` for normed input ``x`` ``[*N, D]``.
 
-        ``factors``: the rows of :class:`RotaryTables` at the tokens' positions (``[*N, 2, 1, d]``).
+        ``factors``: the rows of ``RotaryTables`` at the tokens' positions (``[*N, 2, 1, d]``).
         """
         qkv = F.linear(x, self.wqkv).view(*x.shape[:-1], -1, self.head_dim)  # [*N, h + 2g, d]
         qk, v = qkv[..., : self.heads + self.kv_heads, :], qkv[..., self.heads + self.kv_heads :, :]
@@ -167,7 +167,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_causal(_: ShardedAttention, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """The training path's :data:`Attend` (``q`` ``[B, T, h, d]``): causal attention within the call, no cache."""
+    """The training path's ``Attend`` (``q`` ``[B, T, h, d]``): causal attention within the call, no cache."""
     keys, values = (_heads_first(part) for part in kv.unbind(-3))
     out = F.scaled_dot_product_attention(_heads_first(q), keys, values, is_causal=True, enable_gqa=True)
     return _heads_first(out)
@@ -176,7 +176,7 @@ def attend_causal(_: ShardedAttention, q: torch.Tensor, kv: torch.Tensor) -> tor
 def attend_prefill(
     slot: int, start: int, mask: torch.Tensor, layer: ShardedAttention, q: torch.Tensor, kv: torch.Tensor
 ) -> torch.Tensor:
-    """Prefill's :data:`Attend` (bind ``slot``, ``start``, ``mask``): a chunk of ``L`` tokens, ``q`` ``[L, h, d]``.
+    """Prefill's ``Attend`` (bind ``slot``, ``start``, ``mask``): a chunk of ``L`` tokens, ``q`` ``[L, h, d]``.
 
     Writes the chunk's keys and values at positions ``start .. start + L - 1`` of
     ``slot``'s cache, then lets position ``p`` attend to the slot's positions
@@ -201,7 +201,7 @@ def attend_decode(
     *,
     consecutive: slice | None = None,
 ) -> torch.Tensor:
-    """Decode's :data:`Attend` (bind ``slots``, ``positions``, ``mask``): ``B`` rows of one token, ``q`` ``[B, h, d]``.
+    """Decode's ``Attend`` (bind ``slots``, ``positions``, ``mask``): ``B`` rows of one token, ``q`` ``[B, h, d]``.
 
     Row ``i`` writes its key and value at ``positions[i]`` of ``slots[i]`` and
     attends to that slot's positions ``0 ..= positions[i]``: over the first ``W``
@@ -222,7 +222,7 @@ def attend_decode(
 def attend_split(
     parts: Sequence[tuple[Attend, int]], layer: ShardedAttention, q: torch.Tensor, kv: torch.Tensor
 ) -> torch.Tensor:
-    """An :data:`Attend` of several (bind ``parts``): ``(attend, count)`` pairs, each over the next ``count`` tokens
+    """An ``Attend`` of several (bind ``parts``): ``(attend, count)`` pairs, each over the next ``count`` tokens
     of the call (a fused step's decode rows, then each prefill chunk); their outputs in the same order."""
     outputs, first = [], 0
     for attend, count in parts:

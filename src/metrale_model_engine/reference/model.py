@@ -1,7 +1,8 @@
-"""The reference model on one rank: :class:`ShardedLm`, a shard (see :mod:`.config`) of the whole transformer.
+"""The reference model on one rank: ``ShardedLm``, a shard (see ``config``) of the whole transformer.
 
 Its weights come from a checkpoint in the Hugging Face layout
-(:mod:`metrale_model_engine.reference.checkpoint`), each rank reading its own part.
+([`metrale_model_engine.reference.checkpoint`][metrale_model_engine.reference.checkpoint]), each rank reading its own
+part.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ShardedBlock(nn.Module):
     def forward(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend, all_reduce: AllReduce) -> torch.Tensor:
         """The residual stream ``x`` ``[*N, D]`` after this layer; calls ``all_reduce`` twice.
 
-        ``factors``: the rows of :class:`RotaryTables` at the tokens' positions.
+        ``factors``: the rows of ``RotaryTables`` at the tokens' positions.
         """
         partial: torch.Tensor = self.attn(rms_norm(x, self.attn_norm, self.eps), factors, attend)
         all_reduce(partial)
@@ -107,13 +108,14 @@ def _check_int(name: str, value: object, end: int) -> int:
 class ShardedLm(nn.Module):
     """Rank ``rank`` of ``world_size`` of the decoder-only MoE transformer, with a KV cache of ``num_slots`` slots.
 
-    Query heads, KV heads and experts are split over the ranks (:meth:`LmConfig.shard`);
-    embedding, norms, router and LM head are replicated.  Every call of
-    :meth:`forward`, :meth:`prefill` and :meth:`decode` calls ``all_reduce`` exactly
-    ``2 * n_layers`` times, in the same order on every rank, so the ranks must make
-    the same calls with the same arguments.  Parameters start as zeros (norm gains as
-    ones): a checkpoint's loader fills them
-    (:func:`~metrale_model_engine.reference.checkpoint.load_shard`).
+    Query heads, KV heads and experts are split over the ranks
+    ([`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard]); embedding, norms, router and LM head are
+    replicated.  Every call of [`forward`][metrale_model_engine.reference.ShardedLm.forward],
+    [`prefill`][metrale_model_engine.reference.ShardedLm.prefill] and
+    [`decode`][metrale_model_engine.reference.ShardedLm.decode] calls ``all_reduce`` exactly ``2 * n_layers`` times, in
+    the same order on every rank, so the ranks must make the same calls with the same arguments.  Parameters start as
+    zeros (norm gains as ones): a checkpoint's loader fills them
+    ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard]).
 
     The KV cache holds, per layer, ``kv_cache`` of shape
     ``[num_slots, max_seq_len, 2, kv_heads, head_dim]`` (keys, then values; a
@@ -122,30 +124,31 @@ class ShardedLm(nn.Module):
     position attended to are ignored.
 
     No call reads a value of the device back to the host (with ``expert_routing``
-    ``"device"``, the default off the CPU: :mod:`.experts`): index arguments are
+    ``"device"``, the default off the CPU: ``experts``): index arguments are
     checked when they are host (CPU) tensors, and trusted when they already live on
     an accelerator (an index out of range there is a device-side assert).
-    :meth:`decode_step` is the decode without any check, for callers that checked
-    the host values they built the tensors from (:class:`~metrale_model_engine.reference.ReferenceLm` does), and for
-    CUDA graphs (:mod:`.graphs`).
+    [`decode_step`][metrale_model_engine.reference.ShardedLm.decode_step] is the decode without any check, for callers
+    that checked the host values they built the tensors from
+    ([`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] does), and for CUDA graphs (``graphs``).
 
     Args:
         config: the model's shape.
         num_slots: the number of sequences the cache holds.
         rank: this rank, in ``0 ..= world_size - 1``.
-        world_size: the group size; it must split the model (:func:`check_world`).
-            One rank is the plain model.
+        world_size: the group size; it must split the model
+            ([`check_world`][metrale_model_engine.reference.check_world]). One rank is the plain model.
         all_reduce: in-place sum over the group; required when ``world_size > 1``.
             With one rank it may be given (it is then called as above) or not.
         dtype: of the weights, cache and activations (norms, rotations and routing
             weights are computed in at least float32).
         device: of the weights and cache; default torch's current default.
-        expert_routing: how the picked experts run (:mod:`.experts`); ``"auto"`` by default.
+        expert_routing: how the picked experts run (``experts``); ``"auto"`` by default.
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: ``num_slots < 1``, bad ``rank``/``world_size`` (see :func:`check_world`),
-            ``all_reduce`` is missing while ``world_size > 1``, or an unknown ``expert_routing``.
+        ValueError: ``num_slots < 1``, bad ``rank``/``world_size`` (see
+            [`check_world`][metrale_model_engine.reference.check_world]), ``all_reduce`` is missing while ``world_size >
+            1``, or an unknown ``expert_routing``.
     """
 
     lm_head: nn.Parameter | None
@@ -294,11 +297,11 @@ class ShardedLm(nn.Module):
     def decode_step(
         self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, span: int | None = None
     ) -> torch.Tensor:
-        """:meth:`decode` without its checks: the arguments on the model's device, their values trusted.
+        """``decode`` without its checks: the arguments on the model's device, their values trusted.
 
         ``span``: the positions each row attends over, at least every ``positions[i] + 1``
-        (:func:`decode_span`); ``None``: all of ``max_seq_len``.  Launches a fixed
-        sequence of kernels for a given batch size and span, reads nothing back to the
+        ([`decode_span`][metrale_model_engine.reference.decode_span]); ``None``: all of ``max_seq_len``.  Launches a
+        fixed sequence of kernels for a given batch size and span, reads nothing back to the
         host (with device routing) and allocates only its own intermediates: a CUDA
         graph can hold it.
         """
@@ -314,11 +317,11 @@ class ShardedLm(nn.Module):
     ) -> torch.Tensor:
         """Prefill chunks and decode rows of distinct slots in one forward: the single-device fused path.
 
-        Each chunk ``(slot, start, tokens)`` is a :meth:`prefill`, each row ``(slot, token,
-        position)`` a row of :meth:`decode`; the layers' weights are read once for all
-        of them (rows of consecutive slots, ascending, read their caches in place).
-        Their values are trusted (the caller checked them, as
-        :class:`~metrale_model_engine.reference.ReferenceLm` does).
+        Each chunk ``(slot, start, tokens)`` is a [`prefill`][metrale_model_engine.reference.ShardedLm.prefill], each
+        row ``(slot, token, position)`` a row of [`decode`][metrale_model_engine.reference.ShardedLm.decode]; the
+        layers' weights are read once for all of them (rows of consecutive slots, ascending, read their caches in
+        place). Their values are trusted (the caller checked them, as
+        [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] does).
 
         Returns:
             The logits ``[len(rows) + len(chunks), vocab]``: the rows', then each chunk's after its last token.

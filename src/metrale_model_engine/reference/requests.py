@@ -1,6 +1,6 @@
-"""What a request asks and gets: :class:`Request` (a prompt, how many tokens, how to pick them), its
-:class:`Completion`, and how the head picks each token from its logits: :class:`Sampling`, applied by a
-:class:`Sampler`.
+"""What a request asks and gets: ``Request`` (a prompt, how many tokens, how to pick them), its
+[`Completion`][metrale_model_engine.reference.Completion], and how the head picks each token from its logits:
+[`Sampling`][metrale_model_engine.reference.Sampling], applied by a [`Sampler`][metrale_model_engine.reference.Sampler].
 
 Greedy by default (the largest logit; the lowest id on a tie).  Otherwise, as
 ``transformers`` orders its logits processors: the logits divided by
@@ -40,7 +40,7 @@ class Sampling:
         top_p: keep the smallest set of most probable tokens whose probability reaches
             ``top_p`` (nucleus sampling); 1 keeps all.
         seed: the request's generator's seed, a u63; ``None``: drawn at random when
-            the request is sampled (and kept in its :class:`Sampler`).
+            the request is sampled (and kept in its [`Sampler`][metrale_model_engine.reference.Sampler]).
 
     Raises:
         TypeError: a field has the wrong type (``bool`` is not a number).
@@ -124,7 +124,7 @@ class Request:
 
     Raises:
         TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int, or
-            ``sampling`` is not a :class:`Sampling`.
+            ``sampling`` is not a [`Sampling`][metrale_model_engine.reference.Sampling].
         ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
     """
 
@@ -164,10 +164,11 @@ class Completion:
     admitted_step: int | None = None
     finished_step: int | None = None
     finish_reason: FinishReason | None = None
-    """``"stop"``: it generated an end-of-sequence id (the last of :attr:`tokens`); ``"length"``:
+    """``"stop"``: it generated an end-of-sequence id (the last of ``tokens``); ``"length"``:
     ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
-    full; ``"error"``: failed (see :attr:`error`); ``None`` while it waits or runs."""
+    full; ``"error"``: failed (see [`error`][metrale_model_engine.reference.Completion.error]); ``None`` while it waits
+    or runs."""
     error: str | None = None
-    """Why it failed, ``"Type: message"``, when :attr:`finish_reason` is ``"error"``."""
+    """Why it failed, ``"Type: message"``, when ``finish_reason`` is ``"error"``."""
     seed: int | None = None
     """The seed its tokens were drawn with (its sampling's, or one drawn for it); ``None`` when greedy."""

@@ -1,6 +1,6 @@
-"""Continuous batching on the head: :class:`Server` admits requests into free slots and steps them together.
+"""Continuous batching on the head: ``Server`` admits requests into free slots and steps them together.
 
-Each :meth:`Server.step`:
+Each [`Server.step`][metrale_model_engine.reference.Server.step]:
 
 1. admits waiting requests, oldest first, into free slots (one ``alloc`` each);
 2. feeds every request still prefilling one chunk of at most ``prefill_chunk``
@@ -9,9 +9,9 @@ Each :meth:`Server.step`:
 3. runs one batched ``decode`` of every sequence that has a token to feed;
 4. frees the slots of finished requests (an end-of-sequence id generated,
    ``max_new_tokens`` generated, the slot's cache full, or failed); each
-   :class:`Completion` says why it ended.
+   [`Completion`][metrale_model_engine.reference.Completion] says why it ended.
 
-Each request picks its tokens by its own :class:`~.requests.Sampling`: greedy by
+Each request picks its tokens by its own [`Sampling`][metrale_model_engine.reference.Sampling]: greedy by
 default (the largest logit; the lowest token on a tie), or drawn with its own
 seeded generator.  The head picks; its workers receive the token in the next
 decode command.  Requests may be submitted between any two steps; tokens are
@@ -21,10 +21,10 @@ serves a one-rank model and a multi-rank one: it never asks which it has.
 A step that raises leaves every request either as it was before the call that
 raised (a chunk is taken off a request, a token given to it, only once its command
 succeeded) or failed with the error, so the server can step again or shut down.
-Workers' reports of failed commands (:class:`~metrale_model_engine.EpWorkerFailed`)
+Workers' reports of failed commands ([`EpWorkerFailed`][metrale_model_engine.EpWorkerFailed])
 fail the requests of those slots, whose slots are reset on every rank, then are
 raised.  An ``on_token`` that raises fails its own request only.  After a
-:class:`~metrale_model_engine.RunStopped` the run is over: every later call raises it.
+[`RunStopped`][metrale_model_engine.RunStopped] the run is over: every later call raises it.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class DecodeStep:
 
 
 class ServedLm(Protocol):
-    """What :class:`Server` drives: the head methods of :class:`~metrale_model_engine.reference.ReferenceLm`."""
+    """What [`Server`][metrale_model_engine.reference.Server] drives: the head methods of ``ReferenceLm``."""
 
     @property
     def ep_link(self) -> EpLink: ...
@@ -126,15 +126,15 @@ class _Running:
 
 
 class Server:
-    """Serves :class:`Request` objects on the head with continuous batching (see the module).
+    """Serves ``Request`` objects on the head with continuous batching (see the module).
 
     Args:
         model: the head's model; its link's slot count is the batch limit.
         prefill_chunk: the most prompt tokens one prefill command feeds.
         on_token: called as ``on_token(request, token)`` for each token chosen.
-        sync_every: a sync point (:meth:`EpLink.sync` with the slots, which
+        sync_every: a sync point ([`EpLink.sync`][metrale_model_engine.EpLink.sync] with the slots, which
             compares every rank's KV bookkeeping) after every that many steps;
-            ``None``: none but :meth:`shutdown`'s.
+            ``None``: none but [`shutdown`][metrale_model_engine.reference.Server.shutdown]'s.
         eos_token_ids: the ids that end a request (the id is kept as its last token);
             default the model's (its checkpoint's ``eos_token_id``).
         fuse: run each step's prefill chunks and decode as one forward; default (``None``):
@@ -147,8 +147,8 @@ class Server:
         ValueError: ``fuse=True`` for a model of several ranks.
 
     A step that raises leaves every request untouched or failed (see the module);
-    after a :class:`~metrale_model_engine.RunStopped` the run is over, and after
-    :meth:`shutdown` the server takes no more requests or steps.
+    after a [`RunStopped`][metrale_model_engine.RunStopped] the run is over, and after
+    [`shutdown`][metrale_model_engine.reference.Server.shutdown] the server takes no more requests or steps.
     """
 
     def __init__(
@@ -201,7 +201,7 @@ class Server:
         """Queue ``request``; it is admitted at the next step with a free slot.  Returns its (growing) completion.
 
         Raises:
-            TypeError: ``request`` is not a :class:`Request`.
+            TypeError: ``request`` is not a [`Request`][metrale_model_engine.reference.Request].
             ValueError: the id was submitted before, or the prompt does not fit the
                 model (its length, or a token outside the vocabulary).
             RuntimeError: the server was shut down.
@@ -229,7 +229,7 @@ class Server:
         """One scheduling step: admit, one prefill chunk each, one batched decode, free the finished.
 
         With one rank (``is_ep()`` false, and ``fuse`` not off) the chunks and the decode
-        run as one forward (:meth:`~metrale_model_engine.reference.ReferenceLm.fused_step`, the
+        run as one forward ([`fused_step`][metrale_model_engine.reference.ReferenceLm.fused_step], the
         single-GPU fused path); a request whose prompt ends there decodes from the next step on.
 
         Raises:
@@ -337,7 +337,7 @@ class Server:
 
     def _timed(self, decoding: list[_Running], forward: Forward) -> torch.Tensor:
         """``forward(slots, seq_ids, tokens)`` of the decoding requests' tokens, its time kept as a
-        :class:`DecodeStep` when it decodes any."""
+        [`DecodeStep`][metrale_model_engine.reference.DecodeStep] when it decodes any."""
         model = self.model
         seq_ids = [running.seq_id for running in decoding]
         tokens = [running.pending for running in decoding if running.pending is not None]

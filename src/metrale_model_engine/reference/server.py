@@ -1,4 +1,4 @@
-"""Deprecated name of :mod:`metrale_model_engine.reference.scheduler` (the continuous-batching ``Server``).
+"""Deprecated name of ``metrale_model_engine.reference.scheduler`` (the continuous-batching ``Server``).
 
 Importing it warns; the name goes in 0.3.  ``metrale_model_engine.reference`` exports the same names.
 """

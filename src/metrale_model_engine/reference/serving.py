@@ -1,11 +1,12 @@
-"""The reference model served through the protocol: Metrale's command words, the slot state, :class:`ReferenceLm`.
+"""The reference model served through the protocol: Metrale's command words, the slot state, ``ReferenceLm``.
 
-Every rank builds a :class:`ReferenceLm` over its link.  The head drives it with
-:meth:`~ReferenceLm.alloc`, :meth:`~ReferenceLm.prefill`, :meth:`~ReferenceLm.decode`
-and :meth:`~ReferenceLm.free`: each checks its arguments, sends its command as one
-message, then runs the same forward as the workers.  Each worker runs
-:func:`~metrale_model_engine.run_worker`, whose hook reads the command, checks it
-against its own slots, and runs that forward.  A forward makes ``2 * n_layers``
+Every rank builds a [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] over its link.  The head drives it with
+[`alloc`][metrale_model_engine.reference.ReferenceLm.alloc],
+[`prefill`][metrale_model_engine.reference.ReferenceLm.prefill],
+[`decode`][metrale_model_engine.reference.ReferenceLm.decode] and
+[`free`][metrale_model_engine.reference.ReferenceLm.free]: each checks its arguments, sends its command as one message,
+then runs the same forward as the workers.  Each worker runs [`run_worker`][metrale_model_engine.run_worker], whose hook
+reads the command, checks it against its own slots, and runs that forward.  A forward makes ``2 * n_layers``
 all-reduces; they pair up across ranks because every rank runs the same commands
 in the same order.
 
@@ -18,17 +19,17 @@ The command words are Metrale's:
   the chunk ``prompt[chunk_start : chunk_start + chunk_len]`` goes into the slot's
   KV cache, after the ``chunk_start`` tokens it holds already.
 * ``CMD_DECODE`` (``0xFFFFFFE0``): a batched command
-  (:func:`~metrale_model_engine.batching.send_batch`): a count, then the slot ids
+  ([`send_batch`][metrale_model_engine.batching.send_batch]): a count, then the slot ids
   and one token per slot as two token arrays; each slot feeds its token.
 
 Failures (docs/errors.md, 'Failures inside a forward') are the library's:
-prefill and decode are declared collective (:attr:`ReferenceLm.ep_collective_commands`),
-the all-reduces run through :class:`~metrale_model_engine.torch.Collectives`, and the
-head's forward runs inside ``with link.collective():``.  So any failure of a
-prefill or decode on any rank (a slot a worker does not hold, a chunk out of order,
-follow-ups it cannot read, an error in its forward, a rank that dies, stalls or
+prefill and decode are declared collective
+([`ReferenceLm.ep_collective_commands`][metrale_model_engine.reference.ReferenceLm.ep_collective_commands]), the
+all-reduces run through [`Collectives`][metrale_model_engine.torch.Collectives], and the head's forward runs inside
+``with link.collective():``.  So any failure of a prefill or decode on any rank (a slot a worker does not hold, a chunk
+out of order, follow-ups it cannot read, an error in its forward, a rank that dies, stalls or
 leaves inside one) stops the run on every rank with a
-:class:`~metrale_model_engine.RunStopped` that names the failing rank, the command and,
+[`RunStopped`][metrale_model_engine.RunStopped] that names the failing rank, the command and,
 where its report arrived, its error; no rank goes on out of step.  An alloc or free
 that fails on a worker (no collective to pair) and an unknown word are ordinary failed
 commands: the worker stays up and the head raises them at its next command or sync
@@ -95,7 +96,7 @@ CMD_DECODE: Final = 0xFFFFFFE0
 _LOGGER = logging.getLogger("metrale_model_engine.reference")
 
 Chunk = tuple[int, Sequence[int], int, int]
-"""A prefill chunk of a fused step: ``(seq_id, prompt, start, length)``, as :meth:`ReferenceLm.prefill` takes it."""
+"""A prefill chunk of a fused step: ``(seq_id, prompt, start, length)``, as ``ReferenceLm.prefill`` takes it."""
 
 
 @dataclass
@@ -103,7 +104,7 @@ class TimeSpent:
     """Seconds a rank spent, summed since it was built: sending commands, and inside its all-reduces.
 
     On the CPU an all-reduce returns when it is done; on CUDA it returns once queued,
-    so there :attr:`collectives_s` counts only the launch.
+    so there ``collectives_s`` counts only the launch.
     """
 
     protocol_s: float = 0.0
@@ -120,14 +121,14 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     Every rank of the group builds one, at the same point, over its own link; the
     group that carries the model's all-reduces is ``group`` (default the world
     group), whose rank and size must be the link's.  With one rank (a link over a
-    :class:`~metrale_model_engine.transport.SoloTransport`) it is the single-GPU
+    [`SoloTransport`][metrale_model_engine.transport.SoloTransport]) it is the single-GPU
     model: ``is_ep()`` is false, no command is sent and no collective runs, and
     torch.distributed need not be initialised.
 
     Args:
         link: this rank's link; its slot count is the model's.
         checkpoint: a checkpoint directory in the Hugging Face layout, or one opened
-            already (:class:`~metrale_model_engine.reference.checkpoint.Checkpoint`);
+            already ([`Checkpoint`][metrale_model_engine.reference.checkpoint.Checkpoint]);
             default the shipped model.  Every rank opens it and reads its own shard alone.
         dtype: of the weights, KV cache and activations; default the checkpoint's own.
         max_seq_len: the context served (the KV cache's positions per slot); default
@@ -136,28 +137,29 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             torch's default.
         group: the process group of the all-reduces.
         all_reduce: the in-place sum over the ranks; default
-            :meth:`Collectives.all_reduce <metrale_model_engine.torch.Collectives.all_reduce>`
+            [`Collectives.all_reduce`][metrale_model_engine.torch.Collectives.all_reduce]
             over ``group`` (tests pass their own to run ranks without a group; it is
             checked and counted as ``Collectives``' are, and a failure of theirs
             stops the run as a failed collective does).
         collective_timeout: seconds one all-reduce may wait for the other ranks
-            before the run stops (see :class:`~metrale_model_engine.torch.Collectives`).
+            before the run stops (see [`Collectives`][metrale_model_engine.torch.Collectives]).
         check_kv_values: make sync points deeper: each rank also checks that its
-            KV cache still holds what its forwards wrote (:class:`~.state.KvLedger`;
+            KV cache still holds what its forwards wrote (``KvLedger``;
             a digest per write, a reduction of the cache at each sync point), and a
             rank whose cache was altered reports another state digest.  Default off.
-        cuda_graphs: replay decode steps from CUDA graphs (:class:`~.graphs.DecodeGraphs`):
-            one launch per step instead of one per kernel.  One rank, on a CUDA device.
-        expert_routing: how the picked experts run (:mod:`~metrale_model_engine.reference.experts`).
+        cuda_graphs: replay decode steps from CUDA graphs
+            ([`DecodeGraphs`][metrale_model_engine.reference.DecodeGraphs]): one launch per step instead of one per
+            kernel.  One rank, on a CUDA device.
+        expert_routing: how the picked experts run (``experts``).
 
     Attributes:
-        lm: the sharded transformer (:class:`~metrale_model_engine.reference.ShardedLm`).
+        lm: the sharded transformer ([`ShardedLm`][metrale_model_engine.reference.ShardedLm]).
         checkpoint: what it was loaded from.
         spent: the time this rank spent sending commands and in all-reduces.
 
     Raises:
         ValueError: the link's group cannot share the model (see
-            :func:`~metrale_model_engine.reference.check_world`), or ``group`` is
+            [`check_world`][metrale_model_engine.reference.check_world]), or ``group`` is
             not the link's group.
         RuntimeError: several ranks, no ``all_reduce`` and torch.distributed is not initialised.
         CheckpointError: the checkpoint cannot be served (the message says which file and what).
@@ -216,7 +218,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         link.state_digest = kv_digest if self.kv_ledger is None else self._checked_digest
 
     def _checked_digest(self, slots: Sequence[LmState | None]) -> int:
-        """:func:`kv_digest`, with the slots whose KV cache was altered after the write folded in (and logged)."""
+        """``kv_digest``, with the slots whose KV cache was altered after the write folded in (and logged)."""
         assert self.kv_ledger is not None
         altered = self.kv_ledger.altered((s.seq_id, s.length) for s in slots if s is not None)
         if not altered:
@@ -257,9 +259,10 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             The logits ``[vocab]`` after the chunk's last token.
 
         Raises:
-            IndexError, KeyError, TypeError, ValueError: as :func:`check_prefill`
-                (nothing is sent).
-            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command` (nothing is sent).
+            IndexError, KeyError, TypeError, ValueError: as
+                [`check_prefill`][metrale_model_engine.reference.check_prefill] (nothing is sent).
+            EpSendError, EpWorkerFailed: as [`EpLink.send_command`][metrale_model_engine.EpLink.send_command] (nothing
+                is sent).
             RunStopped: the run is over (see the module).
         """
         self.ep_link.raise_if_stopped()
@@ -275,8 +278,10 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             The logits ``[len(seq_ids), vocab]``.
 
         Raises:
-            IndexError, KeyError, TypeError, ValueError: as :func:`check_decode` (nothing is sent).
-            EpSendError, EpWorkerFailed: as :meth:`EpLink.send_command` (nothing is sent).
+            IndexError, KeyError, TypeError, ValueError: as
+                [`check_decode`][metrale_model_engine.reference.check_decode] (nothing is sent).
+            EpSendError, EpWorkerFailed: as [`EpLink.send_command`][metrale_model_engine.EpLink.send_command] (nothing
+                is sent).
             RunStopped: the run is over (see the module).
         """
         self.ep_link.raise_if_stopped()
@@ -290,10 +295,10 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     ) -> torch.Tensor:
         """One rank: prefill chunks and a decode step in one forward, the single-GPU fused path.
 
-        Each chunk ``(seq_id, prompt, start, length)`` is a :meth:`prefill`; slot
-        ``seq_ids[i]`` feeds ``tokens[i]`` as in :meth:`decode`; every slot at most once.
-        Everything is checked before anything runs; the states record their tokens
-        once the forward has written them.
+        Each chunk ``(seq_id, prompt, start, length)`` is a
+        [`prefill`][metrale_model_engine.reference.ReferenceLm.prefill]; slot ``seq_ids[i]`` feeds ``tokens[i]`` as in
+        [`decode`][metrale_model_engine.reference.ReferenceLm.decode]; every slot at most once. Everything is checked
+        before anything runs; the states record their tokens once the forward has written them.
 
         Returns:
             The logits ``[len(seq_ids) + len(chunks), vocab]``: the decode rows', then each chunk's.
@@ -301,8 +306,9 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         Raises:
             RuntimeError: several ranks share the model (``is_ep()``): the scheduler sends
                 each command alone there, as Metrale's does.
-            IndexError, KeyError, TypeError, ValueError: as :func:`check_prefill` and
-                :func:`check_decode`, or a slot named twice (nothing runs).
+            IndexError, KeyError, TypeError, ValueError: as
+                [`check_prefill`][metrale_model_engine.reference.check_prefill] and
+                [`check_decode`][metrale_model_engine.reference.check_decode], or a slot named twice (nothing runs).
         """
         if self.is_ep():
             raise RuntimeError(
@@ -343,7 +349,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             self.kv_ledger.forget(seq_id)
 
     def forward_prefill(self, state: LmState, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
-        """Run a checked prefill chunk (:func:`check_prefill`) in ``state``'s slot; the logits after its last token.
+        """Run a checked prefill chunk (``check_prefill``) in ``state``'s slot; the logits after its last token.
 
         The state records the chunk once the forward has written its keys and values.
         """
@@ -355,7 +361,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         return logits
 
     def forward_decode(self, states: Sequence[LmState], tokens: Sequence[int]) -> torch.Tensor:
-        """Run a checked decode step (:func:`check_decode`): ``states[i]`` feeds ``tokens[i]``; logits ``[B, vocab]``.
+        """Run a checked decode step (``check_decode``): ``states[i]`` feeds ``tokens[i]``; logits ``[B, vocab]``.
 
         Every rank runs it once the command is known: the head after sending it, a
         worker after reading it.  The states record their tokens once the forward
@@ -379,7 +385,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     # -- worker ----------------------------------------------------------------
 
     def ep_worker_step(self, slots: MutableSequence[LmState | None]) -> bool:
-        """Worker: as :meth:`LinkedEp.ep_worker_step`, after checking that ``slots`` has the link's slot count.
+        """Worker: as ``LinkedEp.ep_worker_step``, after checking that ``slots`` has the link's slot count.
 
         Raises:
             ValueError: ``len(slots)`` is not the link's ``num_slots`` (a command for
@@ -395,8 +401,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         """Worker hook: read the command whole, check it against this rank's slots, run it.
 
         A prefill or decode that fails here in any way stops the run (they are
-        :attr:`ep_collective_commands`); a bad alloc or free, and an unknown word,
-        fail as ordinary commands.
+        [`ep_collective_commands`][metrale_model_engine.reference.ReferenceLm.ep_collective_commands]); a bad alloc or
+        free, and an unknown word, fail as ordinary commands.
         """
         link = self.ep_link
         if cmd == CMD_DECODE:

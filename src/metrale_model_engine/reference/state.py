@@ -1,18 +1,20 @@
 """One rank's slots of the reference model: the checks of a command against them, and the digests sync points compare.
 
-:class:`LmState` is a slot's sequence; :func:`check_prompt`, :func:`check_prefill`
-and :func:`check_decode` are what the head checks before it sends a command and a
-worker before it runs one, so that both refuse the same commands with the same
-words; :func:`kv_digest` digests the slots' KV bookkeeping for sync points, and
-:class:`KvLedger` makes them deeper.
+[`LmState`][metrale_model_engine.reference.LmState] is a slot's sequence;
+[`check_prompt`][metrale_model_engine.reference.check_prompt],
+[`check_prefill`][metrale_model_engine.reference.check_prefill] and
+[`check_decode`][metrale_model_engine.reference.check_decode] are what the head checks before it sends a command and a
+worker before it runs one, so that both refuse the same commands with the same words;
+[`kv_digest`][metrale_model_engine.reference.kv_digest] digests the slots' KV bookkeeping for sync points, and
+``KvLedger`` makes them deeper.
 
 A deeper sync point: the ranks hold different KV heads, so their caches cannot be
 compared with each other; what each rank can prove is that its own cache was not
 altered after the write (memory corruption, a kernel that writes outside its slot
-or position, a bug that reuses a slot's rows).  :class:`KvLedger` keeps, per slot,
+or position, a bug that reuses a slot's rows).  ``KvLedger`` keeps, per slot,
 an exact digest of the bits each forward wrote (an int64 sum of the values' bit
 patterns, reduced on the cache's device: no float rounding, the same in any order),
-and :meth:`KvLedger.altered` recomputes it from the cache at a sync point.  A rank
+and ``KvLedger.altered`` recomputes it from the cache at a sync point.  A rank
 whose cache differs folds the altered slots into its state digest, so the head's
 sync point names it (``EpDivergenceError``).  What it cannot see: a wrong value
 computed at the write (the tests compare the sharded logits with one rank's instead).
@@ -80,7 +82,7 @@ def held_state(slots: Sequence[LmState | None], seq_id: int) -> LmState:
     """The state in slot ``seq_id``.
 
     Raises:
-        TypeError, IndexError: as :func:`~metrale_model_engine.check_slot`.
+        TypeError, IndexError: as [`check_slot`][metrale_model_engine.check_slot].
         KeyError: the slot is free.
     """
     check_slot(seq_id, slots)
@@ -146,7 +148,7 @@ def check_decode(
     vocabulary.
 
     Raises:
-        IndexError, KeyError, ValueError: as :func:`~metrale_model_engine.batching.check_batch`.
+        IndexError, KeyError, ValueError: as [`check_batch`][metrale_model_engine.batching.check_batch].
         TypeError, ValueError: a token or a slot's length is wrong (the message says which).
     """
     if not seq_ids:

@@ -81,7 +81,7 @@ def run_summary(
 
 
 def summary_lines(summary: dict[str, object]) -> list[str]:
-    """The head's lines for a :func:`run_summary`: the throughput, then how a decode step splits."""
+    """The head's lines for a ``run_summary``: the throughput, then how a decode step splits."""
     step = summary["decode_step"]
     requests = summary["requests"]
     assert isinstance(step, dict) and isinstance(requests, list)

@@ -4,16 +4,18 @@ its own part (needs the ``torch`` extra, which brings ``safetensors`` and ``toke
 A directory holds ``config.json``, ``*.safetensors`` (with
 ``model.safetensors.index.json`` when there are several), and optionally
 ``generation_config.json`` and ``tokenizer.json``, as ``transformers``'
-``save_pretrained`` writes them and the Hub ships them.  :meth:`Checkpoint.open`
+``save_pretrained`` writes them and the Hub ships them.
+ [`Checkpoint.open`][metrale_model_engine.reference.Checkpoint.open]
 checks it all without reading a weight (every field of ``config.json`` honoured or
-refused by name); :func:`load_shard` reads one rank's slices into its
-:class:`~metrale_model_engine.reference.ShardedLm`.
+refused by name); [`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] reads one rank's slices into its
+[`ShardedLm`][metrale_model_engine.reference.ShardedLm].
 
-Its modules, one job each: :mod:`.files` (the layout and the safetensors headers),
-:mod:`.fields` (``config.json``'s fields, each accounted for), :mod:`.family` (what
-the families share), :mod:`.mixtral` and :mod:`.qwen3_moe` (one family each),
-:mod:`.plan` (which slice goes where), :mod:`.loader` (:class:`Checkpoint`,
-:func:`load_shard`), :mod:`.tokenizer` and :mod:`.write` (:func:`save_checkpoint`).
+Its modules, one job each: ``files`` (the layout and the safetensors headers),
+``fields`` (``config.json``'s fields, each accounted for), ``family`` (what
+the families share), ``mixtral`` and ``qwen3_moe`` (one family each),
+``plan`` (which slice goes where), ``loader`` ([`Checkpoint`][metrale_model_engine.reference.checkpoint.Checkpoint],
+[`load_shard`][metrale_model_engine.reference.checkpoint.load_shard]), ``tokenizer`` and ``write``
+([`save_checkpoint`][metrale_model_engine.reference.checkpoint.save_checkpoint]).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What the checkpoint families share: :class:`Family` (how one names its tensors and reads its config) and the
-fields of ``config.json`` that Mixtral and Qwen3-MoE read alike (:func:`read_shared`).
+"""What the checkpoint families share: ``Family`` (how one names its tensors and reads its config) and the
+fields of ``config.json`` that Mixtral and Qwen3-MoE read alike (``read_shared``).
 
 Tensor names are the Hub's own, which ``transformers`` writes: ``model.embed_tokens``,
 per layer ``model.layers.N.self_attn.{q,k,v,o}_proj``, ``input_layernorm``,
@@ -63,7 +63,7 @@ class Family:
     rope_theta: float
     """RoPE's base when ``config.json`` names none (``transformers``' default for the family)."""
     own_fields: Callable[[ConfigFields, dict[str, object]], None]
-    """Reads the family's own fields into the :class:`LmConfig` values, and refuses those it does not honour."""
+    """Reads the family's own fields into the ``LmConfig`` values, and refuses those it does not honour."""
 
     def read(self, fields: ConfigFields, max_seq_len: int | None) -> LmConfig:
         """The model's shape, serving ``max_seq_len`` positions (``None``: all of ``max_position_embeddings``).
@@ -99,7 +99,7 @@ class Family:
 
 
 def read_shared(fields: ConfigFields, max_seq_len: int | None, *, rope_theta: float) -> dict[str, object]:
-    """The :class:`LmConfig` fields both families read alike, as keyword arguments; ``rope_theta`` is the
+    """The ``LmConfig`` fields both families read alike, as keyword arguments; ``rope_theta`` is the
     family's default base.
 
     Refuses an activation other than SiLU, RoPE other than the default (``rope_scaling``,
@@ -142,7 +142,7 @@ _FIELD_NAMES: Final = {
     "n_experts": "the expert count",
     "d_expert": "the expert width",
 }
-""":class:`LmConfig`'s names in the words of ``config.json``, for its refusals."""
+"""[`LmConfig`][metrale_model_engine.reference.LmConfig]'s names in the words of ``config.json``, for its refusals."""
 
 
 def make_config(fields: ConfigFields, values: dict[str, object]) -> LmConfig:

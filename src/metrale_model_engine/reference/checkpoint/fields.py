@@ -1,9 +1,9 @@
 """``config.json``'s fields, each read once, typed, and every one accounted for.
 
-A family's reader (:mod:`.mixtral`, :mod:`.qwen3_moe`) takes the fields it honours
-from a :class:`ConfigFields`, refuses the values it does not implement
-(:meth:`ConfigFields.refuse`), and names the fields that do not change the
-arithmetic of inference; :meth:`ConfigFields.finish` then refuses any field left
+A family's reader (``mixtral``, ``qwen3_moe``) takes the fields it honours
+from a ``ConfigFields``, refuses the values it does not implement
+(``ConfigFields.refuse``), and names the fields that do not change the
+arithmetic of inference; ``ConfigFields.finish`` then refuses any field left
 over, so that nothing in a config is silently ignored.
 """
 
@@ -26,7 +26,7 @@ _T = TypeVar("_T")
 
 
 class Missing:
-    """The type of :data:`REQUIRED`."""
+    """The type of ``REQUIRED``."""
 
     def __repr__(self) -> str:
         return "REQUIRED"

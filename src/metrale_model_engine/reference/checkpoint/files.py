@@ -5,7 +5,7 @@ A directory holds ``config.json``, one or more ``*.safetensors`` files (with
 and optionally ``generation_config.json`` and ``tokenizer.json``.  A safetensors
 file is an 8-byte little-endian header length, a JSON header (each tensor's
 ``dtype``, ``shape`` and ``data_offsets``, counted from the end of the header), then
-the data.  :func:`tensor_table` reads the headers alone and checks that every tensor
+the data.  ``tensor_table`` reads the headers alone and checks that every tensor
 lies inside its file, so a truncated or corrupt file is named before any rank starts.
 """
 

@@ -1,10 +1,10 @@
-"""A checkpoint directory opened and checked (:class:`Checkpoint`), and a rank's part of it read (:func:`load_shard`).
+"""A checkpoint directory opened and checked (``Checkpoint``), and a rank's part of it read (``load_shard``).
 
-:meth:`Checkpoint.open` reads ``config.json``, ``generation_config.json`` and the
-safetensors headers, never a weight: a launcher calls it to refuse a bad checkpoint
-before any rank starts, and each rank calls it again before :func:`load_shard`
-reads that rank's slices, lazily, from the files (``safetensors``' ``get_slice``):
-no rank, and no launcher, holds the whole checkpoint.
+[`Checkpoint.open`][metrale_model_engine.reference.Checkpoint.open] reads ``config.json``, ``generation_config.json``
+and the safetensors headers, never a weight: a launcher calls it to refuse a bad checkpoint
+before any rank starts, and each rank calls it again before
+[`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] reads that rank's slices, lazily, from the files
+(``safetensors``' ``get_slice``): no rank, and no launcher, holds the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ _STORED: Final[dict[str, torch.dtype]] = {"F32": torch.float32, "BF16": torch.bf
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint directory in the Hugging Face layout, checked (see the module); open one with :meth:`open`."""
+    """A checkpoint directory in the Hugging Face layout, checked (see the module); open one with ``open``."""
 
     directory: Path
     family: Family
@@ -66,7 +66,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, directory: str | Path | None = None, *, max_seq_len: int | None = None) -> Checkpoint:
-        """Open and check the checkpoint in ``directory`` (``None``: :data:`SHIPPED_MODEL`).
+        """Open and check the checkpoint in ``directory`` (``None``: ``SHIPPED_MODEL``).
 
         Args:
             directory: the checkpoint's directory.

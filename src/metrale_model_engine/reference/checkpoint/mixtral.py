@@ -1,6 +1,6 @@
 """Mixtral (``MixtralForCausalLM``): its tensor names and the fields of its ``config.json``.
 
-Honoured: the shared fields (:func:`~.family.read_shared`: grouped-query attention
+Honoured: the shared fields (``read_shared``: grouped-query attention
 through ``num_key_value_heads``, ``head_dim``, ``rope_theta``, ``rms_norm_eps``,
 ``tie_word_embeddings``, ...), ``num_local_experts`` and ``intermediate_size`` (an
 expert's width); the top-k routing weights are always renormalised.  Refused: a

@@ -1,9 +1,11 @@
 """Which part of which checkpoint tensor goes where in a rank's parameters: the sharding rule of
-:meth:`~metrale_model_engine.reference.LmConfig.shard`, written as :class:`Piece` objects.
+[`shard`][metrale_model_engine.reference.LmConfig.shard], written as
+[`Piece`][metrale_model_engine.reference.checkpoint.Piece] objects.
 
 One list serves every direction: a rank reads its pieces from the files
-(:func:`~.loader.load_shard`) or from tensors in memory (:func:`load_state`), and a
-one-rank model writes its parameters back under the Hub's names (:func:`export_state`).
+([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard]) or from tensors in memory
+([`load_state`][metrale_model_engine.reference.checkpoint.load_state]), and a one-rank model writes its parameters back
+under the Hub's names ([`export_state`][metrale_model_engine.reference.checkpoint.export_state]).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def fill(model: ShardedLm, family: Family, read: Read) -> None:
 
 def load_state(model: ShardedLm, family: Family, state: Mapping[str, torch.Tensor]) -> None:
     """Load ``model``'s shard from ``state``, tensors in memory under the checkpoint's names (e.g. ``transformers``'
-    files read whole, or :func:`export_state`'s).
+    files read whole, or [`export_state`][metrale_model_engine.reference.checkpoint.export_state]'s).
 
     Raises:
         ValueError: a tensor of the shard is missing from ``state`` or has another shape.

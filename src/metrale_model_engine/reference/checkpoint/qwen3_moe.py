@@ -1,6 +1,6 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): its tensor names and the fields of its ``config.json``.
 
-Honoured: the shared fields (:func:`~.family.read_shared`), ``head_dim``, the
+Honoured: the shared fields (``read_shared``), ``head_dim``, the
 per-head RMSNorm of queries and keys (``self_attn.q_norm``, ``k_norm``, always
 present), ``norm_topk_prob``, ``num_experts`` and ``moe_intermediate_size`` (an
 expert's width).  Refused: ``attention_bias``, ``mlp_only_layers`` or a

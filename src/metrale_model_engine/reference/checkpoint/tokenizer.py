@@ -1,5 +1,5 @@
-"""A checkpoint's ``tokenizer.json``, read with the ``tokenizers`` library (:class:`Tokenizer`), and the shipped
-model's own: one token per UTF-8 byte (:func:`byte_tokenizer`).
+"""A checkpoint's ``tokenizer.json``, read with the ``tokenizers`` library (``Tokenizer``), and the shipped
+model's own: one token per UTF-8 byte ([`byte_tokenizer`][metrale_model_engine.reference.checkpoint.byte_tokenizer]).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ __dir__: PublicDir = public_dir(globals(), __all__)
 class Tokenizer:
     """Text to token ids and back, as the checkpoint's ``tokenizer.json`` says.
 
-    :meth:`encode` adds the special tokens the tokenizer's post-processor adds (a
-    beginning-of-sequence token, say), as ``transformers`` does by default;
-    :meth:`decode` leaves special tokens out of the text.
+    [`encode`][metrale_model_engine.reference.Tokenizer.encode] adds the special tokens the tokenizer's post-processor
+    adds (a beginning-of-sequence token, say), as ``transformers`` does by default;
+    [`decode`][metrale_model_engine.reference.Tokenizer.decode] leaves special tokens out of the text.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:

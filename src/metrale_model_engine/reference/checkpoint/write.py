@@ -1,4 +1,4 @@
-"""A one-rank model written as a ``MixtralForCausalLM`` checkpoint in the Hugging Face layout (:func:`save_checkpoint`):
+"""A one-rank model written as a ``MixtralForCausalLM`` checkpoint in the Hugging Face layout (``save_checkpoint``):
 what ``scripts/train_reference.py`` writes the shipped model with, and what ``transformers`` loads.
 """
 
