@@ -13,7 +13,16 @@ from pathlib import Path
 import torch
 
 from metrale_model_engine import EpLink, run_worker
-from metrale_model_engine.reference import Checkpoint, LmState, ReferenceLm, Request, Sampling, Server
+from metrale_model_engine.reference import (
+    Checkpoint,
+    LmConfig,
+    LmState,
+    ReferenceLm,
+    Request,
+    Sampling,
+    Server,
+    ShardedLm,
+)
 from metrale_model_engine.torch import open_link
 from metrale_model_engine.transport import SoloTransport
 
@@ -55,9 +64,14 @@ def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> No
     """Load this rank's shard of ``directory``; save how far its resident memory rose meanwhile, at its peak.
 
     The peak is the kernel's high-water mark (``VmHWM``), reset just before the
-    load (``/proc/self/clear_refs``), against the resident set just before.
+    load (``/proc/self/clear_refs``), against the resident set just before.  A tiny
+    model is built and dropped first: torch's first use of its allocation and
+    initialisation code maps about 20 MB of libraries and arenas, which is no part
+    of the shard (and varies from machine to machine).
     """
     torch.set_num_threads(1)
+    tiny = LmConfig(d_model=32, n_heads=4, n_experts=4, top_k=2, d_expert=64, max_seq_len=8)
+    ShardedLm(tiny, num_slots=1, rank=rank, world_size=world_size, all_reduce=lambda tensor: tensor)  # dropped at once
     link = open_link("torch", num_slots=1, command_timeout=60.0)
     before = memory("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
