@@ -12,7 +12,7 @@ from metrale_model_engine import EpLinkError, ProtocolVersion, RunStopped, Worke
 from metrale_model_engine._core.transport import HeadEnd, SoloTransport, TransportClosed, WorkerEnd
 from metrale_model_engine._engine.forward import stop_on_error
 from metrale_model_engine._engine.reports import WorkerReports
-from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkState, Phase
+from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
 from metrale_model_engine._engine.settings import LinkSettings
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 
@@ -134,7 +134,7 @@ def _reports(world_size: int, transport: RecordingTransport | None = None) -> Wo
     stream = CommandStream()
     stream.begin(0, 5)
     head = RecordingTransport(world_size) if transport is None else transport
-    return WorkerReports(head, settings, stream, LinkState("head"), {})
+    return WorkerReports(LinkParts(head, settings, stream, LinkState("head"), ForwardScope(True)), {})
 
 
 def test_the_head_puts_first_hand_reports_before_witnesses() -> None:
@@ -214,6 +214,7 @@ def test_a_corrupt_answer_is_a_link_error() -> None:
     settings = LinkSettings.checked(
         0, 2, num_slots=4, protocol=ProtocolVersion.V2, seq_id_on_wire=True, command_timeout=1.0
     )
-    reports = WorkerReports(Garbled(2), settings, CommandStream(), LinkState("head"), {})
+    parts = LinkParts(Garbled(2), settings, CommandStream(), LinkState("head"), ForwardScope(True))
+    reports = WorkerReports(parts, {})
     with pytest.raises(EpLinkError, match="head: a corrupt answer"):
         reports.poll()

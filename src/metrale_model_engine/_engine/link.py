@@ -15,7 +15,7 @@ from .._core.transport import EpTransport
 from .forward import ForwardCollectives
 from .reader import CommandReader, RunCommand
 from .reports import WorkerReports
-from .run_state import CommandStream, ForwardScope, LinkState, Phase
+from .run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
 from .sender import HeadSender
 from .settings import DEFAULT_COMMAND_TIMEOUT, WORKER_ONLY, HeadOnly, LinkSettings, agree_on_setup
 from .sync import SyncPoints, assert_ranks_agree, gather_u32
@@ -100,15 +100,15 @@ class EpLink(ForwardCollectives):
         local_workers = agree_on_setup(transport, settings)
         self._settings = settings
         self._transport = transport
-        stream = self._stream = CommandStream()
-        state = self._state = LinkState(settings.who)
-        scope = self._scope = ForwardScope(settings.world_size > 1)
+        stream, state, scope = CommandStream(), LinkState(settings.who), ForwardScope(settings.world_size > 1)
+        parts = LinkParts(transport, settings, stream, state, scope)
+        self._stream, self._state, self._scope = stream, state, scope
         self._stand_in = None
         self._state_digest: StateDigest | None = None
         if settings.rank == 0:
-            reports = self._reports = WorkerReports(transport, settings, stream, state, local_workers)
-            sender = self._sender = HeadSender(transport, settings, stream, state, scope, reports)
-            self._sync = SyncPoints(transport, settings, stream, sender, reports)
+            reports = self._reports = WorkerReports(parts, local_workers)
+            sender = self._sender = HeadSender(parts, reports)
+            self._sync = SyncPoints(parts, sender, reports)
             self._reader = cast(CommandReader, WORKER_ONLY)
             self._way_back = cast(WorkerWayBack, WORKER_ONLY)
         else:
@@ -116,8 +116,8 @@ class EpLink(ForwardCollectives):
             self._reports = cast(WorkerReports, head_only)
             self._sender = cast(HeadSender, head_only)
             self._sync = cast(SyncPoints, head_only)
-            way_back = self._way_back = WorkerWayBack(transport, settings, stream, state)
-            self._reader = CommandReader(transport, settings, stream, state, scope, way_back)
+            way_back = self._way_back = WorkerWayBack(parts)
+            self._reader = CommandReader(parts, way_back)
 
     # -- what every rank can ask -------------------------------------------
 

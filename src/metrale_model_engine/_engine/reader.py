@@ -49,10 +49,8 @@ from .._core.errors import (
 )
 from .._core.state import S
 from .._core.tokens import ArrayInterface, writable_u32_buffer
-from .._core.transport import EpTransport
 from .._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from .run_state import CommandStream, ForwardScope, LinkState, ran_no_collective
-from .settings import LinkSettings
+from .run_state import LinkParts, ran_no_collective
 from .way_back import WorkerWayBack
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
@@ -66,7 +64,7 @@ class CommandReader:
     """A worker's reading of the command stream (``EpLink.step`` and the receives state the contract).
 
     Args:
-        transport, settings, stream, state, scope: the link's parts.
+        parts: the link's parts.
         way_back: where the worker's answers go.
     """
 
@@ -83,20 +81,8 @@ class CommandReader:
         "_words",
     )
 
-    def __init__(
-        self,
-        transport: EpTransport,
-        settings: LinkSettings,
-        stream: CommandStream,
-        state: LinkState,
-        scope: ForwardScope,
-        way_back: WorkerWayBack,
-    ) -> None:
-        self._transport = transport
-        self._settings = settings
-        self._stream = stream
-        self._state = state
-        self._scope = scope
+    def __init__(self, parts: LinkParts, way_back: WorkerWayBack) -> None:
+        self._transport, self._settings, self._stream, self._state, self._scope = parts
         self._way_back = way_back
         self._words = _NO_WORDS  # the current message, as u32 words
         self._at = 0  # the index of its next unread word

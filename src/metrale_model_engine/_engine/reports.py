@@ -9,11 +9,10 @@ from typing import Final
 from .._core.checks import check_seconds
 from .._core.codec import WireError
 from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
-from .._core.transport import EpTransport, NamesLostRanks, NamesSilentRanks
+from .._core.transport import NamesLostRanks, NamesSilentRanks
 from .._host.liveness import ProcessWatch
 from .answers import read_answers
-from .run_state import CommandStream, LinkState
-from .settings import LinkSettings
+from .run_state import LinkParts
 
 EXIT_GRACE: Final = 5.0
 """Seconds the head looks for the worker behind a failed collective (a failing worker takes a moment to exit)."""
@@ -35,25 +34,15 @@ class WorkerReports:
     exited or are stopped.
 
     Args:
-        transport, settings, stream, state: the link's parts.
+        parts: the link's parts.
         pids: the pid of every worker on the head's host, by rank.
     """
 
     __slots__ = ("_ranks", "_seen", "_settings", "_state", "_stream", "_transport", "_watch")
 
-    def __init__(
-        self,
-        transport: EpTransport,
-        settings: LinkSettings,
-        stream: CommandStream,
-        state: LinkState,
-        pids: Mapping[int, int],
-    ) -> None:
-        self._transport = transport
-        self._settings = settings
-        self._stream = stream
-        self._state = state
-        self._seen = [0] * settings.world_size  # by rank: failures the head has read
+    def __init__(self, parts: LinkParts, pids: Mapping[int, int]) -> None:
+        self._transport, self._settings, self._stream, self._state, _ = parts
+        self._seen = [0] * self._settings.world_size  # by rank: failures the head has read
         self._watch: ProcessWatch | None = ProcessWatch()
         self._ranks = {pid: rank for rank, pid in pids.items()}
         for pid in pids.values():

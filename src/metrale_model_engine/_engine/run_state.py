@@ -1,17 +1,20 @@
 """The run as every part of a link sees it: the command stream (``CommandStream``), the link's one state
-(``LinkState``: open, shut down, stopped, closed), and whether the forward of the command in flight may run
-collectives here, and ran one (``ForwardScope``)."""
+(``LinkState``: open, shut down, stopped, closed), whether the forward of the command in flight may run
+collectives here, and ran one (``ForwardScope``); and the bundle of them every part is built from (``LinkParts``)."""
 
 from __future__ import annotations
 
 import copy
 import enum
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from typing_extensions import Buffer
 
 from .._core.codec import fold_message
 from .._core.errors import RunStopped, command_word
+from .._core.transport import EpTransport
+from .settings import LinkSettings
 
 
 class CommandStream:
@@ -148,6 +151,16 @@ class ForwardScope:
     def ran_none(self) -> bool:
         """Whether the command's forward ran no collective and was not declared empty."""
         return self.ran == 0 and not self.empty
+
+
+class LinkParts(NamedTuple):
+    """What every part of one link shares; the link builds it once, each part keeps what it reads."""
+
+    transport: EpTransport
+    settings: LinkSettings
+    stream: CommandStream
+    state: LinkState
+    scope: ForwardScope
 
 
 def ran_no_collective(cmd: int) -> str:

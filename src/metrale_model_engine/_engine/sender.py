@@ -18,10 +18,10 @@ from .._core.codec import (
 )
 from .._core.errors import EpError, EpLinkError, EpSendError, RunStopped
 from .._core.tokens import TokenArray, as_u32_buffer, token_count
-from .._core.transport import EpTransport, TransportClosed, TransportCorrupt, TransportTimeout
+from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
 from .reports import DEATH_GRACE, WorkerReports
-from .run_state import CommandStream, ForwardScope, LinkState, Phase
+from .run_state import LinkParts, Phase
 from .settings import LinkSettings
 
 _CLOSE_TIMEOUT: Final[float] = 1.0
@@ -36,27 +36,16 @@ class HeadSender:
     reported is raised (the transport's cheap ``answers_ready`` says whether to look).
 
     Args:
-        transport, settings, stream, state, scope: the link's parts.
+        parts: the link's parts.
         reports: the head's reading of its workers' reports.
     """
 
     __slots__ = ("_answers_ready", "_reports", "_scope", "_send", "_settings", "_state", "_stream")
 
-    def __init__(
-        self,
-        transport: EpTransport,
-        settings: LinkSettings,
-        stream: CommandStream,
-        state: LinkState,
-        scope: ForwardScope,
-        reports: WorkerReports,
-    ) -> None:
+    def __init__(self, parts: LinkParts, reports: WorkerReports) -> None:
+        transport, self._settings, self._stream, self._state, self._scope = parts
         self._send = transport.send  # the hot paths call these bound methods
         self._answers_ready = transport.answers_ready
-        self._settings = settings
-        self._stream = stream
-        self._state = state
-        self._scope = scope
         self._reports = reports
 
     def send_command(self, seq_id: int, cmd: int, follow_ups: Sequence[int | TokenArray]) -> None:

@@ -12,7 +12,7 @@ from .._core.words import check_u32
 from .agreement import HeadFigures, differences, disagreement_of_values
 from .answers import read_answers
 from .reports import WorkerReports
-from .run_state import CommandStream
+from .run_state import LinkParts
 from .sender import HeadSender
 from .settings import LinkSettings
 
@@ -24,24 +24,15 @@ class SyncPoints:
     """The head's sync points (``EpLink.sync`` states the contract).
 
     Args:
-        transport, settings, stream: the link's parts.
+        parts: the link's parts.
         sender: the head's sends (a sync item goes the way every message goes).
         reports: the head's reading of its workers' reports.
     """
 
     __slots__ = ("_agreed", "_number", "_reports", "_sender", "_settings", "_stream", "_transport")
 
-    def __init__(
-        self,
-        transport: EpTransport,
-        settings: LinkSettings,
-        stream: CommandStream,
-        sender: HeadSender,
-        reports: WorkerReports,
-    ) -> None:
-        self._transport = transport
-        self._settings = settings
-        self._stream = stream
+    def __init__(self, parts: LinkParts, sender: HeadSender, reports: WorkerReports) -> None:
+        self._transport, self._settings, self._stream = parts.transport, parts.settings, parts.stream
         self._sender = sender
         self._reports = reports
         self._number = 0  # sync points sent

@@ -18,9 +18,7 @@ from .._core.errors import (
     describe_command,
     error_text,
 )
-from .._core.transport import EpTransport
-from .run_state import CommandStream, LinkState
-from .settings import LinkSettings
+from .run_state import LinkParts
 
 StateDigest = Callable[[Any], int]
 """A digest of a rank's slots, ``digest(slots) -> int`` (u64), compared at sync points (``EpLink.state_digest``)."""
@@ -40,16 +38,13 @@ class WorkerWayBack:
     digest.
 
     Args:
-        transport, settings, stream, state: the link's parts.
+        parts: the link's parts.
     """
 
     __slots__ = ("_reports", "_settings", "_state", "_stream", "_transport", "collective", "state_digest")
 
-    def __init__(self, transport: EpTransport, settings: LinkSettings, stream: CommandStream, state: LinkState) -> None:
-        self._transport = transport
-        self._settings = settings
-        self._stream = stream
-        self._state = state
+    def __init__(self, parts: LinkParts) -> None:
+        self._transport, self._settings, self._stream, self._state, _ = parts
         self._reports = 0  # failures this worker reported
         self.collective = False
         """The command in flight runs collectives: a failure of it stops the run."""
