@@ -61,8 +61,27 @@ class HeadSide(HeadEnd):
         self.world_size = wire.world_size
         self.sent: list[bytes] = []
         """Every message sent, oldest first."""
+        self.closed = False
+        self._sends_left: int | None = None  # sends that still go through, once the wire is cut
+        self._lost: dict[int, float] = {}
+
+    def cut(self, *, after: int = 0, lost: dict[int, float]) -> None:
+        """Fail every send after the next ``after``; from the first failure on, ``lost`` are the lost workers."""
+        self._sends_left = after
+        self._lost = lost
+
+    def lost_ranks(self) -> dict[int, float]:
+        return self._lost if self._sends_left == -1 else {}
+
+    def close(self) -> None:
+        self.closed = True
 
     def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        if self._sends_left is not None:
+            if self._sends_left <= 0:
+                self._sends_left = -1
+                raise TransportClosed("the wire is cut")
+            self._sends_left -= 1
         message = b"".join(bytes(part) for part in parts)
         self.sent.append(message)
         for inbox in self._wire.inbox.values():

@@ -25,6 +25,7 @@ from metrale_model_engine import (
     SequenceState,
     WorkerFailure,
 )
+from metrale_model_engine._engine.settings import WORKER_ONLY, HeadOnly
 from metrale_model_engine._host.liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
 from metrale_model_engine.wire import (
@@ -218,7 +219,8 @@ def test_roles_are_enforced() -> None:
         lambda: worker.send_header(0, 1),
         lambda: worker.send_tokens([1]),
         lambda: worker.send_command(0, 1),
-        worker.shutdown_workers,
+        lambda: worker.send_command(99, 1),  # the role first: no argument is checked on the wrong rank
+        lambda: worker.send_word(-1),
     ):
         with pytest.raises(EpRoleError, match=r"only the head \(rank 0\) sends; this is worker rank 1"):
             call()
@@ -342,9 +344,10 @@ def test_a_worker_has_no_head_parts_and_the_head_no_worker_parts() -> None:
         lambda: worker.shutdown_workers([None]),
     ]
     for call in calls:
-        with pytest.raises(EpRoleError, match=r"^only the head \(rank 0\) sends; this is worker rank 1$"):
+        with pytest.raises(EpRoleError, match=r"^only the head \(rank 0\) runs sync points .*; this is worker rank 1$"):
             call()
     assert digests == [] and not worker.closed  # refused before the digest ran; the link is untouched
+    assert not hasattr(HeadOnly(1), "__deepcopy__") and not hasattr(WORKER_ONLY, "__len__")  # Python's probes
     head = link(FakeTransport(0, 2))
     with pytest.raises(EpRoleError, match="follow-ups are received on worker ranks"):
         head.recv_tokens(3)

@@ -16,6 +16,7 @@ from metrale_model_engine import (
     EpCommandFailed,
     EpCommandRefused,
     EpDivergenceError,
+    EpLink,
     EpLinkError,
     EpReceiveError,
     EpWorkerFailed,
@@ -349,3 +350,29 @@ def test_the_heads_failed_forward_names_a_worker_that_stopped_the_run_before_its
         "KeyError: 'slot 0 is free'"
     )
     assert info.value.ranks == (1,) and pair.head.closed
+
+
+@pytest.mark.parametrize(
+    ("call", "after"),
+    [
+        (lambda link: link.send_command(0, 5), 0),
+        (lambda link: link.send_header(0, 5), 0),
+        (lambda link: (link.send_header(0, 5), link.send_word(1)), 1),
+        (lambda link: (link.send_header(0, 5), link.send_tokens([1, 2])), 1),
+        (lambda link: link.sync(), 0),
+        (lambda link: link.shutdown_workers(), 0),  # the sync point's send fails
+        (lambda link: link.shutdown_workers(), 1),  # the sync point passes, the shutdown header fails
+    ],
+    ids=["send_command", "send_header", "send_word", "send_tokens", "sync", "shutdown-sync", "shutdown-header"],
+)
+def test_a_send_that_finds_workers_lost_stops_the_run_and_closes_the_link(
+    call: Callable[[EpLink], object], after: int
+) -> None:
+    pair = LinkPair()
+    pair.head.send_command(0, 5)
+    pair.step()
+    pair.head_end.cut(after=after, lost={1: 9.0})
+    with pytest.raises(RunStopped, match=r"worker rank\(s\) \[1\]"):
+        call(pair.head)
+    assert pair.head.stopped is not None
+    assert pair.head.closed and pair.head_end.closed  # the link closed itself, and its transport

@@ -25,26 +25,24 @@ from .way_back import StateDigest, WorkerWayBack
 class EpLink(ForwardCollectives):
     """One rank's end of the head/worker command protocol: what a model holds to speak it.
 
-    A model keeps its link in ``self.ep_link`` ([`LinkedEp`][metrale_model_engine.LinkedEp]):
-    the head starts a command with [`send_command`][metrale_model_engine.EpLink.send_command] (one message) or item by
-    item ([`send_header`][metrale_model_engine.EpLink.send_header],
-    [`send_word`][metrale_model_engine.EpLink.send_word], [`send_tokens`][metrale_model_engine.EpLink.send_tokens]: the
-    trait's per-word calls); a worker runs [`step`][metrale_model_engine.EpLink.step] in its loop, and the model's hook
-    reads the follow-ups with [`recv_word`][metrale_model_engine.EpLink.recv_word],
-    [`recv_tokens`][metrale_model_engine.EpLink.recv_tokens] and
-    [`recv_tokens_into`][metrale_model_engine.EpLink.recv_tokens_into].  It owns its transport:
-    [`close`][metrale_model_engine.EpLink.close] (or a ``with`` block) closes both.  Construction is collective: every
-    rank builds its link at the same point, and all confirm that they agree on the wire version, the
-    protocol, ``seq_id_on_wire`` and the slot count (on failure the transport stays
-    open, the caller's to close).
+    A model keeps its link in ``self.ep_link`` ([`LinkedEp`][metrale_model_engine.LinkedEp]): the head starts
+    a command with [`send_command`][metrale_model_engine.EpLink.send_command] (one message) or item by item
+    ([`send_header`][metrale_model_engine.EpLink.send_header], [`send_word`][metrale_model_engine.EpLink.send_word],
+    [`send_tokens`][metrale_model_engine.EpLink.send_tokens]: the trait's per-word calls); a worker runs
+    [`step`][metrale_model_engine.EpLink.step] in its loop, and the model's hook reads the follow-ups with
+    [`recv_word`][metrale_model_engine.EpLink.recv_word], [`recv_tokens`][metrale_model_engine.EpLink.recv_tokens]
+    and [`recv_tokens_into`][metrale_model_engine.EpLink.recv_tokens_into].  It owns its transport:
+    [`close`][metrale_model_engine.EpLink.close] (or a ``with`` block) closes both.  Construction is collective:
+    every rank builds its link at the same point, and all confirm that they agree on the wire version, the
+    protocol, ``seq_id_on_wire`` and the slot count (on failure the transport stays open, the caller's to close).
 
-    A send checks everything first (``TypeError``/``ValueError`` naming the
-    argument; nothing is sent) and raises ``EpRoleError`` on a worker, ``EpSendError``
-    when the transport fails.  A receive waits at most ``command_timeout`` and raises
-    ``EpMismatchError`` when the head sent something else (the item is consumed; a
-    next command's header stays for the next step), ``EpReceiveError`` when it
-    failed, ``EpRoleError`` on the head.  Once the run stopped ([`RunStopped`][metrale_model_engine.RunStopped]),
-    every send, step and sync point raises it.
+    A call of the other role's raises ``EpRoleError`` before anything else (a send or a sync point on a worker,
+    a step or a receive on the head).  A send checks everything first (``TypeError``/``ValueError`` naming
+    the argument; nothing is sent) and raises ``EpSendError`` when the transport fails.  A receive waits at
+    most ``command_timeout`` and raises ``EpMismatchError`` when the head sent something else (the item is
+    consumed; a next command's header stays for the next step), ``EpReceiveError`` when it failed.  Once the
+    run stopped ([`RunStopped`][metrale_model_engine.RunStopped]), every send, step and sync point raises it,
+    and the link has closed itself.
 
     Args:
         transport: the group of ranks to speak over.
@@ -293,7 +291,11 @@ class EpLink(ForwardCollectives):
         except BaseException as failure:
             shutdown(failure)  # the sync point's error says what went wrong, not this send's
             raise
-        shutdown(None)
+        try:
+            shutdown(None)
+        except RunStopped:
+            self._close_stopped()
+            raise
 
     def check_workers(self, timeout: float = 0.0) -> None:
         """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
@@ -377,7 +379,7 @@ class EpLink(ForwardCollectives):
     def recv_word(self) -> int:
         """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
 
-        Raises as a receive does (see the class).
+        Raises as a receive does (see the class); ``EpMismatchError`` also when the command came whole.
         """
         return self._reader.recv_word()
 

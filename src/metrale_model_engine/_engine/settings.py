@@ -113,7 +113,10 @@ def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, 
 
 
 class HeadOnly:
-    """Stands in, on a worker, for the head's parts: whatever is asked of them raises ``EpRoleError``."""
+    """Stands in, on a worker, for the head's parts: whatever is asked of them raises ``EpRoleError``.
+
+    Python's own probes (``__deepcopy__``, ``hasattr`` of a dunder) get ``AttributeError``, as from any object.
+    """
 
     __slots__ = ("_rank",)
 
@@ -121,15 +124,23 @@ class HeadOnly:
         self._rank = rank
 
     def __getattr__(self, name: str) -> NoReturn:
-        raise EpRoleError(f"only the head (rank 0) sends; this is worker rank {self._rank}")
+        if name.startswith("__"):
+            raise AttributeError(name)
+        what = "sends" if name.startswith("send") else "runs sync points and reads the workers' reports"
+        raise EpRoleError(f"only the head (rank 0) {what}; this is worker rank {self._rank}")
 
 
 class WorkerOnly:
-    """Stands in, on the head, for a worker's parts: whatever is asked of them raises ``EpRoleError``."""
+    """Stands in, on the head, for a worker's parts: whatever is asked of them raises ``EpRoleError``.
+
+    Python's own probes get ``AttributeError``, as from any object.
+    """
 
     __slots__ = ()
 
     def __getattr__(self, name: str) -> NoReturn:
+        if name.startswith("__"):
+            raise AttributeError(name)
         if name == "step":
             raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
         raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
