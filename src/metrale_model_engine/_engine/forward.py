@@ -3,6 +3,7 @@ stop on them (``ForwardCollectives``, a base of ``EpLink``; the scope they read 
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -68,9 +69,9 @@ class ForwardCollectives:
     _stand_in: ForwardCollectives | None
     """The link that counts this one's collectives while a replay runs (``testing.RecordingEp.replay``)."""
 
+    @abstractmethod
     def close(self) -> None:
         """Close the link (``EpLink.close``)."""
-        raise NotImplementedError
 
     def _close_stopped(self) -> None:
         """Once a part recorded that the run stopped, the link closes itself (once: ``close`` is idempotent)."""
