@@ -268,7 +268,9 @@ class ShmTransport:
         head may be gone).
 
         Raises:
-            ValueError: too many words, not u32 words, or ranks that sent other counts.
+            TypeError, ValueError: a word that is not a u32 (the message names ``words[i]``, as
+                [`check_u32`][metrale_model_engine.check_u32] words it); ``ValueError`` too for too many
+                words, or ranks that sent other counts.
             PeerLost, TransportTimeout, TransportClosed: a rank died, did not answer
                 in time, or this transport was closed.
         """
