@@ -1,6 +1,7 @@
 """The README and the docs: every python block is part of a program under examples/ (run by
-``tests/programs/test_examples.py``), every relative link resolves, the README stays short; the
-sources: every name and heading a docstring, a message or a comment points to exists."""
+``tests/programs/test_examples.py``, as is the README's model program), every relative link resolves,
+the README stays short; the sources: every name and heading a docstring, a message or a comment
+points to exists."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.readme import model_program, python_blocks
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
@@ -27,11 +30,14 @@ DOCUMENTS = sorted([ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "CONTRI
 
 
 def test_every_python_block_of_the_readme_and_the_docs_is_part_of_an_example() -> None:
+    """But the start of the README's model program, which ``tests/programs/test_examples.py`` runs with the rest."""
     sources = [path.read_text() for path in EXAMPLES.glob("*.py")]
-    readme_blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
-    assert readme_blocks, "the README has no python blocks"
+    assert python_blocks(ROOT / "README.md"), "the README has no python blocks"
+    _, start = model_program()
     for document in DOCUMENTS:
-        for block in re.findall(r"```python\n(.*?)```", document.read_text(), flags=re.DOTALL):
+        for block in python_blocks(document):
+            if document.name == "README.md" and block == start:
+                continue
             included = re.fullmatch(r'--8<-- "(examples/\w+\.py)"\n', block)  # a whole example (pymdownx.snippets)
             if included:
                 assert (ROOT / included.group(1)).is_file(), f"{document.name}: includes a missing {included.group(1)}"
@@ -55,8 +61,12 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves(document: Path)
             assert anchor in slugs, f"{document.name}: no heading {anchor!r} in {linked.name}"
 
 
+README_LINES = 275
+"""The README's budget: 250 until it showed its model program whole, ranks started and link made (#44)."""
+
+
 def test_the_readme_stays_a_front_door() -> None:
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+    assert len((ROOT / "README.md").read_text().splitlines()) <= README_LINES
 
 
 # Pointers in the sources: every name a docstring, a message or a comment gives (an autorefs link's
