@@ -22,10 +22,8 @@ import argparse
 import os
 import sys
 from collections.abc import MutableSequence, Sequence
-from typing import TextIO
 
 import torch
-import torch.distributed as dist
 
 from metrale_model_engine import EpLink, EpSetupError, LinkedEp, RunStopped, SequenceState, check_slot, run_worker
 from metrale_model_engine.torch import Collectives, init_group_from_env, open_link, run_group
@@ -41,24 +39,18 @@ def held(slots: Slots, seq_id: int) -> SequenceState:
     return state
 
 
-WIDTH, HIDDEN = 8, 32
-
-
 class TensorParallelMlp(torch.nn.Module, LinkedEp[SequenceState]):
     ep_collective_commands = frozenset({FORWARD})  # its forward has an all-reduce: a failure stops the run
-    embed: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
 
-    def __init__(self, link: EpLink) -> None:
+    def __init__(self, link: EpLink, width: int = 8, hidden: int = 32) -> None:
         super().__init__()
         self.ep_link = link  # the engine: setup agreement, sends, receives, the run's state
         self.collectives = Collectives(link)  # all-reduces that are bounded and stop the run when they fail
         weights = torch.Generator().manual_seed(0)  # every rank makes the same full weights, keeps its share
-        self.embed = torch.randn(256, WIDTH, generator=weights)
-        up, down = torch.randn(HIDDEN, WIDTH, generator=weights), torch.randn(WIDTH, HIDDEN, generator=weights)
-        mine = slice(link.rank * HIDDEN // link.world_size, (link.rank + 1) * HIDDEN // link.world_size)
-        self.up, self.down = up[mine], down[:, mine]
+        self.embed = torch.randn(256, width, generator=weights)
+        mine = slice(link.rank * hidden // link.world_size, (link.rank + 1) * hidden // link.world_size)
+        self.up = torch.randn(hidden, width, generator=weights)[mine]
+        self.down = torch.randn(width, hidden, generator=weights)[:, mine]
         self.checksum = 0.0  # of the last output: the same on every rank
 
     def mlp(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -104,9 +96,8 @@ class WithABug(TensorParallelMlp):
         super().ep_run_command(seq_id, cmd, slots)
 
 
-def serve(rank: int, world_size: int, transport: str, bug: bool) -> None:
-    """One rank's part; opening the link is collective over the group."""
-    with (WithABug if bug else TensorParallelMlp)(open_link(transport, num_slots=4)) as model:
+def serve(rank: int, world_size: int, transport: str, model_class: type[TensorParallelMlp]) -> None:
+    with model_class(open_link(transport, num_slots=4)) as model:
         slots: Slots = [None] * 4
         try:
             if rank == 0:
@@ -118,20 +109,10 @@ def serve(rank: int, world_size: int, transport: str, bug: bool) -> None:
                 model.ep_link.shutdown_workers()  # a sync point: raises if a worker failed a command or diverged
             else:
                 run_worker(model, slots)  # until the shutdown header
-            say(f"rank {rank} of {world_size}: slots {live(slots)}, last output {model.checksum:.4f}")
         except RunStopped as stopped:  # the run is over on every rank; the head's line says the most
-            say(f"error: {stopped}", sys.stderr)
-            raise SystemExit(1) from None
-
-
-def live(slots: Slots) -> dict[int, list[int]]:
-    return {state.seq_id: list(state.tokens) for state in slots if state is not None}
-
-
-def say(line: str, stream: TextIO = sys.stdout) -> None:
-    """Print ``line`` in one write, so that the ranks' lines never interleave."""
-    stream.write(line + "\n")
-    stream.flush()
+            raise SystemExit(f"error: {stopped}") from None  # that line on stderr, exit status 1
+        live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
+        print(f"rank {rank} of {world_size}: slots {live}, last output {model.checksum:.4f}", flush=True)
 
 
 def main() -> int:
@@ -139,16 +120,15 @@ def main() -> int:
     parser.add_argument("--transport", choices=["auto", "shm", "torch"], default="auto")
     parser.add_argument("--bug", action="store_true", help="worker rank 1 raises in its hook before the all-reduce")
     args = parser.parse_args()
+    model_class = WithABug if args.bug else TensorParallelMlp
     if "RANK" in os.environ:  # torchrun, or any launcher that sets the env:// variables
         init_group_from_env()
         try:
-            serve(dist.get_rank(), dist.get_world_size(), args.transport, args.bug)
-        except SystemExit as exit_:
-            return int(exit_.code or 0)
+            serve(torch.distributed.get_rank(), torch.distributed.get_world_size(), args.transport, model_class)
         finally:
-            dist.destroy_process_group()  # leave the group before the interpreter exits
+            torch.distributed.destroy_process_group()  # leave the group before the interpreter exits
         return 0
-    codes = run_group(serve, 2, args.transport, args.bug)  # a failed setup (EpSetupError) is raised here, once
+    codes = run_group(serve, 2, args.transport, model_class)  # a failed setup (EpSetupError) is raised here, once
     return 1 if any(codes) else 0
 
 

@@ -11,8 +11,8 @@ environment variable), and each worker attaches by name
 needs only the standard library and never imports torch.  Linux only (x86-64 and
 arm64): it sleeps on futexes and watches peers through pidfds.
 
-How the ring works, memory ordering included, is in ``_ring``'s docstring; how
-ranks wait, in ``_waiting``'s.  In short: the head writes each message into
+How the ring works, memory ordering included, is in ``_shm.ring``'s docstring; how
+ranks wait, in ``_shm.waiting``'s.  In short: the head writes each message into
 consecutive 64-byte-aligned records and never waits unless the ring is full; each
 worker copies messages out and publishes how far it read; a waiting rank spins,
 for as long as the gaps between its messages call for, then sleeps on a futex.

@@ -1,10 +1,10 @@
-"""A toy multi-rank model with real commands, for the tests and the benchmarks.
+"""A toy multi-rank model with real commands, for the tests and the examples.
 
 ``ToyModel`` serves sequences in slots with four commands (alloc, prefill with a
 prompt, decode, free).  Its "forward" is a rolling checksum over the tokens, so that
 every rank's slot state can be compared by digest.  It runs over any link: shared
-memory or torch.distributed in the demo, the in-memory doubles of
-[`metrale_model_engine.testing`][metrale_model_engine.testing] in unit tests.
+memory (``examples/shm_local.py``) or torch.distributed in the multi-rank tests, the
+in-memory doubles of [`metrale_model_engine.testing`][metrale_model_engine.testing] in unit tests.
 
 Each head method first checks everything that could fail, then sends the command
 in one message (``EpLink.send_command``), then applies it locally; the worker hook

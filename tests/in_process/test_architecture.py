@@ -21,6 +21,9 @@ one fails with that name, the importing file and line, and what it imported:
   12 modules besides its ``__init__``;
 * ``thin-fronts``: a public front defines no function or class of its own, but for the
   fronts ARCHITECTURE.md names as holding code (:data:`FRONTS_WITH_CODE`);
+* ``dynamic-imports``: no ``importlib.import_module(...)`` or ``__import__(...)`` that may reach
+  the package's own modules (a name of the package, a relative one, or one computed at run
+  time), which the rules above cannot read, but for :data:`DYNAMIC_IMPORTS`;
 * ``drawing``: the table in ARCHITECTURE.md is :data:`MAY_IMPORT` and :data:`OUTSIDE`.
 """
 
@@ -101,6 +104,12 @@ FRONTS_WITH_CODE = frozenset({"batching", "testing", "toy"})
 
 FRONT_HOOKS = frozenset({"__getattr__", "__dir__"})
 """What a thin front may still define: the module hooks of PEP 562."""
+
+DYNAMIC_IMPORTS: dict[str, tuple[str, str]] = {
+    "the package's deprecated names, imported from their new home on first use": (PACKAGE, "__getattr__"),
+}
+"""Allowed imports by a name given at run time: a short name for each, with (the module, the function
+the call is in).  The one shim: a renamed name's new home is a public front, whatever the table says."""
 
 
 @dataclass(frozen=True)
@@ -350,6 +359,72 @@ def test_the_public_fronts_stay_thin_but_the_named_ones() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name not in FRONT_HOOKS:
                 broken.append(f"[thin-fronts] {path.relative_to(ROOT)}:{node.lineno} defines {node.name}")
     assert not broken, "\n".join(broken)
+
+
+def dynamic_imports(module: str, path: Path, source: str) -> list[str]:
+    """Every ``importlib.import_module(...)``/``__import__(...)`` in ``source`` that may reach the package's own
+    modules (a literal name of the package or a relative one, or a name computed at run time), but the allowed."""
+    allowed = set(DYNAMIC_IMPORTS.values())
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.Call) and (module, function) not in allowed:
+                call = ast.unparse(child.func)
+                if call in ("importlib.import_module", "import_module", "__import__", "importlib.__import__"):
+                    target = child.args[0] if child.args else None
+                    named = target.value if isinstance(target, ast.Constant) else None
+                    if not isinstance(named, str):
+                        what = "a name computed at run time"
+                    elif named.startswith(".") or named.split(".")[0] == PACKAGE:
+                        what = repr(named)
+                    else:
+                        what = None  # another package's module, by name
+                    if what is not None:
+                        found.append(
+                            f"[dynamic-imports] {path.relative_to(ROOT)}:{child.lineno} imports {what} with {call}: "
+                            "write an import statement, which the layers' rules read"
+                        )
+            visit(child, inside)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_no_module_imports_the_packages_own_modules_by_a_name_given_at_run_time() -> None:
+    broken = [line for module, path in MODULES.items() for line in dynamic_imports(module, path, path.read_text())]
+    assert not broken, "\n".join(broken)
+
+
+def test_an_import_by_name_of_the_packages_own_modules_is_found_but_the_shim() -> None:
+    planted = f"""
+import importlib
+from importlib import import_module
+
+
+def reach(name):
+    import_module("{PACKAGE}.reference")
+    __import__("{PACKAGE}._core.words")
+    importlib.import_module(".words", package="{PACKAGE}._core")
+    importlib.import_module("json")  # another package's: the outside rule's business, not this one's
+
+
+def __getattr__(name):
+    return importlib.import_module(name)
+"""
+    in_core = dynamic_imports(f"{PACKAGE}._core.planted", SOURCE / "_core" / "planted.py", planted)
+    assert [line.split(" imports ")[1].split(" with ")[0] for line in in_core] == [
+        f"'{PACKAGE}.reference'",
+        f"'{PACKAGE}._core.words'",
+        "'.words'",
+        "a name computed at run time",
+    ]
+    assert in_core[0] == (
+        f"[dynamic-imports] src/{PACKAGE}/_core/planted.py:7 imports '{PACKAGE}.reference' with import_module: "
+        "write an import statement, which the layers' rules read"
+    )
+    assert len(dynamic_imports(PACKAGE, SOURCE / "__init__.py", planted)) == 3  # the shim's own call is allowed
 
 
 def drawn_table() -> dict[str, tuple[frozenset[str], frozenset[str]]]:

@@ -12,8 +12,12 @@ group: ``tests/ranks/test_torch.py``.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import sys
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
@@ -143,3 +147,38 @@ def test_the_watch_shuts_down_gloos_connections_and_no_other(store: TCPStore) ->
     before = other.add("x", 1)
     assert sever_group_connections(store) == 0  # no group here: nothing of gloo's to end
     assert other.add("x", 1) == before + 1
+
+
+class Published:
+    """A store whose one record holds a ``sockaddr_in``, as gloo's rendezvous records hold each rank's."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        host, port = address
+        self._record = socket.AF_INET.to_bytes(2, sys.byteorder) + port.to_bytes(2, "big") + socket.inet_aton(host)
+
+    def list_keys(self) -> list[str]:
+        return ["rank0"]
+
+    def get(self, key: str) -> bytes:
+        return self._record
+
+
+def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program's own socket read, when the descriptors were listed, as one of gloo's: it is another now."""
+    with socket.create_server(("127.0.0.1", 0)) as gloos, socket.create_server(("127.0.0.1", 0)) as programs:
+        gloo = socket.create_connection(gloos.getsockname())
+        gloo_end, _ = gloos.accept()  # this process holds both ends: each has an end at the published address
+        own = socket.create_connection(programs.getsockname())
+        own_end, _ = programs.accept()
+        read = os.readlink
+        as_gloos = read(f"/proc/self/fd/{gloo.fileno()}")
+        monkeypatch.setattr(
+            os, "readlink", lambda path: as_gloos if path == f"/proc/self/fd/{own.fileno()}" else read(path)
+        )
+        assert sever_group_connections(cast(TCPStore, Published(gloos.getsockname()))) == 2  # gloo's two ends
+        monkeypatch.undo()
+        own.sendall(b"x")
+        assert own_end.recv(1) == b"x"  # the program's own connection still carries its byte
+        assert gloo_end.recv(1) == b""  # gloo's is shut down
+        for connection in (gloo, gloo_end, own, own_end):
+            connection.close()

@@ -330,10 +330,12 @@ def test_gather_collects_every_rank_and_removes_the_name() -> None:
 
 def test_gather_refuses_what_is_not_13_u32_words(pair: tuple[ShmTransport, ShmTransport]) -> None:
     head, _ = pair
-    with pytest.raises(ValueError, match="at most 13 u32 words"):
+    with pytest.raises(ValueError, match=r"at most 13 u32 words, got 14: \[0, 1, "):
         head.gather(list(range(14)))
-    with pytest.raises(ValueError, match="at most 13 u32 words"):
-        head.gather([-1])
+    with pytest.raises(ValueError, match=r"^words\[1\]=-1 is outside the u32 range 0 ..= 4294967295"):
+        head.gather([0, -1])
+    with pytest.raises(TypeError, match=r"^words\[0\] must be an int in 0 ..= 4294967295 \(0xFFFFFFFF\), got bool"):
+        head.gather([True])
 
 
 def test_gather_gives_up_after_the_setup_timeout() -> None:

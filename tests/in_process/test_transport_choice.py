@@ -1,16 +1,23 @@
-"""How ``open_transport`` groups the ranks by host from the rows every rank gathers, and what it refuses."""
+"""How ``open_transport`` groups the ranks by host from the rows every rank gathers, what it refuses, and how
+a failed exchange of the rings' setup ends."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import cast
 
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-from metrale_model_engine import EpSetupError
+import torch.distributed as dist
+
+from metrale_model_engine import EpLinkError, EpSetupError
+from metrale_model_engine._launch import choice
 from metrale_model_engine._launch.choice import _choose, ranks_by_host
+from metrale_model_engine.shm import ShmTransport, shm_supported
 from metrale_model_engine.torch import TRANSPORT_KINDS, TorchTransport, TransportKind
 
 pytestmark = pytest.mark.torch
@@ -58,3 +65,81 @@ def test_shm_is_refused_on_hosts_of_one_rank_each_naming_the_ranks_elsewhere() -
 @pytest.mark.parametrize("kind", ["auto", "torch"])
 def test_hosts_of_one_rank_each_keep_the_flat_broadcast(kind: TransportKind) -> None:
     assert isinstance(choose(kind, ONE_RANK_HOSTS), RowsOnly)
+
+
+RING_STEPS = [
+    "passing each ring's name to its host",
+    "gathering whether every rank has its ring",
+    "gathering whether every ring's setup exchange passed",
+]
+"""The exchanges over the group while the rings are set up, in order."""
+
+
+class FailingOnTurn:
+    """Rank 0's choosing transport in a group of 3 ranks: exchange number ``failing`` (from 1) fails.
+
+    ``gather`` returns this rank's words and zeros for the others; ``all_gather_object``
+    (for ``torch.distributed``'s) fills in this rank's object and ``None`` for the others.
+    """
+
+    rank = 0
+    world_size = 3
+    group = None
+
+    def __init__(self, failing: int) -> None:
+        self.failing = failing
+        self.exchanges = 0
+
+    def _exchange(self) -> None:
+        self.exchanges += 1
+        if self.exchanges == self.failing:
+            raise RuntimeError("Connection reset by peer")
+
+    def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+        self._exchange()
+        return [list(words)] + [[0] * len(words)] * (self.world_size - 1)
+
+    def all_gather_object(self, objects: list[object], mine: object, group: object = None) -> None:
+        self._exchange()
+        objects[self.rank] = mine
+
+
+@pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
+@pytest.mark.parametrize("failing", [1, 2, 3], ids=RING_STEPS)
+def test_a_failed_exchange_of_the_rings_setup_names_its_step_and_closes_the_ring(
+    failing: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 creates the ring of host [0, 1] (rank 2 is on a host of its own); exchange ``failing`` fails.
+
+    For the third exchange the ring's setup gather must pass first: rank 1 of the ring
+    attaches and gathers in a thread.
+    """
+    base = FailingOnTurn(failing)
+    monkeypatch.setattr(dist, "all_gather_object", base.all_gather_object)
+    made: list[ShmTransport] = []
+    peers: list[threading.Thread] = []
+    create = ShmTransport.create
+
+    def recorded(world_size: int, *, spin_time: float, max_spin_time: float) -> ShmTransport:
+        ring = create(world_size, spin_time=spin_time, max_spin_time=max_spin_time)
+        made.append(ring)
+        if failing == 3:
+            peers.append(threading.Thread(target=attach_and_confirm, args=(ring.name,), daemon=True))
+            peers[0].start()
+        return ring
+
+    monkeypatch.setattr(ShmTransport, "create", recorded)
+    step = RING_STEPS[failing - 1]
+    with pytest.raises(EpLinkError, match=f"^rank 0: choosing the transport failed while {step}: RuntimeError: "):
+        choice._host_rings(cast(TorchTransport, base), "shm", [[0, 1], [2]], (0.001, 0.001))
+    for peer in peers:
+        peer.join(10.0)
+    (ring,) = made
+    assert base.exchanges == failing  # nothing more after the failed one
+    assert ring.closed and not Path("/dev/shm", ring.name).exists()
+
+
+def attach_and_confirm(name: str) -> None:
+    """Rank 1 of the ring: attach, take part in the setup gather, leave."""
+    with ShmTransport.attach(name, 1, setup_timeout=10.0) as ring:
+        ring.gather([0])

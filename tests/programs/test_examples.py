@@ -1,5 +1,6 @@
-"""The programs under examples/ run as a user runs them, and end cleanly (ten times over); the README's
-blocks that are part of them are checked in ``tests/in_process/test_docs.py``."""
+"""The programs under examples/ run as a user runs them, and end cleanly (ten times over), and so does the
+README's model program, put together from its blocks; that the README's blocks are part of the examples is
+checked in ``tests/in_process/test_docs.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers.readme import model_program
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -61,6 +64,23 @@ def slot_lines(output: str) -> list[str]:
 def test_ep_example_starts_its_own_ranks(protocol: str) -> None:
     pytest.importorskip("torch")
     done = run_example("ep_model.py", protocol)
+    lines = slot_lines(done.stdout)
+    assert len(lines) == 2 and lines[0] == lines[1], done.stdout
+    assert lines[0].startswith("slots {0: [65, 97, 66, 97, 67, 97], 2: [65, 99, 66, 99, 67, 99]}, last output ")
+
+
+@pytest.mark.torch
+def test_the_readmes_model_program_runs_as_shown(tmp_path: Path) -> None:
+    """The README's model blocks and the block that starts them, copied into one file as a user would."""
+    pytest.importorskip("torch")
+    program, _ = model_program()
+    script = tmp_path / "readme_model.py"
+    script.write_text(program)
+    env = {key: value for key, value in os.environ.items() if key != "RANK"}  # not under a launcher
+    done = subprocess.run(
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr
     lines = slot_lines(done.stdout)
     assert len(lines) == 2 and lines[0] == lines[1], done.stdout
     assert lines[0].startswith("slots {0: [65, 97, 66, 97, 67, 97], 2: [65, 99, 66, 99, 67, 99]}, last output ")

@@ -2,7 +2,7 @@
 
 A wrong type is a ``TypeError``, a wrong value of the right type a ``ValueError``;
 every message names the argument, what it must be, and what it got.  ``bool`` is
-never a number here.  (u32 words have their own policy in ``_words``.)
+never a number here.  (u32 words have their own policy in ``_core.words``.)
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import logging
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Final, Literal
 
 import torch
@@ -78,7 +80,8 @@ def open_transport(
             or ``None``, or ``head_lost_after`` is shorter than 4 heartbeats
             (checked before the group is touched).
         EpSetupError: the ranks asked for different kinds, or ``"shm"`` cannot be had.
-        EpLinkError: the exchange over the group failed.
+        EpLinkError: an exchange over the group failed (the message names which); a ring this
+            rank made or attached is closed first.
     """
     chosen = check_choice("transport", kind, TRANSPORT_KINDS)
     liveness = checked_liveness(heartbeat, head_lost_after)
@@ -97,10 +100,8 @@ def _choose(
     base: TorchTransport, chosen: TransportKind, spins: tuple[float, float]
 ) -> TorchTransport | ShmTransport | HostsTransport:
     """``open_transport`` past its checks: every rank's kind and host over ``base``, then the choice."""
-    try:
+    with _exchange(base, "gathering every rank's kind and host"):
         everyone = base.gather([TRANSPORT_KINDS.index(chosen), *_host_words()])
-    except Exception as error:
-        raise EpLinkError(f"rank {base.rank}: choosing the transport failed: {error}") from error
     problem = disagreement(base.rank, "transport", [TRANSPORT_KINDS[words[0]] for words in everyone], repr)
     if problem is not None:
         raise EpSetupError(problem)
@@ -189,31 +190,40 @@ def _host_rings(
 ) -> TorchTransport | ShmTransport | None:
     """One ring per host of several ranks: its lowest rank creates it, the name travels over ``base``, the others
     attach, every rank confirms.  This rank's ring (``None`` on a host alone), or ``base`` when ``auto`` falls back.
+
+    A failed exchange over ``base`` raises ``EpLinkError`` naming its step; this rank's ring is closed on
+    every way out but its return (its name removed from ``/dev/shm`` where this rank created it).
     """
     members = next(host for host in hosts if base.rank in host)
     ring: ShmTransport | None = None
     problem: str | None = None
     name_words = [0] * _NAME_WORDS
-    if base.rank == members[0] and len(members) > 1:
-        try:
-            ring = ShmTransport.create(len(members), spin_time=spins[0], max_spin_time=spins[1])
-            name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
-        except RING_SETUP_ERRORS as error:
-            problem = setup_reason(error)
-    name = array(U32_TYPECODE, base.gather(name_words)[members[0]]).tobytes().rstrip(b"\0").decode()
-    if base.rank != members[0] and name:
-        try:
-            ring = ShmTransport.attach(name, members.index(base.rank), spin_time=spins[0], max_spin_time=spins[1])
-        except RING_SETUP_ERRORS as error:
-            problem = setup_reason(error)
-    failed = _failures(base, problem)
-    if not failed and len(hosts) > 1:  # every rank, so that one ring's failed exchange fails every rank
-        if ring is not None:
+    try:
+        if base.rank == members[0] and len(members) > 1:
             try:
-                ring.gather([0])  # every reader attached: the head of the ring removes its name
-            except Exception as error:  # noqa: BLE001  (said to every rank just below)
-                problem = f"the ring's setup exchange failed: {error}"
-        failed = _failures(base, problem)
+                ring = ShmTransport.create(len(members), spin_time=spins[0], max_spin_time=spins[1])
+                name_words = array(U32_TYPECODE, ring.name.encode().ljust(4 * _NAME_WORDS, b"\0")).tolist()
+            except RING_SETUP_ERRORS as error:
+                problem = setup_reason(error)
+        with _exchange(base, "passing each ring's name to its host"):
+            name = array(U32_TYPECODE, base.gather(name_words)[members[0]]).tobytes().rstrip(b"\0").decode()
+        if base.rank != members[0] and name:
+            try:
+                ring = ShmTransport.attach(name, members.index(base.rank), spin_time=spins[0], max_spin_time=spins[1])
+            except RING_SETUP_ERRORS as error:
+                problem = setup_reason(error)
+        failed = _failures(base, problem, "gathering whether every rank has its ring")
+        if not failed and len(hosts) > 1:  # every rank, so that one ring's failed exchange fails every rank
+            if ring is not None:
+                try:
+                    ring.gather([0])  # every reader attached: the head of the ring removes its name
+                except Exception as error:  # noqa: BLE001  (said to every rank just below)
+                    problem = f"the ring's setup exchange failed: {error}"
+            failed = _failures(base, problem, "gathering whether every ring's setup exchange passed")
+    except BaseException:
+        if ring is not None:
+            ring.close()
+        raise
     if not failed:
         return ring
     if ring is not None:
@@ -226,11 +236,23 @@ def _host_rings(
     raise failure
 
 
-def _failures(base: TorchTransport, problem: str | None) -> dict[int, str]:
-    """Every rank's setup problem over the whole group, by rank (collective)."""
+def _failures(base: TorchTransport, problem: str | None, step: str) -> dict[int, str]:
+    """Every rank's setup problem over the whole group, by rank (collective; ``step`` names it in its error)."""
     reasons: list[object] = [None] * base.world_size
-    dist.all_gather_object(reasons, problem, group=base.group)
+    with _exchange(base, step):
+        dist.all_gather_object(reasons, problem, group=base.group)
     return {rank: str(reason) for rank, reason in enumerate(reasons) if reason is not None}
+
+
+@contextmanager
+def _exchange(base: TorchTransport, step: str) -> Iterator[None]:
+    """One exchange of the choice over ``base``: its failure is an ``EpLinkError`` that names ``step``."""
+    try:
+        yield
+    except Exception as error:
+        raise EpLinkError(
+            f"rank {base.rank}: choosing the transport failed while {step}: {type(error).__name__}: {error}"
+        ) from error
 
 
 def _leaders(base: TorchTransport, hosts: list[list[int]], ring: ShmTransport | None) -> HostsTransport:

@@ -8,7 +8,7 @@ waits (bounded) only when every slot is unread.  The head learns that something 
 waiting from one load of the answered line against what it saw last (no barrier and
 no system call when nothing is), reads every published slot, then publishes how far
 it read.  Both sides park on the other's count with the same handshake as the ring
-(see ``_waiting``), and every wait checks its peers.  Stores are ordered as in the
+(see ``_shm.waiting``), and every wait checks its peers.  Stores are ordered as in the
 ring: payload, then count, then the answered byte.
 """
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .._core.transport import GATHER_WORDS, PeerLost, TransportClosed, TransportTimeout
+from .._core.words import u32_values
 from .._host.liveness import ProcessWatch
 from . import futex
 from .segment import BELL_AT, HEAD_PID_AT, Segment
@@ -23,8 +24,9 @@ from .waiting import DEFAULT_SPIN_TIME, wait_until
 class SetupGather:
     """The gathers of one rank of a ring, counted by generation.
 
-    Raises from ``gather`` (plain errors): ``ValueError`` for words that are not
-    at most ``GATHER_WORDS`` u32 words or counts that differ between ranks,
+    Raises from ``gather`` (plain errors): ``TypeError`` or ``ValueError`` for a word
+    that is not a u32 (as [`check_u32`][metrale_model_engine.check_u32] says, naming ``words[i]``),
+    ``ValueError`` for more than ``GATHER_WORDS`` words or counts that differ between ranks,
     [`PeerLost`][metrale_model_engine.transport.PeerLost] when a rank of the ring died,
     [`TransportTimeout`][metrale_model_engine.transport.TransportTimeout] past ``setup_timeout``,
     [`TransportClosed`][metrale_model_engine.transport.TransportClosed] once ``closed`` is set.
@@ -42,9 +44,9 @@ class SetupGather:
 
     def gather(self, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
         """Every rank's ``words``, by rank; collective, each wait bounded by ``timeout`` (default the setup's)."""
-        values = list(words)
-        if len(values) > GATHER_WORDS or not all(type(v) is int and 0 <= v <= 0xFFFF_FFFF for v in values):
-            raise ValueError(f"gather takes at most {GATHER_WORDS} u32 words, got {values!r}")
+        if len(words) > GATHER_WORDS:
+            raise ValueError(f"gather takes at most {GATHER_WORDS} u32 words, got {len(words)}: {list(words)!r}")
+        values = u32_values("words", words)
         segment = self._segment
         layout, u32 = segment.layout, segment.u32
         generation = self._generation + 1

@@ -140,8 +140,7 @@ class RingWriter:
             while True:
                 at = self._next
                 spot = at % ring
-                end = offset + chunk if total - offset > chunk else total
-                size = (RECORD_HEADER + end - offset + LINE - 1) & -LINE
+                end, size = _record(offset, total, chunk)
                 wrap = spot + size > ring  # no room before the ring's end: a marker, then the record at its start
                 if wrap:
                     size = ring - spot
@@ -332,10 +331,10 @@ class RingReader:
                 if total > len(self._inbox):
                     self._inbox = bytearray(max(total, 2 * len(self._inbox)))
                     self._inbox_view = memoryview(self._inbox)
-            end = offset + chunk if total - offset > chunk else total
+            end, size = _record(offset, total, chunk)
             start = record + RECORD_HEADER
             self._inbox_view[offset:end] = view[start : start + end - offset]
-            self._consumed(at + ((RECORD_HEADER + end - offset + LINE - 1) & -LINE))
+            self._consumed(at + size)
             if end >= total:
                 return self._inbox_view[:total]
             offset = end
@@ -395,6 +394,13 @@ class RingReader:
         """Mark this worker gone for the head, keeping the first reason (a failure, then close)."""
         if not self._bytes[GONE_AT + self._reader]:
             self._bytes[GONE_AT + self._reader] = why
+
+
+def _record(offset: int, total: int, chunk: int) -> tuple[int, int]:
+    """The record that carries a ``total``-byte message from byte ``offset``, at most ``chunk`` of them: where its
+    bytes end in the message, and the bytes it takes in the ring (its header line and payload, whole lines)."""
+    end = offset + chunk if total - offset > chunk else total
+    return end, (RECORD_HEADER + end - offset + LINE - 1) & -LINE
 
 
 def _nothing() -> None:

@@ -126,7 +126,7 @@ class ShmTransport:
                 workers copy out while the head writes the next.
             spin_time: seconds a waiting rank spins at least before it sleeps (``>= 0``).
             max_spin_time: seconds a worker spins at most, when its messages come that
-                often (see ``_waiting.SpinBudget``; equal to ``spin_time``, the
+                often (see ``_shm.waiting.SpinBudget``; equal to ``spin_time``, the
                 learning is off).
             setup_timeout: seconds a gather waits for every rank (``> 0``).
 
@@ -268,7 +268,9 @@ class ShmTransport:
         head may be gone).
 
         Raises:
-            ValueError: too many words, not u32 words, or ranks that sent other counts.
+            TypeError, ValueError: a word that is not a u32 (the message names ``words[i]``, as
+                [`check_u32`][metrale_model_engine.check_u32] words it); ``ValueError`` too for too many
+                words, or ranks that sent other counts.
             PeerLost, TransportTimeout, TransportClosed: a rank died, did not answer
                 in time, or this transport was closed.
         """
@@ -289,7 +291,7 @@ class ShmTransport:
     # -- the way back ----------------------------------------------------------
 
     def answer(self, answer: Buffer, timeout: float | None) -> None:
-        """Worker: put one answer in this worker's answer ring, at once (see ``_answers``)."""
+        """Worker: put one answer in this worker's answer ring, at once (see ``_shm.answers``)."""
         if self._answers_out is None or self._closed:
             raise TransportClosed("this ShmTransport was closed" if self._closed else "the head does not answer")
         self._answers_out.send(answer, timeout)

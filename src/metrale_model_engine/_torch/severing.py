@@ -29,8 +29,10 @@ def sever_group_connections(store: TCPStore) -> int:
     """Shut down this process's TCP connections that gloo made; return how many (see the module).
 
     Gloo's are those with an end at an address some rank published in ``store``
-    (its rendezvous records hold each rank's ``sockaddr``).  Best effort: with a
-    store that cannot list its keys (an older torch), none.
+    (its rendezvous records hold each rank's ``sockaddr``).  A descriptor is shut down
+    only while it is still the socket found (one closed and reused meanwhile by another
+    thread is left alone).  Best effort: with a store that cannot list its keys (an
+    older torch), none.
     """
     try:
         published = b"\0".join(store.get(key) for key in store.list_keys())
@@ -49,6 +51,8 @@ def sever_group_connections(store: TCPStore) -> int:
             continue
         try:
             with socket.socket(fileno=os.dup(int(fd))) as connection:
+                if f"socket:[{os.fstat(connection.fileno()).st_ino}]" != target:
+                    continue  # closed and reused since it was read: another of the program's files now
                 connection.shutdown(socket.SHUT_RDWR)
             severed += 1
         except OSError as error:
