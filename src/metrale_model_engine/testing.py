@@ -28,8 +28,8 @@ from ._core.protocol import ProtocolVersion
 from ._core.state import S
 from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from ._engine.forward import command_in_flight
-from ._engine.link import EpLink, route_collectives
+from ._engine.forward import collectives_counted_by
+from ._engine.link import EpLink, command_in_flight
 from ._trait.linked_ep import LinkedEp
 from ._trait.model_ep import ModelEp
 from ._trait.worker_loop import WorkerSummary, run_worker
@@ -291,11 +291,10 @@ class RecordingEp(LinkedEp[S]):
         # The attribute lives in the subclass (a slot, or the instance dict of an nn.Module),
         # which the type LinkedEp cannot name: setattr keeps that the subclass's business.
         setattr(worker, "ep_link", link)  # noqa: B010
-        route_collectives(own, link)
         try:
-            return run_worker(compared, slots, logger=logger)
+            with collectives_counted_by(own, link):
+                return run_worker(compared, slots, logger=logger)
         finally:
-            route_collectives(own, None)
             setattr(worker, "ep_link", own)  # noqa: B010
 
 

@@ -22,11 +22,11 @@ from metrale_model_engine import (
     SequenceState,
     run_worker,
 )
-from metrale_model_engine._core.codec import report_text
-from metrale_model_engine._engine.run_state import ran_no_collective, undeclared
 from metrale_model_engine.testing import RecordingEp, RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
+
+from helpers.pair import LinkPair
 
 FORWARD, EMPTY, OPEN = 7, 8, 9
 Slots = MutableSequence[SequenceState | None]
@@ -107,9 +107,20 @@ def test_a_collective_in_a_command_not_declared_is_refused_naming_what_to_declar
 
 
 @pytest.mark.parametrize("cmd", [0, 0xFFFF, 0x10000, 0xFFFFFFFE])
-def test_a_workers_refusal_fits_one_answer_whole_whatever_the_word(cmd: int) -> None:
-    for text in (ran_no_collective(cmd), undeclared("worker rank 1", "an all-reduce", cmd)):
-        assert report_text(text) == text.encode()  # not cut: what to declare reaches the head
+@pytest.mark.parametrize("declared", [True, False], ids=["ran-none", "undeclared"])
+def test_a_workers_refusal_fits_one_answer_whole_whatever_the_word(cmd: int, declared: bool) -> None:
+    pair = LinkPair(
+        (lambda seq_id, cmd, slots: None) if declared else lambda seq_id, cmd, slots: pair.stepping.check_collective(),
+        collective={cmd} if declared else frozenset(),
+    )
+    pair.head.send_command(0, cmd)
+    with pytest.raises(EpCommandRefused):
+        pair.step()
+    with pytest.raises(RunStopped) as info:
+        pair.head.send_command(0, cmd)
+    (failure,) = info.value.failures
+    end = "link.empty_forward()" if declared else "not leave them in the collective)"
+    assert failure.error.endswith(end), failure.error  # not cut: what to declare reaches the head whole
 
 
 def test_a_workers_collective_block_declares_the_part_of_its_hook_that_runs_collectives() -> None:

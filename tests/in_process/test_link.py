@@ -25,7 +25,7 @@ from metrale_model_engine import (
     SequenceState,
     WorkerFailure,
 )
-from metrale_model_engine._engine.settings import WORKER_ONLY, HeadOnly
+from metrale_model_engine._engine.roles import WORKER_ONLY, HeadOnly
 from metrale_model_engine._host.liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
 from metrale_model_engine.wire import (
