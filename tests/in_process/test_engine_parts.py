@@ -84,11 +84,12 @@ def test_the_heads_collective_block_ends_its_forward_which_must_have_run_a_colle
     block = CollectiveBlock(parts, HeadRole(parts, {}))
     stream, scope, run = parts.stream, parts.scope, parts.state
     stream.begin(3, 0xE0)
-    scope.begin(False)
+    scope.begin(False, True)
     with block:
+        assert not scope.due  # entered: the forward owed runs
         scope.ran += 1  # what check_collective counts
     assert not scope.open and run.stopped is None
-    scope.begin(False)
+    scope.begin(False, False)
     with pytest.raises(RunStopped) as info, block:
         pass  # a forward that skipped its all-reduce, or called torch.distributed directly
     assert str(info.value).startswith("head: the run stopped in command 1 (seq_id=3, cmd=224): it ran no collective")
@@ -98,12 +99,12 @@ def test_the_heads_collective_block_ends_its_forward_which_must_have_run_a_colle
 def test_a_forward_declared_empty_runs_no_collective_and_a_workers_block_leaves_the_count_to_its_step() -> None:
     parts = parts_of(RecordingTransport(2))
     scope = parts.scope
-    scope.begin(False)
+    scope.begin(False, False)
     scope.empty = True  # what empty_forward() says
     with CollectiveBlock(parts, HeadRole(parts, {})):
         pass
     worker = parts_of(ReplayTransport([]))
-    worker.scope.begin(False)
+    worker.scope.begin(False, False)
     with CollectiveBlock(worker, WorkerRole(worker)):
         assert worker.scope.allows()  # inside a block, a collective of a command not declared is allowed
     assert worker.scope.open and not worker.scope.allows()
@@ -112,8 +113,8 @@ def test_a_forward_declared_empty_runs_no_collective_and_a_workers_block_leaves_
 
 def test_one_rank_keeps_no_scope() -> None:
     scope = ForwardScope(False)
-    scope.begin(False)
-    assert not scope.open and scope.allows()
+    scope.begin(False, True)
+    assert not scope.open and scope.allows() and not scope.due  # nothing was sent: nothing is owed
 
 
 def test_an_interrupt_in_a_collective_block_passes_and_ends_the_run() -> None:

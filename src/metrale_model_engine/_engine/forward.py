@@ -5,7 +5,7 @@ base of ``EpLink``: the block, the checks, the values every rank must agree on).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 
@@ -34,6 +34,7 @@ class CollectiveBlock:
         self._role = role
 
     def __enter__(self) -> None:
+        self._role.entered()
         self._scope.blocks += 1
 
     def __exit__(
@@ -91,6 +92,7 @@ class Forward:
         if not scope.open and scope.enforced:
             raise RuntimeError("empty_forward() speaks of the forward of a command in flight, and none is here")
         scope.empty = True
+        scope.entered()
 
     def failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
         """``EpLink.collective_failed``: stop the run (once); return what to raise."""
@@ -110,6 +112,10 @@ class Forward:
         transport, settings, _, _, scope = self._parts
         scope.ran += 1
         assert_ranks_agree(transport, settings, values)
+
+    def declare(self, commands: Container[int]) -> None:
+        """``declare_collective_commands``: the role's business."""
+        self._role.declare(commands)
 
 
 class ForwardCollectives:
@@ -138,6 +144,14 @@ class ForwardCollectives:
         On the head the block's end is the end of the command's forward, which must
         have run a collective ([`check_collective`][metrale_model_engine.EpLink.check_collective]) or said it has none
         ([`empty_forward`][metrale_model_engine.EpLink.empty_forward]): else the run stops, "it ran no collective".
+        And the head must enter it: a command whose word runs collectives (its model's
+        ``ep_collective_commands``, handed to the link as a ``LinkedEp`` model takes
+        it; for a link no such model holds, the words of its earlier ``collective()``
+        blocks) whose forward the head skipped (an early return, a cache hit) is
+        refused at the head's next send or sync point, naming the command: the run
+        stops there, before a later forward could meet the workers' collectives off by
+        one.  A word the head has not learned yet (no model declared it, and none of
+        its forwards ran here) is not checked.
 
         Raises:
             RunStopped: the block raised, its forward ran no collective, or the run stopped earlier.
@@ -172,8 +186,8 @@ class ForwardCollectives:
 
         For a forward of a command of ``ep_collective_commands`` (or a head's
         ``collective()`` block) that is legitimately empty (a batch of nothing, say):
-        without it, such a forward is refused as one that ran no collective.  A no-op
-        on one rank.
+        without it, such a forward is refused as one that ran no collective.  On the
+        head it also counts as entering the forward.  A no-op on one rank.
 
         Raises:
             RuntimeError: no command's forward is in flight here.
@@ -222,6 +236,15 @@ class ForwardCollectives:
         [`gather_u32`][metrale_model_engine.EpLink.gather_u32] otherwise.
         """
         self._forward.agree(values)
+
+
+def declare_collective_commands(link: ForwardCollectives, commands: Container[int]) -> None:
+    """Hand ``link`` its model's ``ep_collective_commands`` (``LinkedEp`` does, as the model takes the link).
+
+    The head then owes the forward of each such command (see ``EpLink.collective``);
+    a worker is given them at each step instead, and ignores this.
+    """
+    link._forward.declare(commands)
 
 
 @contextmanager

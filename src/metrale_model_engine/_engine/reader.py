@@ -110,7 +110,7 @@ class CommandReader:
         way_back = self._way_back
         way_back.collective = cmd in collective
         scope = self._scope
-        scope.begin(way_back.collective)
+        scope.begin(way_back.collective, False)  # a worker owes nothing: it runs each forward as it steps
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)

@@ -6,14 +6,15 @@ the other side's parts that raise ``EpRoleError`` (``HeadOnly``, ``WorkerOnly``)
 and does what differs between the sides: how a collective that nothing declared is
 refused, what a failure inside ``collective()`` or of a collective makes of the run,
 what the end of the head's forward checks, what the link's close tells the others,
-and where the state digest goes.  A role is built from ``LinkParts`` alone (and, for the head, the pids of its
+where the state digest goes, and whether the model's ``ep_collective_commands``
+matter.  A role is built from ``LinkParts`` alone (and, for the head, the pids of its
 workers): a link can build one again over new parts.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Final, NoReturn, cast
 
 from .._core.errors import EpRoleError, RunStopped, command_word
@@ -72,8 +73,16 @@ class Role(ABC):
         """A collective (``what``) of the command in flight failed here: stop the run; return the error to raise."""
 
     @abstractmethod
+    def entered(self) -> None:
+        """A ``collective()`` block begins (the outermost one, of the command in flight)."""
+
+    @abstractmethod
     def forward_over(self) -> None:
         """The outermost ``collective()`` block ended without an error."""
+
+    @abstractmethod
+    def declare(self, commands: Container[int]) -> None:
+        """The model's ``ep_collective_commands``, handed over as it takes this link."""
 
     @abstractmethod
     def close(self) -> None:
@@ -83,18 +92,27 @@ class Role(ABC):
 class HeadRole(Role):
     """Rank 0: it sends, runs sync points and reads the workers' reports, and its forward runs in ``collective()``.
 
+    The head owes the forward of every command whose word runs collectives: the
+    workers wait in them.  It knows those words from its model's
+    ``ep_collective_commands`` (handed over as a ``LinkedEp`` model takes the link),
+    else it learns each word from its first ``collective()`` block; a command of one
+    whose forward it never entered is refused at its next send or sync point
+    (``HeadSender.forward_skipped``).
+
     Args:
         parts: the link's parts.
         pids: the pid of every worker on the head's host, by rank.
     """
 
-    __slots__ = ("_digest",)
+    __slots__ = ("_digest", "_learned")
 
     def __init__(self, parts: LinkParts, pids: Mapping[int, int]) -> None:
         reports = WorkerReports(parts, pids)
         sender = HeadSender(parts, reports)
         super().__init__(parts, sender, reports, SyncPoints(parts, sender, reports), cast(CommandReader, WORKER_ONLY))
         self._digest: StateDigest | None = None
+        self._learned: set[int] | None = set()  # the words learned from collective() blocks; None once declared
+        sender.owed_words(self._learned, declared=False)
 
     @property
     def state_digest(self) -> StateDigest | None:
@@ -121,6 +139,13 @@ class HeadRole(Role):
     def collective_failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
         return self.reports.collective_failed(error, what, grace)
 
+    def entered(self) -> None:
+        _, _, stream, _, scope = self._parts
+        if scope.open and not scope.blocks:  # the forward of the command in flight begins
+            scope.entered()
+            if self._learned is not None:
+                self._learned.add(stream.command[1])
+
     def forward_over(self) -> None:
         _, _, stream, state, scope = self._parts
         if not scope.open or scope.blocks:
@@ -135,6 +160,10 @@ class HeadRole(Role):
                     "every rank says so with link.empty_forward()"
                 )
             )
+
+    def declare(self, commands: Container[int]) -> None:
+        self._learned = None
+        self.sender.owed_words(commands, declared=True)
 
     def close(self) -> None:
         try:
@@ -181,8 +210,14 @@ class WorkerRole(Role):
     def collective_failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
         return self._way_back.witness(error, what)
 
+    def entered(self) -> None:
+        """Nothing: a worker's forward is its step, which it cannot skip."""
+
     def forward_over(self) -> None:
         """Nothing: a worker's step counts its forward's collectives (``ran_no_collective``)."""
+
+    def declare(self, commands: Container[int]) -> None:
+        """Nothing: a worker is given its collective commands at each step."""
 
     def close(self) -> None:
         """Nothing: the transport's close tells the head, as the worker's leaving does."""

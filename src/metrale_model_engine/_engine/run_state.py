@@ -134,7 +134,7 @@ class ForwardScope:
             no collective runs).
     """
 
-    __slots__ = ("blocks", "declared", "empty", "enforced", "open", "ran")
+    __slots__ = ("blocks", "declared", "due", "empty", "enforced", "open", "ran")
 
     def __init__(self, enforced: bool) -> None:
         self.enforced = enforced
@@ -143,6 +143,9 @@ class ForwardScope:
         end of its forward (its ``collective()`` block, or the next command)."""
         self.declared = False
         """The command is one of the worker's ``ep_collective_commands``: any part of its hook may run collectives."""
+        self.due = False
+        """This rank owes the command's forward: the other ranks wait in its collectives, so it must enter it (a
+        ``collective()`` block, or ``EpLink.empty_forward``) before its next command or sync point."""
         self.blocks = 0
         """``collective()`` blocks entered and not left."""
         self.ran = 0
@@ -150,12 +153,17 @@ class ForwardScope:
         self.empty = False
         """Its forward was declared empty on every rank (``EpLink.empty_forward``)."""
 
-    def begin(self, declared: bool) -> None:
-        """A command starts: its forward may run collectives anywhere if ``declared``, and has run none."""
+    def begin(self, declared: bool, due: bool) -> None:
+        """A command starts: its forward may run collectives anywhere if ``declared``, is owed if ``due``, ran none."""
         self.open = self.enforced
         self.declared = declared
+        self.due = due and self.enforced
         self.ran = 0
         self.empty = False
+
+    def entered(self) -> None:
+        """The forward of the command in flight runs now (a ``collective()`` block, or it is said to be empty)."""
+        self.due = False
 
     def allows(self) -> bool:
         """Whether a collective may run now: outside any command, or inside a declared one or a block."""

@@ -29,10 +29,11 @@ class SyncPoints:
         reports: the head's reading of its workers' reports.
     """
 
-    __slots__ = ("_agreed", "_number", "_reports", "_sender", "_settings", "_stream", "_transport")
+    __slots__ = ("_agreed", "_number", "_reports", "_scope", "_sender", "_settings", "_stream", "_transport")
 
     def __init__(self, parts: LinkParts, sender: HeadSender, reports: WorkerReports) -> None:
         self._transport, self._settings, self._stream = parts.transport, parts.settings, parts.stream
+        self._scope = parts.scope
         self._sender = sender
         self._reports = reports
         self._number = 0  # sync points sent
@@ -40,6 +41,8 @@ class SyncPoints:
 
     def sync(self, mine: int | None) -> None:
         """``EpLink.sync``, comparing state digests when ``mine`` (the head's) is given."""
+        if self._scope.due:
+            raise self._sender.forward_skipped("reached a sync point")
         reports = self._reports
         self._number += 1
         number = self._number
