@@ -21,7 +21,8 @@ from typing import Literal
 
 from typing_extensions import Buffer
 
-from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header, fold_message
+from ._core.codec import Ack, Item, ItemKind, decode_item, encode_ack, encode_header
+from ._core.digest import fold_message
 from ._core.errors import EpDivergenceError, describe_command
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
@@ -56,6 +57,15 @@ class EpEvent:
 Message = tuple[int, ...]
 """One message as its u32 words."""
 _FOLLOW_UPS = (ItemKind.WORD, ItemKind.TOKENS)
+
+
+def _items(words: memoryview) -> Iterator[Item]:
+    """The items of one message (its u32 words), in order."""
+    at = 0
+    while at < len(words):
+        item = decode_item(words, at)
+        at = item.end
+        yield item
 
 
 class RecordingTransport(HeadEnd):
@@ -97,11 +107,7 @@ class RecordingTransport(HeadEnd):
         if words and self.digest_of_state is not None and decode_item(words, 0).kind not in _FOLLOW_UPS:
             self.take_digest()
         self.messages.append(tuple(words.tolist()))
-        at = 0
-        while at < len(words):
-            item = decode_item(words, at)
-            at = item.end
-            self._commands += item.starts_command and item.first != CMD_SHUTDOWN
+        self._commands += sum(item.starts_command and item.first != CMD_SHUTDOWN for item in _items(words))
 
     def take_digest(self) -> None:
         """Keep the head's state digest (``digest_of_state``) as the state after the last command, if any."""
@@ -224,10 +230,7 @@ class RecordingEp(LinkedEp[S]):
         events: list[EpEvent] = []
         for message in self._recording.messages:
             words = memoryview(array(U32_TYPECODE, message))
-            at = 0
-            while at < len(words):
-                item = decode_item(words, at)
-                at = item.end
+            for item in _items(words):
                 if item.starts_command:
                     header = EpEvent("cmd_for_seq", (item.second, item.first))
                     events.append(EpEvent("shutdown", ()) if item.first == CMD_SHUTDOWN else header)

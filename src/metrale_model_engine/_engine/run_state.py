@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from typing_extensions import Buffer
 
-from .._core.codec import fold_message
+from .._core.digest import fold_message
 from .._core.errors import RunStopped, command_word, describe_command
 from .._core.transport import EpTransport
 from .settings import LinkSettings
