@@ -394,3 +394,18 @@ def test_a_send_that_finds_workers_lost_stops_the_run_and_closes_the_link(
         call(pair.head)
     assert pair.head.stopped is not None
     assert pair.head.closed and pair.head_end.closed  # the link closed itself, and its transport
+
+
+def test_a_heads_failed_collective_names_the_worker_that_stopped_the_run_and_then_says_it_stopped_earlier() -> None:
+    pair = LinkPair(fails_on(5), collective={5})
+    pair.head.send_command(0, 5)
+    with pytest.raises(EpCommandRefused):
+        pair.step()  # the worker leaves: the head's all-reduce fails for it
+    stopped = pair.head.collective_failed(RuntimeError("Connection closed by peer"), what="an all-reduce", grace=0.0)
+    assert str(stopped) == (
+        "head: the run stopped in command 1 (seq_id=0, cmd=5): worker rank 1 failed command 1 (seq_id=0, cmd=5): "
+        f"{FREE}"
+    )
+    assert stopped.ranks == (1,) and pair.head.closed and pair.head_end.closed
+    again = pair.head.collective_failed(RuntimeError("timed out"), what="an all-reduce")
+    assert str(again).startswith("head: the run stopped earlier (head: the run stopped in command 1")
