@@ -1,10 +1,12 @@
 """EpLink over in-process fake transports: setup, argument checks, roles, sends, error mapping, close."""
 
+import gc
 import os
 import re
 import subprocess
 import sys
 import time
+import weakref
 from array import array
 from collections.abc import Callable, MutableSequence
 
@@ -432,3 +434,18 @@ def test_check_workers_is_for_the_head_and_takes_seconds() -> None:
         head.check_workers(-1.0)
     head.check_workers()  # every worker is this process: nothing exited, nothing reported
     EpLink(FakeTransport(0, 1), num_slots=4).check_workers(10.0)  # one rank: at once
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_link_dropped_without_close_lets_go_of_its_transport_at_once(rank: int) -> None:
+    transport = FakeTransport(rank, 2)
+    held = weakref.ref(transport)
+    gc.disable()  # nothing but reference counts: no part of the link may refer back to it (its stop closes it)
+    try:
+        dropped = link(transport)
+        del transport
+        assert held() is not None
+        del dropped
+        assert held() is None
+    finally:
+        gc.enable()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, MutableSequence
+import weakref
+from collections.abc import Callable, Container, MutableSequence
 from typing import Any
 
 from typing_extensions import Buffer, Self
@@ -66,7 +67,7 @@ class EpLink(ForwardCollectives):
     # The parts: settings (read-only), the stream's count, the link's one state (whose stop closes the link), its
     # forward's scope; the role, chosen once: the head's parts or the worker's (the other role's are stand-ins that
     # raise EpRoleError), and what differs between them.  _sender and _reader are the role's, held for the hot paths.
-    __slots__ = ("_reader", "_role", "_scope", "_sender", "_settings", "_state", "_stream", "_transport")
+    __slots__ = ("__weakref__", "_reader", "_role", "_scope", "_sender", "_settings", "_state", "_stream", "_transport")
 
     def __init__(
         self,
@@ -82,7 +83,7 @@ class EpLink(ForwardCollectives):
         local_workers = agree_on_setup(transport, settings)
         self._settings = settings
         self._transport = transport
-        stream, state = CommandStream(), LinkState(settings.who, self.close)  # a stop closes the link
+        stream, state = CommandStream(), LinkState(settings.who, _closes(self))  # a stop closes the link
         scope = ForwardScope(settings.world_size > 1)
         parts = LinkParts(transport, settings, stream, state, scope)
         self._stream, self._state, self._scope = stream, state, scope
@@ -357,6 +358,19 @@ class EpLink(ForwardCollectives):
             f"<EpLink rank {settings.rank} of {settings.world_size}, protocol {settings.protocol.value}, "
             f"{settings.num_slots} slots, {type(self._transport).__name__}, {state}>"
         )
+
+
+def _closes(link: EpLink) -> Callable[[], None]:
+    """What closes ``link`` once its run stopped, holding it weakly: its state refers to it, not back, so a link
+    dropped without ``close`` is freed (and its transport let go) at once, as before any stop."""
+    held = weakref.ref(link)
+
+    def close() -> None:
+        alive = held()
+        if alive is not None:
+            alive.close()
+
+    return close
 
 
 def command_in_flight(link: EpLink) -> tuple[int, int]:
