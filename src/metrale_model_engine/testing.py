@@ -21,15 +21,16 @@ from typing import Literal
 
 from typing_extensions import Buffer
 
-from ._core.codec import Ack, ItemKind, decode_item, encode_ack, encode_header, fold_message
+from ._core.codec import Ack, Item, ItemKind, decode_item, encode_ack, encode_header
+from ._core.digest import fold_message
 from ._core.errors import EpDivergenceError, describe_command
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
 from ._core.state import S
 from ._core.transport import HeadEnd, TransportClosed, WorkerEnd
 from ._core.words import CMD_SHUTDOWN, U32_TYPECODE
-from ._engine.forward import command_in_flight
-from ._engine.link import EpLink, route_collectives
+from ._engine.forward import collectives_counted_by
+from ._engine.link import EpLink, command_in_flight
 from ._trait.linked_ep import LinkedEp
 from ._trait.model_ep import ModelEp
 from ._trait.worker_loop import WorkerSummary, run_worker
@@ -56,6 +57,15 @@ class EpEvent:
 Message = tuple[int, ...]
 """One message as its u32 words."""
 _FOLLOW_UPS = (ItemKind.WORD, ItemKind.TOKENS)
+
+
+def _items(words: memoryview) -> Iterator[Item]:
+    """The items of one message (its u32 words), in order."""
+    at = 0
+    while at < len(words):
+        item = decode_item(words, at)
+        at = item.end
+        yield item
 
 
 class RecordingTransport(HeadEnd):
@@ -97,11 +107,7 @@ class RecordingTransport(HeadEnd):
         if words and self.digest_of_state is not None and decode_item(words, 0).kind not in _FOLLOW_UPS:
             self.take_digest()
         self.messages.append(tuple(words.tolist()))
-        at = 0
-        while at < len(words):
-            item = decode_item(words, at)
-            at = item.end
-            self._commands += item.starts_command and item.first != CMD_SHUTDOWN
+        self._commands += sum(item.starts_command and item.first != CMD_SHUTDOWN for item in _items(words))
 
     def take_digest(self) -> None:
         """Keep the head's state digest (``digest_of_state``) as the state after the last command, if any."""
@@ -224,10 +230,7 @@ class RecordingEp(LinkedEp[S]):
         events: list[EpEvent] = []
         for message in self._recording.messages:
             words = memoryview(array(U32_TYPECODE, message))
-            at = 0
-            while at < len(words):
-                item = decode_item(words, at)
-                at = item.end
+            for item in _items(words):
                 if item.starts_command:
                     header = EpEvent("cmd_for_seq", (item.second, item.first))
                     events.append(EpEvent("shutdown", ()) if item.first == CMD_SHUTDOWN else header)
@@ -291,11 +294,10 @@ class RecordingEp(LinkedEp[S]):
         # The attribute lives in the subclass (a slot, or the instance dict of an nn.Module),
         # which the type LinkedEp cannot name: setattr keeps that the subclass's business.
         setattr(worker, "ep_link", link)  # noqa: B010
-        route_collectives(own, link)
         try:
-            return run_worker(compared, slots, logger=logger)
+            with collectives_counted_by(own, link):
+                return run_worker(compared, slots, logger=logger)
         finally:
-            route_collectives(own, None)
             setattr(worker, "ep_link", own)  # noqa: B010
 
 

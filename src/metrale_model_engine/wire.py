@@ -14,7 +14,8 @@ word says what it is ([`ItemKind`][metrale_model_engine.wire.ItemKind]):
 * sync: ``[SYNC, number, flags]``: a sync point (flag 1: compare state digests); every
   worker answers with an acknowledgement.
 
-Workers send *answers* back (``EpTransport.answer``), each one message:
+Workers send *answers* back (``EpTransport.answer``), each one message whose first
+word says what it is ([`AnswerKind`][metrale_model_engine.wire.AnswerKind]):
 
 * report: ``[REPORT, command (u64, 2 words), seq_id, cmd, text bytes, text...]``: the
   command the head sent as its ``command``-th (from 1) failed on the worker;
@@ -50,7 +51,6 @@ read the one kind a reader expects, cheaply, or say it is not there.
 
 from ._core.codec import (
     ANSWER_BYTES,
-    DIGEST_EDGE,
     FRAME_PAYLOAD,
     FRAME_WORDS,
     U32_MAX,
@@ -58,6 +58,7 @@ from ._core.codec import (
     U32_TYPECODE,
     WIRE_VERSION,
     Ack,
+    AnswerKind,
     Item,
     ItemKind,
     Report,
@@ -76,10 +77,10 @@ from ._core.codec import (
     encode_sync,
     encode_tokens_prefix,
     encode_word,
-    fold_message,
     frame_length,
     frame_message,
 )
+from ._core.digest import DIGEST_EDGE, fold_message
 from ._core.namespace import PublicDir, public_dir
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "U32_TYPECODE",
     "WIRE_VERSION",
     "Ack",
+    "AnswerKind",
     "Item",
     "ItemKind",
     "Report",

@@ -80,6 +80,8 @@ def texts(rank: int, world_size: int, kind: str, out: str) -> None:
     except EpWorkerFailed as failed:
         read += [failure.error for failure in failed.failures]
     link.send_command(0, STOP)
+    with link.collective():  # the head's forward of it, as the safe pattern runs one: empty here, it has no
+        link.empty_forward()  # collective (the head owes it all the same: else the sync point refuses the skip)
     try:
         link.sync()
         stopped = "nothing stopped the run"

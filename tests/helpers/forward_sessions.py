@@ -45,7 +45,9 @@ class Summing(LinkedEp[SequenceState]):
     empty; ``direct`` calls ``torch.distributed.all_reduce`` instead of ``Collectives``;
     ``closed-socket`` runs a collective of the model's own (counted with
     ``check_collective``, then ``torch.distributed``), which a worker that leaves fails
-    with "Connection closed by peer".
+    with "Connection closed by peer".  The head's own (victim 0): ``head-skip`` returns
+    early from its forward of the faulty step (a cache hit), before its ``collective()``
+    block; ``head-skip-last`` does so in the last step, before the shutdown's sync point.
     """
 
     __slots__ = ("collectives", "ep_link", "fault", "out", "reduce", "victim")
@@ -101,6 +103,9 @@ class Summing(LinkedEp[SequenceState]):
     def run_step(self, step: int) -> float:
         """Head: one FORWARD command, then its forward."""
         self.ep_link.send_command(0, FORWARD, step)
+        if (self.fault, step) in (("head-skip", FAULTY_STEP), ("head-skip-last", STEPS)):
+            self._struck()
+            return 3.0  # a cache hit: the head returns what it computed before, and skips its forward
         with self.ep_link.collective():
             return self.forward(step)
 

@@ -9,9 +9,10 @@ import zlib
 import pytest
 
 from metrale_model_engine import EpLinkError, ProtocolVersion, RunStopped, WorkerFailure
-from metrale_model_engine._core.transport import HeadEnd, SoloTransport, TransportClosed, WorkerEnd
-from metrale_model_engine._engine.forward import stop_on_error
+from metrale_model_engine._core.transport import EpTransport, HeadEnd, SoloTransport, TransportClosed, WorkerEnd
+from metrale_model_engine._engine.forward import CollectiveBlock
 from metrale_model_engine._engine.reports import WorkerReports
+from metrale_model_engine._engine.roles import HeadRole, WorkerRole, role_for
 from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
 from metrale_model_engine._engine.settings import LinkSettings
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
@@ -28,14 +29,15 @@ def test_the_stream_counts_commands_and_folds_every_part_into_one_crc() -> None:
 
 
 def test_the_state_keeps_the_first_reason_and_a_shut_down_link_stays_shut_down() -> None:
-    state = LinkState("head")
+    closes: list[str] = []
+    state = LinkState("head", lambda: closes.append("closed"))
     state.raise_if_stopped()  # nothing yet
-    assert (state.phase, state.stopped, state.closed) == (Phase.OPEN, None, False)
+    assert (state.phase, state.stopped, state.closed, closes) == (Phase.OPEN, None, False, [])
     first = RunStopped("worker rank 1 refused")
     assert state.stop(first) is first
     state.stop(RunStopped("a later reason"))
     assert str(state.stopped) == "worker rank 1 refused" and state.stopped is not first
-    assert state.phase is Phase.STOPPED and not state.closed  # the link closes itself once the part's call is over
+    assert state.phase is Phase.STOPPED and closes == ["closed"]  # the stop closes the link, once
     with pytest.raises(RunStopped, match=r"^head: the run stopped earlier \(worker rank 1 refused\); this link runs"):
         state.raise_if_stopped()
     shut = LinkState("head")
@@ -44,57 +46,90 @@ def test_the_state_keeps_the_first_reason_and_a_shut_down_link_stays_shut_down()
     assert shut.phase is Phase.SHUT_DOWN and shut.stopped is not None
 
 
-def never(error: BaseException) -> RunStopped:
-    """The failure of a block that does not fail."""
-    raise AssertionError(f"the block failed: {error!r}")
+def parts_of(transport: EpTransport) -> LinkParts:
+    """The parts of a link of ``transport``'s rank (four slots, v2, a command timeout of 1 s), built by hand."""
+    settings = LinkSettings.checked(
+        transport.rank, transport.world_size, num_slots=4, protocol=ProtocolVersion.V2, seq_id_on_wire=True,
+        command_timeout=1.0,
+    )  # fmt: skip
+    return LinkParts(transport, settings, CommandStream(), LinkState(settings.who), ForwardScope(True))
+
+
+class Failing(HeadRole):
+    """A head's role whose every failure inside a block is ``stopped``: what a block makes of an error, alone."""
+
+    __slots__ = ("_stopped",)
+
+    def __init__(self, parts: LinkParts, stopped: RunStopped) -> None:
+        super().__init__(parts, {})
+        self._stopped = stopped
+
+    def failed_inside(self, error: BaseException) -> RunStopped:
+        return self._stopped
 
 
 def test_an_error_in_a_collective_block_stops_the_run_with_what_the_rank_makes_of_it() -> None:
-    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
+    parts = parts_of(RecordingTransport(2))
     stopped = RunStopped("what the head's reports say")
-    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, lambda error: stopped):
+    with pytest.raises(RunStopped) as info, CollectiveBlock(parts, Failing(parts, stopped)):
         raise KeyError("slot 3")
-    assert info.value is stopped and isinstance(info.value.__cause__, KeyError) and scope.blocks == 0
+    assert info.value is stopped and isinstance(info.value.__cause__, KeyError) and parts.scope.blocks == 0
+    with pytest.raises(RunStopped) as passed, CollectiveBlock(parts, Failing(parts, stopped)):
+        raise RunStopped("the model's own")  # a stop raised inside passes as it is
+    assert str(passed.value) == "the model's own" and parts.state.stopped is None
 
 
 def test_the_heads_collective_block_ends_its_forward_which_must_have_run_a_collective() -> None:
-    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
+    parts = parts_of(RecordingTransport(2))
+    block = CollectiveBlock(parts, HeadRole(parts, {}))
+    stream, scope, run = parts.stream, parts.scope, parts.state
     stream.begin(3, 0xE0)
-    scope.begin(False)
-    with stop_on_error(run, stream, scope, never):
+    scope.begin(False, True)
+    with block:
+        assert not scope.due  # entered: the forward owed runs
         scope.ran += 1  # what check_collective counts
     assert not scope.open and run.stopped is None
-    scope.begin(False)
-    with pytest.raises(RunStopped) as info, stop_on_error(run, stream, scope, never):
+    scope.begin(False, False)
+    with pytest.raises(RunStopped) as info, block:
         pass  # a forward that skipped its all-reduce, or called torch.distributed directly
     assert str(info.value).startswith("head: the run stopped in command 1 (seq_id=3, cmd=224): it ran no collective")
     assert "link.empty_forward()" in str(info.value) and run.stopped is not None
 
 
 def test_a_forward_declared_empty_runs_no_collective_and_a_workers_block_leaves_the_count_to_its_step() -> None:
-    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
-    scope.begin(False)
+    parts = parts_of(RecordingTransport(2))
+    scope = parts.scope
+    scope.begin(False, False)
     scope.empty = True  # what empty_forward() says
-    with stop_on_error(run, stream, scope, never):
+    with CollectiveBlock(parts, HeadRole(parts, {})):
         pass
-    worker = LinkState("worker rank 1")
-    scope.begin(False)
-    with stop_on_error(worker, stream, scope, never):
-        assert scope.allows()  # inside a block, a collective of a command not declared is allowed
-    assert scope.open and not scope.allows() and worker.stopped is None and run.stopped is None
+    worker = parts_of(ReplayTransport([]))
+    worker.scope.begin(False, False)
+    with CollectiveBlock(worker, WorkerRole(worker)):
+        assert worker.scope.allows()  # inside a block, a collective of a command not declared is allowed
+    assert worker.scope.open and not worker.scope.allows()
+    assert worker.state.stopped is None and parts.state.stopped is None
 
 
 def test_one_rank_keeps_no_scope() -> None:
     scope = ForwardScope(False)
-    scope.begin(False)
-    assert not scope.open and scope.allows()
+    scope.begin(False, True)
+    assert not scope.open and scope.allows() and not scope.due  # nothing was sent: nothing is owed
 
 
 def test_an_interrupt_in_a_collective_block_passes_and_ends_the_run() -> None:
-    run, stream, scope = LinkState("head"), CommandStream(), ForwardScope(True)
-    with pytest.raises(KeyboardInterrupt), stop_on_error(run, stream, scope, never):
+    parts = parts_of(RecordingTransport(2))
+    with pytest.raises(KeyboardInterrupt), CollectiveBlock(parts, Failing(parts, RunStopped("never"))):
         raise KeyboardInterrupt
-    assert "the run stopped in command 0" in str(run.stopped) and "KeyboardInterrupt" in str(run.stopped)
+    stopped = str(parts.state.stopped)
+    assert stopped == "head: the run stopped in command 0 (seq_id=0, cmd=0): KeyboardInterrupt"
+
+
+def test_the_role_is_chosen_once_by_rank_and_holds_its_sides_parts() -> None:
+    head, worker = role_for(parts_of(RecordingTransport(2)), {}), role_for(parts_of(ReplayTransport([])), {})
+    assert type(head) is HeadRole and type(worker) is WorkerRole
+    assert type(head.sender).__name__ == "HeadSender" and type(head.reader).__name__ == "WorkerOnly"
+    assert type(worker.reader).__name__ == "CommandReader" and type(worker.sync_points).__name__ == "HeadOnly"
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@ import pickle
 
 import pytest
 
-from metrale_model_engine import EpCommandFailed, EpLinkError, EpReceiveError, EpSendError
+from metrale_model_engine import EpCommandFailed, EpLinkError, EpReceiveError, EpSendError, WorkerFailure
+from metrale_model_engine._core.checks import disagreement, ranks_disagree
+from metrale_model_engine.wire import Report
 
 
 def test_carries_cause_as_attribute_and_dunder_cause() -> None:
@@ -43,3 +45,24 @@ class Unprintable(Exception):
 
 def test_an_error_whose_str_raises_is_shown_as_such_never_raised_again() -> None:
     assert str(EpCommandFailed(Unprintable())) == "Unprintable: <its str() raised RuntimeError>"
+
+
+def test_a_worker_failure_is_made_from_the_report_it_came_in() -> None:
+    report = Report(2**33 + 1, 3, 0xFFFFFFF0, "ValueError: bad", stopped=True, witness=True)
+    assert WorkerFailure.from_report(2, report) == WorkerFailure(
+        2, 2**33 + 1, 3, 0xFFFFFFF0, "ValueError: bad", stopped=True, witness=True
+    )
+    assert str(WorkerFailure.from_report(1, Report(1, 0, 7, "KeyError"))) == (
+        "worker rank 1 failed command 1 (seq_id=0, cmd=7): KeyError"
+    )
+
+
+def test_one_wording_says_where_the_ranks_disagree_naming_every_value_that_differs() -> None:
+    assert ranks_disagree({"chunk": [16, 16], "tokens": [4, 4]}) is None
+    assert ranks_disagree({"chunk": [16, 32, 16], "tokens": [4, 4, 4], "the names": [1, 1, 2]}) == (
+        "the ranks disagree on chunk (rank 0: 16, rank 1: 32, rank 2: 16); the names (rank 0: 1, rank 1: 1, rank 2: 2)"
+    )
+    assert disagreement(1, "protocol", [1, 2], "v{}".format) == (
+        "rank 1: the ranks disagree on the protocol (rank 0: v1, rank 1: v2); every rank must use the same value"
+    )
+    assert disagreement(0, "slot count", [4, 4]) is None

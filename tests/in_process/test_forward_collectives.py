@@ -14,6 +14,7 @@ from collections.abc import MutableSequence
 import pytest
 
 from metrale_model_engine import (
+    CMD_SHUTDOWN,
     EpCommandRefused,
     EpLink,
     LinkedEp,
@@ -22,11 +23,12 @@ from metrale_model_engine import (
     SequenceState,
     run_worker,
 )
-from metrale_model_engine._core.codec import report_text
-from metrale_model_engine._engine.run_state import ran_no_collective, undeclared
 from metrale_model_engine.testing import RecordingEp, RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
-from metrale_model_engine.wire import Report, decode_answer
+from metrale_model_engine.wire import Report, decode_answer, encode_close
+
+from helpers.messages import header, words
+from helpers.pair import LinkPair
 
 FORWARD, EMPTY, OPEN = 7, 8, 9
 Slots = MutableSequence[SequenceState | None]
@@ -107,9 +109,20 @@ def test_a_collective_in_a_command_not_declared_is_refused_naming_what_to_declar
 
 
 @pytest.mark.parametrize("cmd", [0, 0xFFFF, 0x10000, 0xFFFFFFFE])
-def test_a_workers_refusal_fits_one_answer_whole_whatever_the_word(cmd: int) -> None:
-    for text in (ran_no_collective(cmd), undeclared("worker rank 1", "an all-reduce", cmd)):
-        assert report_text(text) == text.encode()  # not cut: what to declare reaches the head
+@pytest.mark.parametrize("declared", [True, False], ids=["ran-none", "undeclared"])
+def test_a_workers_refusal_fits_one_answer_whole_whatever_the_word(cmd: int, declared: bool) -> None:
+    pair = LinkPair(
+        (lambda seq_id, cmd, slots: None) if declared else lambda seq_id, cmd, slots: pair.stepping.check_collective(),
+        collective={cmd} if declared else frozenset(),
+    )
+    pair.head.send_command(0, cmd)
+    with pytest.raises(EpCommandRefused):
+        pair.step()
+    with pytest.raises(RunStopped) as info:
+        pair.head.send_command(0, cmd)
+    (failure,) = info.value.failures
+    end = "link.empty_forward()" if declared else "not leave them in the collective)"
+    assert failure.error.endswith(end), failure.error  # not cut: what to declare reaches the head whole
 
 
 def test_a_workers_collective_block_declares_the_part_of_its_hook_that_runs_collectives() -> None:
@@ -181,3 +194,104 @@ def test_one_rank_enforces_nothing() -> None:
         pass
     link.empty_forward()
     assert link.stopped is None
+
+
+# -- the head owes the forward of every command whose word runs collectives ------------------------------------
+
+
+def forward(pair: LinkPair, cmd: int = FORWARD) -> None:
+    """The head sends ``cmd`` and runs its forward, one collective, as the README's model does; worker rank 1 too."""
+    pair.head.send_command(0, cmd)
+    with pair.head.collective():
+        pair.head.check_collective("an all-reduce")
+    assert pair.step() is True
+
+
+SKIPPED = (
+    "head: the run stopped in command 2 (seq_id=0, cmd=7): the head {doing} without running its forward: the "
+    "forward of cmd 7 runs collectives ({why}), which the workers wait in; run the head's forward of every cmd 7 "
+    "inside `with link.collective():` (an empty one says link.empty_forward())"
+)
+
+
+def test_a_head_that_skips_a_forward_it_ran_before_is_stopped_at_its_next_command_naming_it() -> None:
+    pair = LinkPair(lambda seq_id, cmd, slots: pair.stepping.check_collective(), collective={FORWARD})
+    forward(pair)
+    pair.head.send_command(0, FORWARD)  # a cache hit's early return: the head's forward never runs
+    with pytest.raises(RunStopped) as info:
+        pair.head.send_command(0, OPEN)
+    assert str(info.value) == SKIPPED.format(doing="sent the next command", why="its earlier forwards ran them")
+    # Nothing of the next command was sent: the head closed its link, which tells the workers so.
+    assert [words(message) for message in pair.head_end.sent[2:]] == [words(encode_close())]
+    assert pair.head.commands == 2 and pair.head.closed and pair.head_end.closed
+    with pytest.raises(RunStopped, match="the run stopped earlier"):
+        pair.head.send_command(0, OPEN)
+
+
+@pytest.mark.parametrize("point", ["sync", "shutdown_workers"])
+def test_a_head_that_skips_its_last_forward_is_stopped_at_its_sync_point(point: str) -> None:
+    pair = LinkPair(lambda seq_id, cmd, slots: pair.stepping.check_collective(), collective={FORWARD})
+    forward(pair)
+    pair.head.send_command(0, FORWARD)
+    with pytest.raises(RunStopped) as info:
+        getattr(pair.head, point)()
+    assert str(info.value) == SKIPPED.format(doing="reached a sync point", why="its earlier forwards ran them")
+    # No sync item went out (no wait on workers that are in a collective): the close, and a shutdown's header.
+    after = [words(message) for message in pair.head_end.sent[2:]]
+    assert after == [words(encode_close())] + ([header(CMD_SHUTDOWN)] if point == "shutdown_workers" else [])
+    assert pair.head.closed
+
+
+class Declared(LinkedEp[SequenceState]):
+    """A head model that declares FORWARD: its link is handed the declaration as the model takes it."""
+
+    __slots__ = ("ep_link",)
+    ep_collective_commands = frozenset({FORWARD})
+
+    def __init__(self, link: EpLink) -> None:
+        self.ep_link = link
+
+
+def test_a_declared_command_whose_first_forward_the_head_skipped_is_stopped_at_its_next_command() -> None:
+    pair = LinkPair(lambda seq_id, cmd, slots: pair.stepping.check_collective(), collective={FORWARD})
+    model = Declared(pair.head)
+    model.ep_link.send_command(0, OPEN)  # not declared: nothing is owed
+    model.ep_link.send_command(0, FORWARD)  # the very first forward of FORWARD, skipped
+    with pytest.raises(RunStopped) as info:
+        model.ep_link.send_command(0, FORWARD)
+    assert str(info.value) == SKIPPED.format(doing="sent the next command", why="ep_collective_commands declares it")
+
+
+def test_a_forward_entered_or_said_empty_is_what_the_head_owes() -> None:
+    pair = LinkPair(collective=frozenset())
+    Declared(pair.head)
+    pair.head.send_command(0, FORWARD)
+    with pair.head.collective():
+        pair.head.gather_u32(0)  # a collective of the forward: the workers take no part here, in one thread
+    pair.head.send_command(0, FORWARD)
+    pair.head.empty_forward()  # empty on every rank: entered, with nothing to run
+    pair.head.send_command(0, OPEN)
+    pair.head.send_command(0, OPEN)  # OPEN runs no collective: no forward is owed
+    pair.head.sync()
+    assert pair.head.stopped is None and pair.head.commands == 4
+
+
+def test_a_word_the_head_has_not_learned_is_not_checked_and_a_model_that_declares_none_is_not_either() -> None:
+    pair = LinkPair(collective=frozenset())
+    pair.head.send_command(0, FORWARD)  # no model declared it, and no forward of it ran here: nothing is owed
+    pair.head.send_command(0, FORWARD)
+    recorder: RecordingEp[SequenceState] = RecordingEp(num_slots=2)  # a scheduler's double: it declares nothing
+    recorder.ep_link.send_command(0, FORWARD)
+    with recorder.ep_link.collective():
+        recorder.ep_link.check_collective()
+    recorder.ep_link.send_command(0, FORWARD)
+    recorder.ep_link.send_command(0, FORWARD)
+    assert pair.head.stopped is None and recorder.ep_link.stopped is None
+
+
+def test_one_rank_owes_no_forward() -> None:
+    model = Declared(EpLink(SoloTransport(), num_slots=2))
+    model.ep_link.send_command(0, FORWARD)
+    model.ep_link.send_command(0, FORWARD)
+    model.ep_link.shutdown_workers()
+    assert model.ep_link.stopped is None

@@ -1,10 +1,12 @@
 """EpLink over in-process fake transports: setup, argument checks, roles, sends, error mapping, close."""
 
+import gc
 import os
 import re
 import subprocess
 import sys
 import time
+import weakref
 from array import array
 from collections.abc import Callable, MutableSequence
 
@@ -25,7 +27,7 @@ from metrale_model_engine import (
     SequenceState,
     WorkerFailure,
 )
-from metrale_model_engine._engine.settings import WORKER_ONLY, HeadOnly
+from metrale_model_engine._engine.roles import WORKER_ONLY, HeadOnly
 from metrale_model_engine._host.liveness import host_fingerprint
 from metrale_model_engine.transport import PeerLost
 from metrale_model_engine.wire import (
@@ -38,6 +40,7 @@ from metrale_model_engine.wire import (
 
 from helpers.fakes import FakeTransport, ignore, link, no_slots
 from helpers.messages import header, sync, tokens, whole, word, words
+from helpers.pair import LinkPair
 
 
 def test_world_size_and_protocol_come_through() -> None:
@@ -212,8 +215,8 @@ def test_failed_head_send_is_a_send_error_mapped_once(cause: Exception) -> None:
 
 
 def test_roles_are_enforced() -> None:
-    head = link(FakeTransport(0, 2))
-    worker = link(FakeTransport(1, 2))
+    pair = LinkPair()
+    head, worker = pair.head, pair.worker
     for call in (
         lambda: worker.send_word(1),
         lambda: worker.send_header(0, 1),
@@ -234,8 +237,8 @@ def test_roles_are_enforced() -> None:
 class FailingModel(LinkedEp[SequenceState]):
     __slots__ = ("_error", "ep_link")
 
-    def __init__(self, transport: FakeTransport, error: Exception) -> None:
-        self.ep_link = link(transport)
+    def __init__(self, link: EpLink, error: Exception) -> None:
+        self.ep_link = link
         self._error = error
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
@@ -243,19 +246,20 @@ class FailingModel(LinkedEp[SequenceState]):
 
 
 def test_worker_classifies_errors_after_the_header() -> None:
-    transport = FakeTransport(1, 2)
-    transport.incoming = [header(1)] * 3
+    pair = LinkPair()
+    for _ in range(3):
+        pair.head.send_header(0, 1)
     cause = KeyError("boom")
     with pytest.raises(EpCommandFailed) as info:
-        FailingModel(transport, cause).ep_worker_step([None, None])
+        FailingModel(pair.worker, cause).ep_worker_step([None, None])
     assert info.value.cause is cause
     lost = EpReceiveError("payload lost")
     with pytest.raises(EpReceiveError) as untagged:
-        FailingModel(transport, lost).ep_worker_step([None, None])
+        FailingModel(pair.worker, lost).ep_worker_step([None, None])
     assert untagged.value is lost
     tagged = EpCommandFailed(ValueError("model tagged it"))
     with pytest.raises(EpCommandFailed) as kept:
-        FailingModel(transport, tagged).ep_worker_step([None, None])
+        FailingModel(pair.worker, tagged).ep_worker_step([None, None])
     assert kept.value is tagged
 
 
@@ -272,8 +276,7 @@ def test_failed_receive_is_a_receive_error_mapped_once(cause: Exception) -> None
 
 
 def test_tokens_into_buffers_check_their_buffer_before_receiving() -> None:
-    transport = FakeTransport(1, 2)
-    worker = link(transport)
+    worker = LinkPair().worker
     with pytest.raises(TypeError, match=r"buffer must hold u32 items, got a buffer of format 'q'"):
         worker.recv_tokens_into(array("q", [0]))
     with pytest.raises(ValueError, match=r"buffer must be a writable, 1-D, C-contiguous buffer"):
@@ -309,14 +312,19 @@ def test_a_head_that_shut_down_closes_quietly_and_a_failed_close_still_closes() 
 
 
 def test_a_worker_meets_the_heads_close_as_a_receive_error() -> None:
-    transport = FakeTransport(1, 2)
-    transport.incoming = [words(encode_close())]
-    worker = link(transport)
+    idle = LinkPair()
+    idle.head.close()
     with pytest.raises(EpReceiveError, match="the head closed its link before shutting the workers down"):
-        worker.step(ignore, no_slots())
-    transport.incoming = [header(1) + words(encode_close())]
+        idle.step()
+
+    def run(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
+        reading.stepping.recv_word()
+
+    reading = LinkPair(run)
+    reading.head.send_header(0, 1)
+    reading.head.close()  # before the follow-up the worker reads
     with pytest.raises(EpReceiveError, match="the head closed its link"):
-        worker.recv_word()
+        reading.step()
 
 
 def test_the_links_repr_says_where_it_stands() -> None:
@@ -330,7 +338,8 @@ def test_the_links_repr_says_where_it_stands() -> None:
 
 
 def test_a_worker_has_no_head_parts_and_the_head_no_worker_parts() -> None:
-    worker = link(FakeTransport(1, 2))
+    pair = LinkPair()
+    worker = pair.worker
     digests: list[object] = []
 
     def digest(slots: object) -> int:
@@ -348,7 +357,7 @@ def test_a_worker_has_no_head_parts_and_the_head_no_worker_parts() -> None:
             call()
     assert digests == [] and not worker.closed  # refused before the digest ran; the link is untouched
     assert not hasattr(HeadOnly(1), "__deepcopy__") and not hasattr(WORKER_ONLY, "__len__")  # Python's probes
-    head = link(FakeTransport(0, 2))
+    head = pair.head
     with pytest.raises(EpRoleError, match="follow-ups are received on worker ranks"):
         head.recv_tokens(3)
     assert head.stopped is None and not head.closed
@@ -425,3 +434,18 @@ def test_check_workers_is_for_the_head_and_takes_seconds() -> None:
         head.check_workers(-1.0)
     head.check_workers()  # every worker is this process: nothing exited, nothing reported
     EpLink(FakeTransport(0, 1), num_slots=4).check_workers(10.0)  # one rank: at once
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_link_dropped_without_close_lets_go_of_its_transport_at_once(rank: int) -> None:
+    transport = FakeTransport(rank, 2)
+    held = weakref.ref(transport)
+    gc.disable()  # nothing but reference counts: no part of the link may refer back to it (its stop closes it)
+    try:
+        dropped = link(transport)
+        del transport
+        assert held() is not None
+        del dropped
+        assert held() is None
+    finally:
+        gc.enable()

@@ -319,10 +319,12 @@ def test_gather_collects_every_rank_and_removes_the_name() -> None:
     assert [join() for join in joins] == [expected, expected]
     assert not path.exists()  # every worker attached: nothing can leak from here on
     joins = [in_thread(lambda w=worker: w.gather([w.rank])) for worker in workers]  # type: ignore[misc]
-    with pytest.raises(ValueError, match=r"different word counts \(rank 0: 2, rank 1: 1, rank 2: 1\)"):
+    with pytest.raises(
+        ValueError, match=r"the ranks disagree on the word count of a gather \(rank 0: 2, rank 1: 1, rank 2: 1\)"
+    ):
         head.gather([1, 2])
     for join in joins:
-        with pytest.raises(ValueError, match="different word counts"):
+        with pytest.raises(ValueError, match="the ranks disagree on the word count of a gather"):
             join()
     for transport in (*workers, head):
         transport.close()

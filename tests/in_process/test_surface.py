@@ -54,6 +54,7 @@ SURFACES = {
         "U32_TYPECODE",
         "WIRE_VERSION",
         "Ack",
+        "AnswerKind",
         "Item",
         "ItemKind",
         "Report",

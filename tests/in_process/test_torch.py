@@ -112,6 +112,36 @@ def test_composes_with_nn_module() -> None:
         model.ep_broadcast_cmd(-1)
 
 
+def test_a_linked_model_beside_nn_module_hands_its_collective_commands_to_the_link() -> None:
+    from torch import nn
+
+    from metrale_model_engine import LinkedEp, RunStopped
+    from metrale_model_engine.transport import SoloTransport
+
+    from helpers.pair import LinkPair
+
+    forward = 7
+
+    class Summing(nn.Module, LinkedEp[SequenceState]):
+        ep_collective_commands = frozenset({forward})
+
+        def __init__(self, link: EpLink) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.ep_link = link  # through nn.Module.__setattr__, then LinkedEp's
+
+    pair = LinkPair(collective={forward})
+    model = Summing(pair.head)
+    assert model.ep_link is pair.head and [name for name, _ in model.named_parameters()] == ["proj.weight", "proj.bias"]
+    model.ep_link.send_command(0, forward)  # the head's forward skipped: owed, since the model declared the word
+    with pytest.raises(RunStopped, match=r"the head reached a sync point without running its forward: .*declares it"):
+        model.ep_link.sync()
+    model.ep_link = EpLink(SoloTransport(), num_slots=4)  # one rank: nothing is owed
+    model.ep_link.send_command(0, forward)
+    model.ep_link.send_command(0, forward)
+    assert model.ep_link.stopped is None
+
+
 def test_torch_ep_was_replaced_and_says_by_what() -> None:
     with pytest.raises(
         AttributeError, match=r"TorchEp was replaced: subclass LinkedEp and hold the link that open_link"

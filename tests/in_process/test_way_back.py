@@ -314,14 +314,32 @@ def test_reports_that_never_arrived_are_a_link_error() -> None:
         pair.head.sync()
 
 
-def test_a_sync_point_whose_worker_does_not_answer_is_a_link_error() -> None:
+def test_a_sync_point_whose_worker_does_not_answer_stops_the_run_naming_it() -> None:
+    pair = LinkPair(world_size=3)
+    pair.head.send_command(0, 7)
+    pair.step(1)
+    pair.worker_ends[1].closed = True  # its receive fails: the worker leaves its loop without an answer
+    with pytest.raises(RunStopped) as info:
+        pair.head.sync()
+    assert str(info.value) == (
+        "head: the run stopped at sync point 1: worker rank 1 did not answer: worker rank 1 sent no answer"
+    )
+    assert isinstance(info.value, EpLinkError) and info.value.ranks == (1,)  # what `except EpLinkError` caught
+    assert [type(error) for error in pair.raised[1]] == [EpReceiveError]
+    assert pair.head.closed and pair.head_end.closed and str(pair.head.stopped) == str(info.value)
+    with pytest.raises(RunStopped, match=r"the run stopped earlier \(head: the run stopped at sync point 1"):
+        pair.head.send_command(0, 7)
+
+
+def test_a_shutdown_whose_sync_point_found_a_worker_silent_still_shuts_down_and_stops_the_run() -> None:
     pair = LinkPair()
     pair.head.send_command(0, 7)
     pair.step()
-    pair.worker_ends[1].closed = True  # its receive fails: the worker leaves its loop without an answer
-    with pytest.raises(EpLinkError, match="head: sync point 1 failed waiting for worker rank 1: worker rank 1 sent no"):
-        pair.head.sync()
-    assert [type(error) for error in pair.raised[1]] == [EpReceiveError]
+    pair.worker_ends[1].closed = True
+    with pytest.raises(RunStopped, match="at sync point 1: worker rank 1 did not answer"):
+        pair.head.shutdown_workers()
+    assert pair.head.workers_shut_down and pair.head.closed
+    pair.head.shutdown_workers()  # done: nothing more is sent, nothing raised
 
 
 def test_shutdown_is_a_sync_point_and_shuts_down_even_when_the_sync_raises() -> None:
@@ -376,3 +394,18 @@ def test_a_send_that_finds_workers_lost_stops_the_run_and_closes_the_link(
         call(pair.head)
     assert pair.head.stopped is not None
     assert pair.head.closed and pair.head_end.closed  # the link closed itself, and its transport
+
+
+def test_a_heads_failed_collective_names_the_worker_that_stopped_the_run_and_then_says_it_stopped_earlier() -> None:
+    pair = LinkPair(fails_on(5), collective={5})
+    pair.head.send_command(0, 5)
+    with pytest.raises(EpCommandRefused):
+        pair.step()  # the worker leaves: the head's all-reduce fails for it
+    stopped = pair.head.collective_failed(RuntimeError("Connection closed by peer"), what="an all-reduce", grace=0.0)
+    assert str(stopped) == (
+        "head: the run stopped in command 1 (seq_id=0, cmd=5): worker rank 1 failed command 1 (seq_id=0, cmd=5): "
+        f"{FREE}"
+    )
+    assert stopped.ranks == (1,) and pair.head.closed and pair.head_end.closed
+    again = pair.head.collective_failed(RuntimeError("timed out"), what="an all-reduce")
+    assert str(again).startswith("head: the run stopped earlier (head: the run stopped in command 1")

@@ -16,6 +16,8 @@ from metrale_model_engine.wire import (
     FRAME_PAYLOAD,
     FRAME_WORDS,
     WIRE_VERSION,
+    Ack,
+    AnswerKind,
     Item,
     ItemKind,
     Report,
@@ -24,6 +26,7 @@ from metrale_model_engine.wire import (
     decode_header,
     decode_item,
     describe_item,
+    encode_ack,
     encode_close,
     encode_command,
     encode_header,
@@ -103,6 +106,7 @@ def test_every_command_decodes_to_what_was_encoded(follow_ups: list[int | list[i
         (view(ItemKind.TOKENS, 3, 1, 2), r"the tokens item at word 0 runs past the end of its 4-word message"),
         (view(ItemKind.TOKENS), r"the tokens item at word 0 runs past"),
         (view(ItemKind.STOP, 1), r"word 0 of a 2-word message is a stop kind: answers go to the head"),
+        (view(AnswerKind.ACK, 1), r"word 0 of a 2-word message is a ack kind: answers go to the head"),
     ],
 )
 def test_what_does_not_decode_is_a_wire_error(message: memoryview, fragment: str) -> None:
@@ -228,3 +232,27 @@ def test_the_one_pass_encoder_writes_exactly_the_careful_encoders_message(
 @pytest.mark.parametrize("odd", [True, [1, True], [-1], 2**32, -1, [2**31], array("I", [1]), b"\0\0\0\0", 1.0])
 def test_the_one_pass_encoder_leaves_anything_not_plain_to_the_careful_path(odd: object) -> None:
     assert encode_plain_command(0, 1, [5, odd]) is None
+
+
+@pytest.mark.parametrize(
+    ("stopped", "witness", "kind"),
+    [(False, False, AnswerKind.REPORT), (True, False, AnswerKind.STOP), (True, True, AnswerKind.WITNESS)],
+)
+def test_a_reports_answer_kind_says_whether_it_stopped_the_run_and_as_what(
+    stopped: bool, witness: bool, kind: AnswerKind
+) -> None:
+    report = Report(3, 1, 7, "KeyError: 'slot 1 is free'", stopped, witness)
+    answer = encode_report(report)
+    assert words(answer)[0] == kind and AnswerKind.of(report) is kind and kind.stops_run is stopped
+    assert decode_answer(answer) == report
+
+
+def test_the_answer_words_are_answer_kinds_and_the_item_kinds_keep_their_old_names_for_them() -> None:
+    ack = Ack(2, 0xABCD, 5, 1, None)
+    assert words(encode_ack(ack))[0] == AnswerKind.ACK and decode_answer(encode_ack(ack)) == ack
+    assert not AnswerKind.ACK.stops_run and not AnswerKind.REPORT.stops_run
+    assert {kind.name: kind.value for kind in AnswerKind} == {
+        name: ItemKind[name].value for name in ("REPORT", "ACK", "STOP", "WITNESS")
+    }
+    with pytest.raises(WireError, match="neither a report nor an acknowledgement"):
+        decode_answer(bytes(view(ItemKind.SYNC, 1, 0)))

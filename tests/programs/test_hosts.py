@@ -126,7 +126,7 @@ def test_a_worker_killed_fails_the_head_within_its_bound_and_is_named(tmp_path: 
     codes = run_on_hosts(tmp_path, "worker_dies", str(victim))
     assert codes == {rank: 3 if rank == 0 else -9 if rank == victim else 0 for rank in range(4)}
     results = load(tmp_path, 4)
-    assert results[0]["error_type"] in ("EpSendError", "EpLinkError"), results[0]
+    assert results[0]["error_type"] in ("EpSendError", "RunStopped"), results[0]  # a send, or the sync point
     assert named in str(results[0]["error"])
     assert float(str(results[0]["seconds"])) < COMMAND_TIMEOUT
     for rank in {1, 2, 3} - {victim}:  # every other worker ended by itself

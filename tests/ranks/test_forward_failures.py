@@ -30,9 +30,9 @@ COMMAND = f"command {sessions.FAULTY_STEP} (seq_id=0, cmd={sessions.FORWARD})"
 
 
 def run(
-    kind: str, fault: str, world_size: int, tmp_path: Path
+    kind: str, fault: str, world_size: int, tmp_path: Path, victim: int = 1
 ) -> tuple[list[int], dict[int, dict[str, object]], float]:
-    codes = run_group(sessions.forward_fault, world_size, kind, fault, 1, str(tmp_path), timeout=RUN_LIMIT)
+    codes = run_group(sessions.forward_fault, world_size, kind, fault, victim, str(tmp_path), timeout=RUN_LIMIT)
     return codes, load(tmp_path, world_size), float(read_note(tmp_path, "struck")["at"])  # type: ignore[arg-type]
 
 
@@ -185,3 +185,30 @@ def test_a_worker_paused_inside_its_forward_for_less_than_head_lost_after_loses_
     codes, results, _ = run(kind, "pause", 2, tmp_path)
     assert codes == [0, 0], results
     assert results[0]["sums"] == [3.0] * sessions.STEPS  # every forward summed both ranks
+
+
+LAST = f"command {sessions.STEPS} (seq_id=0, cmd={sessions.FORWARD})"
+SKIPPED = (
+    "the head {doing} without running its forward: the forward of cmd 7 runs collectives (ep_collective_commands "
+    "declares it), which the workers wait in; run the head's forward of every cmd 7 inside `with link.collective():`"
+)
+
+
+@pytest.mark.parametrize(("fault", "where", "doing"), [
+    ("head-skip", COMMAND, "sent the next command"),
+    ("head-skip-last", LAST, "reached a sync point"),
+])  # fmt: skip
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_head_that_skips_its_forward_is_stopped_at_its_next_send_or_sync_point_named(
+    kind: str, fault: str, where: str, doing: str, tmp_path: Path
+) -> None:
+    codes, results, struck = run(kind, fault, 2, tmp_path, victim=0)
+    assert codes == [1, 1]
+    head, worker = results[0], results[1]
+    assert head["kind"] == "RunStopped", head
+    expected = f"head: the run stopped in {where}: " + SKIPPED.format(doing=doing)
+    assert str(head["message"]).startswith(expected), head["message"]
+    # The worker waited in that forward's all-reduce, which fails as the head's process ends.
+    assert worker["kind"] == "RunStopped" and "an all-reduce failed" in str(worker["message"]), worker
+    assert float(head["at"]) - struck < 1.0  # type: ignore[arg-type]  # at the next send: not a 30 s sync point
+    assert_bounded(results, struck)

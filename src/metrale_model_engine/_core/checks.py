@@ -8,7 +8,7 @@ never a number here.  (u32 words have their own policy in ``_core.words``.)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -91,10 +91,22 @@ def disagreement(rank: int, what: str, values: Sequence[T], shown: Callable[[T],
 
     ``values`` are by rank; ``what`` names the field ("protocol", "slot count").
     """
-    if len(set(values)) <= 1:
-        return None
-    per_rank = ", ".join(f"rank {r}: {shown(v)}" for r, v in enumerate(values))
-    return f"rank {rank}: the ranks disagree on the {what} ({per_rank}); every rank must use the same value"
+    differ = ranks_disagree({f"the {what}": values}, shown)
+    return None if differ is None else f"rank {rank}: {differ}; every rank must use the same value"
+
+
+def ranks_disagree(values: Mapping[str, Sequence[T]], shown: Callable[[T], str] = str) -> str | None:
+    """``None`` when every rank has the same value of each name, else the one wording of a disagreement.
+
+    ``"the ranks disagree on NAME (rank 0: a, rank 1: b); OTHER (...)"``, naming each
+    value that differs (``values[name]`` by rank) with every rank's.
+    """
+    mismatches = [
+        f"{name} ({', '.join(f'rank {r}: {shown(v)}' for r, v in enumerate(column))})"
+        for name, column in values.items()
+        if len(set(column)) > 1
+    ]
+    return f"the ranks disagree on {'; '.join(mismatches)}" if mismatches else None
 
 
 def _refuse(name: str, value: object, wanted: str, *, right_type: bool) -> NoReturn:

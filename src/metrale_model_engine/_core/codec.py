@@ -8,7 +8,6 @@ from __future__ import annotations
 import enum
 import struct
 import sys
-import zlib
 from array import array
 from collections.abc import Sequence
 from typing import Final, NamedTuple
@@ -19,7 +18,6 @@ from .words import U32_MAX, U32_MIN, U32_TYPECODE, plain_small_ints
 
 __all__ = [
     "ANSWER_BYTES",
-    "DIGEST_EDGE",
     "FRAME_PAYLOAD",
     "FRAME_WORDS",
     "U32_MAX",
@@ -27,12 +25,14 @@ __all__ = [
     "U32_TYPECODE",
     "WIRE_VERSION",
     "Ack",
+    "AnswerKind",
     "Item",
     "ItemKind",
     "Report",
     "WireError",
     "acknowledged",
     "answer_bytes",
+    "answer_kind",
     "closes_answers",
     "decode_answer",
     "decode_header",
@@ -49,7 +49,6 @@ __all__ = [
     "encode_sync",
     "encode_tokens_prefix",
     "encode_word",
-    "fold_message",
     "frame_length",
     "frame_message",
     "report_text",
@@ -61,9 +60,6 @@ exchange carries each rank's pid and host; 5: whole-command headers and reports 
 6: the stream digest folds a large message's edges and length
 ([`fold_message`][metrale_model_engine.wire.fold_message])."""
 
-DIGEST_EDGE: Final[int] = 4096
-"""Bytes at each end of a message that the stream digest folds; a message of up to twice this is folded whole."""
-
 FRAME_WORDS: Final[int] = 16
 """u32 words per frame over a fixed-size broadcast (64 bytes: one cache line)."""
 
@@ -71,8 +67,32 @@ FRAME_PAYLOAD: Final[int] = FRAME_WORDS - 1
 """Message words a frame carries after its length word; longer messages add one bulk broadcast."""
 
 
+class AnswerKind(enum.IntEnum):
+    """The first word of an answer, a worker's message to its head: what it says (``decode_answer``)."""
+
+    REPORT = 0x4D45_0011  # a command failed on the worker (an ordinary failure: it stays in step)
+    ACK = 0x4D45_0012  # the worker's acknowledgement of a sync point
+    STOP = 0x4D45_0013  # a command failed on the worker and stopped the run (it runs collectives)
+    WITNESS = 0x4D45_0014  # a collective of the command failed on the worker: the run stopped, maybe for another
+
+    @classmethod
+    def of(cls, report: Report) -> AnswerKind:
+        """The kind of answer that carries ``report``."""
+        return cls.WITNESS if report.witness else cls.STOP if report.stopped else cls.REPORT
+
+    @property
+    def stops_run(self) -> bool:
+        """Whether a report of this kind stopped the run (the worker answers nothing after it)."""
+        return self is AnswerKind.STOP or self is AnswerKind.WITNESS
+
+
 class ItemKind(enum.IntEnum):
-    """The first word of an item.  Distinct, unlikely values, so that corruption shows."""
+    """The first word of an item.  Distinct, unlikely values, so that corruption shows.
+
+    ``REPORT``, ``ACK``, ``STOP`` and ``WITNESS`` are the answer words
+    ([`AnswerKind`][metrale_model_engine.wire.AnswerKind], their home), kept here so that code that named them
+    here goes on working; an item is never one of them.
+    """
 
     HEADER = 0x4D45_0001
     WORD = 0x4D45_0002
@@ -80,10 +100,10 @@ class ItemKind(enum.IntEnum):
     CLOSE = 0x4D45_0004
     SYNC = 0x4D45_0005
     COMMAND = 0x4D45_0006
-    REPORT = 0x4D45_0011
-    ACK = 0x4D45_0012
-    STOP = 0x4D45_0013
-    WITNESS = 0x4D45_0014
+    REPORT = AnswerKind.REPORT.value
+    ACK = AnswerKind.ACK.value
+    STOP = AnswerKind.STOP.value
+    WITNESS = AnswerKind.WITNESS.value
 
 
 class Item(NamedTuple):
@@ -112,6 +132,7 @@ class WireError(ValueError):
 
 
 _KINDS: Final[dict[int, ItemKind]] = {int(kind): kind for kind in ItemKind}
+_ANSWER_KINDS: Final[dict[int, AnswerKind]] = {int(kind): kind for kind in AnswerKind}
 _HEADER: Final[struct.Struct] = struct.Struct("=3I")
 _PAIR: Final[struct.Struct] = struct.Struct("=2I")
 _CLOSE: Final[bytes] = struct.pack("=I", ItemKind.CLOSE)
@@ -170,43 +191,6 @@ def encode_command(seq_id: int, cmd: int, follow_ups: Sequence[int | Buffer]) ->
         parts.append(_PAIR.pack(ItemKind.TOKENS, size >> 2))
         parts.append(follow_up)
     return parts if tokens_bytes > _JOIN_LIMIT else [b"".join(parts)]
-
-
-def fold_message(crc: int, parts: Sequence[Buffer]) -> int:
-    """The stream digest ``crc`` (a CRC-32) with one more message, the concatenation of ``parts``, folded in.
-
-    A message of up to ``2 * DIGEST_EDGE`` bytes (every header, word and decode batch
-    of up to 1,000 slots) is folded whole; a longer one by its length (8 bytes,
-    little-endian), then its first and its last ``DIGEST_EDGE`` bytes, so that a
-    65,536-token array costs what a 2-page one does.  Its middle is left to the
-    transport, which delivers a message whole or not at all (the ring's stamps, the
-    backend's own stream).
-    """
-    if len(parts) == 1:  # the common case: one message of a few items
-        part = parts[0]
-        if (len(part) if type(part) is bytes else memoryview(part).nbytes) <= 2 * DIGEST_EDGE:
-            return zlib.crc32(part, crc)
-    views = [memoryview(part).cast("B") for part in parts]
-    total = sum(view.nbytes for view in views)
-    if total <= 2 * DIGEST_EDGE:
-        for view in views:
-            crc = zlib.crc32(view, crc)
-        return crc
-    crc = zlib.crc32(total.to_bytes(8, "little"), crc)
-    return _fold_range(_fold_range(crc, views, 0, DIGEST_EDGE), views, total - DIGEST_EDGE, total)
-
-
-def _fold_range(crc: int, views: Sequence[memoryview], start: int, stop: int) -> int:
-    """``crc`` with bytes ``start ..< stop`` of the concatenation of ``views`` folded in."""
-    at = 0
-    for view in views:
-        low, high = max(start - at, 0), min(stop - at, view.nbytes)
-        if low < high:
-            crc = zlib.crc32(view[low:high], crc)
-        at += view.nbytes
-        if at >= stop:
-            break
-    return crc
 
 
 def encode_plain_command(seq_id: int, cmd: int, follow_ups: Sequence[object]) -> array[int] | None:
@@ -311,7 +295,7 @@ def report_text(error: str) -> bytes:
 def encode_report(report: Report) -> bytes:
     """A report answer; its error text as ``report_text`` makes it, to fit one answer."""
     text = report_text(report.error)
-    kind = ItemKind.WITNESS if report.witness else ItemKind.STOP if report.stopped else ItemKind.REPORT
+    kind = AnswerKind.of(report)
     head = _REPORT.pack(kind, report.command & _U32, report.command >> 32, report.seq_id, report.cmd, len(text))
     return head + text.ljust(-(-len(text) // 4) * 4, b"\0")
 
@@ -320,7 +304,7 @@ def encode_ack(ack: Ack) -> bytes:
     """An acknowledgement answer."""
     state = 0 if ack.state_digest is None else ack.state_digest
     return _ACK.pack(
-        ItemKind.ACK, ack.number, ack.stream_crc, ack.commands & _U32, ack.commands >> 32, ack.reports,
+        AnswerKind.ACK, ack.number, ack.stream_crc, ack.commands & _U32, ack.commands >> 32, ack.reports,
         int(ack.state_digest is not None), state & _U32, state >> 32,
     )  # fmt: skip
 
@@ -337,9 +321,14 @@ def answer_bytes(answer: Buffer) -> memoryview:
     return data
 
 
+def answer_kind(answer: bytes) -> AnswerKind | None:
+    """What ``answer`` says, from its first word; ``None`` when that is no answer's."""
+    return _ANSWER_KINDS.get(int.from_bytes(answer[:4], sys.byteorder)) if len(answer) >= 4 else None
+
+
 def acknowledged(answer: bytes) -> int | None:
     """The number of the sync point that ``answer`` acknowledges; ``None`` when it is no acknowledgement."""
-    if len(answer) != _ACK.size or int.from_bytes(answer[:4], sys.byteorder) != ItemKind.ACK:
+    if len(answer) != _ACK.size or answer_kind(answer) is not AnswerKind.ACK:
         return None
     return int.from_bytes(answer[4:8], sys.byteorder)
 
@@ -352,9 +341,8 @@ def closes_answers(answer: bytes, number: int | None = None) -> bool:
     everything it answers.  A transport that relays a host's answers
     (``HostsTransport``) reads this, and nothing else, of them.
     """
-    if len(answer) < 4:
-        return False
-    if int.from_bytes(answer[:4], sys.byteorder) in (ItemKind.STOP, ItemKind.WITNESS):
+    kind = answer_kind(answer)
+    if kind is not None and kind.stops_run:
         return True
     sync = acknowledged(answer)
     return sync is not None and (number is None or sync == number)
@@ -366,13 +354,13 @@ def decode_answer(answer: bytes) -> Report | Ack:
     Raises:
         WireError: it is neither, or is cut short.
     """
-    kind = int.from_bytes(answer[:4], sys.byteorder) if len(answer) >= 4 else None
-    if kind in (ItemKind.REPORT, ItemKind.STOP, ItemKind.WITNESS) and len(answer) >= _REPORT.size:
+    kind = answer_kind(answer)
+    if kind is not None and kind is not AnswerKind.ACK and len(answer) >= _REPORT.size:
         _, low, high, seq_id, cmd, length = _REPORT.unpack_from(answer)
         if _REPORT.size + length <= len(answer):
             text = answer[_REPORT.size : _REPORT.size + length].decode(errors="replace")
-            return Report(high << 32 | low, seq_id, cmd, text, kind != ItemKind.REPORT, kind == ItemKind.WITNESS)
-    if kind == ItemKind.ACK and len(answer) == _ACK.size:
+            return Report(high << 32 | low, seq_id, cmd, text, kind.stops_run, kind is AnswerKind.WITNESS)
+    if kind is AnswerKind.ACK and len(answer) == _ACK.size:
         _, number, crc, low, high, reports, has_state, state_low, state_high = _ACK.unpack(answer)
         return Ack(number, crc, high << 32 | low, reports, state_high << 32 | state_low if has_state else None)
     raise WireError(f"an answer of {len(answer)} bytes is neither a report nor an acknowledgement")
@@ -398,7 +386,7 @@ def decode_item(words: memoryview, at: int) -> Item:
         return Item(kind, 0, 0, at + 1)
     if kind is None:
         raise WireError(f"word {at} of a {end}-word message is {words[at]:#x}, not the start of an item")
-    if kind in (ItemKind.REPORT, ItemKind.ACK, ItemKind.STOP, ItemKind.WITNESS):
+    if kind in _ANSWER_KINDS:
         raise WireError(f"word {at} of a {end}-word message is a {kind.name.lower()} kind: answers go to the head")
     raise WireError(f"the {kind.name.lower()} item at word {at} runs past the end of its {end}-word message")
 

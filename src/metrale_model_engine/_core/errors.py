@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .codec import Report
+
 __all__ = [
     "EpCommandFailed",
     "EpCommandRefused",
@@ -218,6 +220,11 @@ class WorkerFailure:
     """Whether the failure stopped the run (a command that runs collectives): see ``RunStopped``."""
     witness: bool = False
     """Whether it was the worker's collective that failed: it may only have seen another rank's failure."""
+
+    @classmethod
+    def from_report(cls, rank: int, report: Report) -> WorkerFailure:
+        """The failure that worker ``rank`` reported (a [`Report`][metrale_model_engine.wire.Report], decoded)."""
+        return cls(rank, report.command, report.seq_id, report.cmd, report.error, report.stopped, report.witness)
 
     def __str__(self) -> str:
         return f"worker rank {self.rank} failed {describe_command(self.command, self.seq_id, self.cmd)}: {self.error}"

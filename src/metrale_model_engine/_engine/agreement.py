@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .._core.checks import ranks_disagree
 from .._core.codec import Ack
 
 __all__ = ["HeadFigures", "differences", "disagreement_of_values"]
@@ -65,15 +66,12 @@ def differences(head: HeadFigures, acks: Mapping[int, Ack]) -> tuple[str, list[i
 
 
 def disagreement_of_values(names: Sequence[str], everyone: Sequence[Sequence[int]]) -> tuple[str, list[int]] | None:
-    """``None`` when every rank gathered the same named values, else the message (each mismatch) and the ranks."""
-    mismatches: list[str] = []
-    ranks: set[int] = set()
-    for index, name in enumerate(names):
-        values = [words[index] for words in everyone]
-        if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-            mismatches.append(f"{name} ({per_rank})")
-            ranks.update(rank for rank, value in enumerate(values) if value != values[0])
-    if not mismatches:
+    """``None`` when every rank gathered the same named values, else the message (each mismatch) and the ranks
+    whose values differ from rank 0's."""
+    columns = {name: [words[index] for words in everyone] for index, name in enumerate(names)}
+    differ = ranks_disagree(columns)
+    if differ is None:
         return None
-    return f"the ranks disagree on {'; '.join(mismatches)}", sorted(ranks)
+    return differ, sorted(
+        {rank for column in columns.values() for rank, value in enumerate(column) if value != column[0]}
+    )

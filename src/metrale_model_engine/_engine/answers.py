@@ -23,11 +23,7 @@ def read_answers(rank: int, answers: Iterable[bytes]) -> tuple[list[WorkerFailur
         except WireError as error:
             raise WireError(f"worker rank {rank}: {error}") from None
         if isinstance(decoded, Report):
-            failures.append(
-                WorkerFailure(
-                    rank, decoded.command, decoded.seq_id, decoded.cmd, decoded.error, decoded.stopped, decoded.witness
-                )
-            )
+            failures.append(WorkerFailure.from_report(rank, decoded))
         else:
             acks.append(decoded)
     return failures, acks

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, MutableSequence
-from typing import Any, cast
+import weakref
+from collections.abc import Callable, Container, MutableSequence
+from typing import Any
 
 from typing_extensions import Buffer, Self
 
@@ -12,14 +13,12 @@ from .._core.protocol import ProtocolVersion
 from .._core.state import S
 from .._core.tokens import ArrayInterface, TokenArray
 from .._core.transport import EpTransport
-from .forward import ForwardCollectives
-from .reader import CommandReader, RunCommand
-from .reports import WorkerReports
+from .forward import Forward, ForwardCollectives
+from .reader import RunCommand
+from .roles import role_for
 from .run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
-from .sender import HeadSender
-from .settings import DEFAULT_COMMAND_TIMEOUT, WORKER_ONLY, HeadOnly, LinkSettings, agree_on_setup
-from .sync import SyncPoints, assert_ranks_agree, gather_u32
-from .way_back import StateDigest, WorkerWayBack
+from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
+from .way_back import StateDigest
 
 
 class EpLink(ForwardCollectives):
@@ -42,7 +41,7 @@ class EpLink(ForwardCollectives):
     most ``command_timeout`` and raises ``EpMismatchError`` when the head sent something else (the item is
     consumed; a next command's header stays for the next step), ``EpReceiveError`` when it failed.  Once the
     run stopped ([`RunStopped`][metrale_model_engine.RunStopped]), every send, step and sync point raises it,
-    and the link has closed itself.
+    and the link has closed itself (at the stop, whichever call found it).
 
     Args:
         transport: the group of ranks to speak over.
@@ -65,24 +64,10 @@ class EpLink(ForwardCollectives):
         EpLinkError: the setup exchange itself failed (a rank died, a timeout).
     """
 
-    # The parts: settings (read-only), the stream's count, the link's one state, its forward's scope; the
-    # head's sender, view of its workers' reports and sync points, or the worker's reader and way back (the
-    # other role's parts are stand-ins that raise EpRoleError).  _stand_in: the link whose collectives this
-    # one counts while a replay runs (testing.RecordingEp.replay).
-    __slots__ = (
-        "_reader",
-        "_reports",
-        "_scope",
-        "_sender",
-        "_settings",
-        "_stand_in",
-        "_state",
-        "_state_digest",
-        "_stream",
-        "_sync",
-        "_transport",
-        "_way_back",
-    )
+    # The parts: settings (read-only), the stream's count, the link's one state (whose stop closes the link), its
+    # forward's scope; the role, chosen once: the head's parts or the worker's (the other role's are stand-ins that
+    # raise EpRoleError), and what differs between them.  _sender and _reader are the role's, held for the hot paths.
+    __slots__ = ("__weakref__", "_reader", "_role", "_scope", "_sender", "_settings", "_state", "_stream", "_transport")
 
     def __init__(
         self,
@@ -98,24 +83,13 @@ class EpLink(ForwardCollectives):
         local_workers = agree_on_setup(transport, settings)
         self._settings = settings
         self._transport = transport
-        stream, state, scope = CommandStream(), LinkState(settings.who), ForwardScope(settings.world_size > 1)
+        stream, state = CommandStream(), LinkState(settings.who, _closes(self))  # a stop closes the link
+        scope = ForwardScope(settings.world_size > 1)
         parts = LinkParts(transport, settings, stream, state, scope)
         self._stream, self._state, self._scope = stream, state, scope
-        self._stand_in = None
-        self._state_digest: StateDigest | None = None
-        if settings.rank == 0:
-            reports = self._reports = WorkerReports(parts, local_workers)
-            sender = self._sender = HeadSender(parts, reports)
-            self._sync = SyncPoints(parts, sender, reports)
-            self._reader = cast(CommandReader, WORKER_ONLY)
-            self._way_back = cast(WorkerWayBack, WORKER_ONLY)
-        else:
-            head_only = HeadOnly(settings.rank)
-            self._reports = cast(WorkerReports, head_only)
-            self._sender = cast(HeadSender, head_only)
-            self._sync = cast(SyncPoints, head_only)
-            way_back = self._way_back = WorkerWayBack(parts)
-            self._reader = CommandReader(parts, way_back)
+        role = self._role = role_for(parts, local_workers)
+        self._sender, self._reader = role.sender, role.reader
+        self._forward = Forward(parts, role)
 
     # -- what every rank can ask -------------------------------------------
 
@@ -181,15 +155,13 @@ class EpLink(ForwardCollectives):
         Set it on every rank (the same function): [`sync`][metrale_model_engine.EpLink.sync] compares the workers' with
         the head's.
         """
-        return self._state_digest
+        return self._role.state_digest
 
     @state_digest.setter
     def state_digest(self, digest: StateDigest | None) -> None:
         if digest is not None and not callable(digest):
             raise TypeError(f"state_digest must be a function of the slots or None, got {type(digest).__name__}")
-        self._state_digest = digest
-        if self._settings.rank:
-            self._way_back.state_digest = digest
+        self._role.state_digest = digest
 
     # -- head: sends ---------------------------------------------------------
 
@@ -208,38 +180,22 @@ class EpLink(ForwardCollectives):
             EpWorkerFailed, RunStopped: workers reported failures (nothing is sent).
             EpRoleError, EpSendError: see the class.
         """
-        try:
-            self._sender.send_command(seq_id, cmd, follow_ups)
-        except RunStopped:
-            self._close_stopped()
-            raise
+        self._sender.send_command(seq_id, cmd, follow_ups)
 
     def send_header(self, seq_id: int, cmd: int) -> None:
         """Head: send the header that starts command ``cmd`` for ``seq_id``, alone (the trait's per-word form).
 
         Raises as [`send_command`][metrale_model_engine.EpLink.send_command].
         """
-        try:
-            self._sender.send_header(seq_id, cmd)
-        except RunStopped:
-            self._close_stopped()
-            raise
+        self._sender.send_header(seq_id, cmd)
 
     def send_word(self, word: int) -> None:
         """Head: send one follow-up word of the command in flight (see the class for what a send raises)."""
-        try:
-            self._sender.send_word(word)
-        except RunStopped:
-            self._close_stopped()
-            raise
+        self._sender.send_word(word)
 
     def send_tokens(self, tokens: TokenArray) -> Buffer:
         """Head: send one follow-up token array; return it as the u32 buffer that was sent (see the class)."""
-        try:
-            return self._sender.send_tokens(tokens)
-        except RunStopped:
-            self._close_stopped()
-            raise
+        return self._sender.send_tokens(tokens)
 
     # -- head: the workers' state ------------------------------------------------
 
@@ -256,18 +212,16 @@ class EpLink(ForwardCollectives):
             RunStopped: a worker's report stopped the run, or the run stopped earlier.
             EpDivergenceError: a worker's stream or state differs from the head's (the
                 message names the ranks, and the commands within which they diverged).
+            RunStopped: also when a worker died, or did not answer within ``command_timeout``: the head
+                cannot know what it ran (the message names it, and whether it exited or went silent).
             EpRoleError, EpSendError: see the class.
-            EpLinkError: a worker died, or did not answer in ``command_timeout`` (named).
+            EpLinkError: a worker's answer was corrupt, or its reports were lost on the way.
         """
-        sync = self._sync.sync  # EpRoleError on a worker, before the digest runs
+        sync = self._role.sync_points.sync  # EpRoleError on a worker, before the digest runs
         if self._settings.world_size == 1:
             return
-        digest = self._state_digest
-        try:
-            sync(None if slots is None or digest is None else digest(slots))
-        except RunStopped:
-            self._close_stopped()
-            raise
+        digest = self._role.state_digest
+        sync(None if slots is None or digest is None else digest(slots))
 
     def shutdown_workers(self, slots: MutableSequence[Any] | None = None) -> None:
         """Head: a sync point (``sync``), then the shutdown header; every worker's loop then ends.
@@ -291,11 +245,7 @@ class EpLink(ForwardCollectives):
         except BaseException as failure:
             shutdown(failure)  # the sync point's error says what went wrong, not this send's
             raise
-        try:
-            shutdown(None)
-        except RunStopped:
-            self._close_stopped()
-            raise
+        shutdown(None)
 
     def check_workers(self, timeout: float = 0.0) -> None:
         """Head: raise why workers stopped, if they reported a failure or their process (on this host) exited.
@@ -313,37 +263,7 @@ class EpLink(ForwardCollectives):
             EpRoleError: called on a worker.
             TypeError, ValueError: ``timeout`` is not a number of seconds ``>= 0``.
         """
-        try:
-            self._reports.check(timeout)
-        except RunStopped:
-            self._close_stopped()
-            raise
-
-    # -- every rank: values all ranks must agree on -----------------------------
-
-    def gather_u32(self, value: int) -> list[int]:
-        """Every rank's ``value`` (a u32), by rank, on every rank.  Collective: at the same point on every rank.
-
-        Usable inside a command (the head after sending it, each worker in its hook);
-        bounded by ``command_timeout``.  ``TypeError``/``ValueError`` for a value that
-        is not a u32; ``EpLinkError`` when a rank did not take part in time, or died.
-        """
-        self._scope.ran += 1  # a collective of the command in flight, if any
-        return gather_u32(self._transport, self._settings, value)
-
-    def min_u32(self, value: int) -> int:
-        """The smallest ``value`` (a u32) of every rank, on every rank (a ``gather_u32``)."""
-        return min(self.gather_u32(value))
-
-    def assert_ranks_agree(self, **values: int) -> None:
-        """Raise ``EpDivergenceError`` on every rank unless every rank passed the same named u32 values.
-
-        Collective, like [`gather_u32`][metrale_model_engine.EpLink.gather_u32]; at most ``AGREED_VALUES`` (12) values
-        (``ValueError`` past that).  The message lists every value that differs (the names too count), with
-        each rank's.  Raises as [`gather_u32`][metrale_model_engine.EpLink.gather_u32] otherwise.
-        """
-        self._scope.ran += 1
-        assert_ranks_agree(self._transport, self._settings, values)
+        self._role.reports.check(timeout)
 
     # -- worker --------------------------------------------------------------
 
@@ -370,11 +290,7 @@ class EpLink(ForwardCollectives):
                 message, the head closed its link); the worker must exit.
             EpRoleError: called on the head.
         """
-        try:
-            return self._reader.step(run, slots, collective)
-        except RunStopped:
-            self._close_stopped()
-            raise
+        return self._reader.step(run, slots, collective)
 
     def recv_word(self) -> int:
         """Worker: the next follow-up word (the head's ``send_word``, or a word of ``send_command``).
@@ -418,13 +334,16 @@ class EpLink(ForwardCollectives):
             return
         state.closed = True
         try:
-            if self._settings.rank == 0:
-                try:
-                    self._sender.tell_closed()
-                finally:
-                    self._reports.close()
+            self._role.close()
         finally:
             self._transport.close()
+
+    def raise_if_stopped(self) -> None:
+        """Raise ``RunStopped`` if the run stopped; for a model's head methods, first thing.
+
+        Sends and steps check it themselves; a head method calls it before its own checks.
+        """
+        self._state.raise_if_stopped()
 
     def __enter__(self) -> Self:
         return self
@@ -441,10 +360,19 @@ class EpLink(ForwardCollectives):
         )
 
 
-def route_collectives(link: EpLink, to: EpLink | None) -> None:
-    """Let ``to`` check and count ``link``'s collectives from now on; ``None`` gives them back to ``link``.
+def _closes(link: EpLink) -> Callable[[], None]:
+    """What closes ``link`` once its run stopped, holding it weakly: its state refers to it, not back, so a link
+    dropped without ``close`` is freed (and its transport let go) at once, as before any stop."""
+    held = weakref.ref(link)
 
-    What a replay does (``testing.RecordingEp.replay``): the model keeps its own link,
-    and the link that replays counts its forward's collectives.
-    """
-    link._stand_in = to
+    def close() -> None:
+        alive = held()
+        if alive is not None:
+            alive.close()
+
+    return close
+
+
+def command_in_flight(link: EpLink) -> tuple[int, int]:
+    """The ``(seq_id, cmd)`` of the command ``link`` began last: what a message about it names."""
+    return link._stream.command

@@ -36,15 +36,14 @@ from .._core.codec import (
     decode_tokens,
     decode_word,
     describe_item,
-    fold_message,
 )
+from .._core.digest import fold_message
 from .._core.errors import (
     EpCommandFailed,
     EpLinkError,
     EpMismatchError,
     EpReceiveError,
     RunStopped,
-    describe_command,
     error_text,
 )
 from .._core.state import S
@@ -110,7 +109,7 @@ class CommandReader:
         way_back = self._way_back
         way_back.collective = cmd in collective
         scope = self._scope
-        scope.begin(way_back.collective)
+        scope.begin(way_back.collective, False)  # a worker owes nothing: it runs each forward as it steps
         try:
             check_slot(seq_id, slots)
             run(seq_id, cmd, slots)
@@ -181,8 +180,7 @@ class CommandReader:
     def _left_unread(self, skipped: list[str]) -> EpMismatchError:
         them = "it was" if len(skipped) == 1 else "they were"
         return EpMismatchError(
-            f"{self._settings.who}: {describe_command(self._stream.commands, *self._stream.command)} "
-            f"left {', '.join(skipped)} unread; {them} skipped"
+            f"{self._settings.who}: {self._stream.described()} left {', '.join(skipped)} unread; {them} skipped"
         )
 
     # -- follow-ups ----------------------------------------------------------
@@ -228,7 +226,7 @@ class CommandReader:
     def _follow_up(self, expected: str) -> Item:
         timeout = self._settings.command_timeout
         if self._at >= len(self._words):
-            what = describe_command(self._stream.commands, *self._stream.command)
+            what = self._stream.described()
             if self._whole:  # nothing can follow: the message was the whole command
                 raise EpMismatchError(
                     f"{self._settings.who} expected {expected}, but {what} came whole, "

@@ -8,7 +8,7 @@ from typing import Final
 
 from .._core.checks import check_seconds
 from .._core.codec import WireError
-from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, describe_command, error_text
+from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, error_text
 from .._core.transport import NamesLostRanks, NamesSilentRanks
 from .._host.liveness import ProcessWatch
 from .answers import read_answers
@@ -192,7 +192,7 @@ class WorkerReports:
         be only what its leaving caused (an all-reduce the model ran itself, failed
         with "Connection closed by peer"); else the head's own error.
         """
-        where = describe_command(self._stream.commands, *self._stream.command)
+        where = self._stream.described()
         failures, exited = self.stopped_workers(DEATH_GRACE)
         if exited or any(failure.stopped for failure in failures):
             return self.stop(self.why(failures, exited), failures, exited, where=f" in {where}")
@@ -200,7 +200,7 @@ class WorkerReports:
 
     def collective_failed(self, error: BaseException, what: str, grace: object) -> RunStopped:
         """``EpLink.collective_failed`` on the head: look for the worker behind it, stop the run, name it."""
-        where = describe_command(self._stream.commands, *self._stream.command)
+        where = self._stream.described()
         limit = check_seconds("grace", grace, allow_zero=True)
         assert limit is not None
         lost, ranks = self.lost()

@@ -1,18 +1,19 @@
 """The run as every part of a link sees it: the command stream (``CommandStream``), the link's one state
-(``LinkState``: open, shut down, stopped, closed), whether the forward of the command in flight may run
-collectives here, and ran one (``ForwardScope``); and the bundle of them every part is built from (``LinkParts``)."""
+(``LinkState``: open, shut down, stopped, closed; the one place a stop is recorded, which closes the link),
+whether the forward of the command in flight may run collectives here, and ran one (``ForwardScope``); and the
+bundle of them every part is built from (``LinkParts``)."""
 
 from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from typing_extensions import Buffer
 
-from .._core.codec import fold_message
-from .._core.errors import RunStopped, command_word
+from .._core.digest import fold_message
+from .._core.errors import RunStopped, command_word, describe_command
 from .._core.transport import EpTransport
 from .settings import LinkSettings
 
@@ -44,6 +45,10 @@ class CommandStream:
         """Fold one message, the concatenation of ``parts``, into the digest (``fold_message``)."""
         self.crc = fold_message(self.crc, parts)
 
+    def described(self) -> str:
+        """How messages name the command in flight: ``"command 3 (seq_id=0, cmd=7)"``."""
+        return describe_command(self.commands, *self.command)
+
 
 class Phase(enum.Enum):
     """Where the run stands, as one rank's link sees it."""
@@ -60,19 +65,22 @@ class Phase(enum.Enum):
 class LinkState:
     """The one state of a link that every part reads: the run's phase, why it stopped, whether the link closed.
 
-    The parts record a stop (``stop``) and return or raise the error; the link
-    closes itself once the part's call is over.  ``closed`` is apart from the
-    phase: a link is closed by its owner in any phase, and by itself once the run
-    stopped.
+    The one rule of a stopped run lives here: every part records a stop with
+    ``stop``, which closes the link (``close``, once) and returns the error for the
+    part to raise or return; nothing else closes a link on a stop.  ``closed`` is
+    apart from the phase: a link is closed by its owner in any phase, and by itself
+    once the run stopped.
 
     Args:
         who: how messages name this rank (``"head"``, ``"worker rank 2"``).
+        close: what closes the link (``EpLink.close``, idempotent); default nothing.
     """
 
-    __slots__ = ("closed", "phase", "stopped", "who")
+    __slots__ = ("_close", "closed", "phase", "stopped", "who")
 
-    def __init__(self, who: str) -> None:
+    def __init__(self, who: str, close: Callable[[], None] = lambda: None) -> None:
         self.who = who
+        self._close = close
         self.phase = Phase.OPEN
         self.stopped: RunStopped | None = None
         """A copy of the first ``RunStopped`` raised, kept bare (no traceback keeps the frames alive)."""
@@ -80,13 +88,18 @@ class LinkState:
         """Whether the link's transport was closed (by its owner, or once the run stopped)."""
 
     def stop(self, stopped: RunStopped) -> RunStopped:
-        """Record why the run stopped (the first reason stays); return ``stopped`` to raise."""
+        """Record why the run stopped (the first reason stays) and close the link; return ``stopped`` to raise.
+
+        Whatever the part that stops the run still has to say (a worker's last report)
+        it says before calling this: the link's transport is closed when it returns.
+        """
         if self.stopped is None:
             kept = copy.copy(stopped)
             kept.__traceback__ = kept.__cause__ = kept.__context__ = None
             self.stopped = kept
             if self.phase is Phase.OPEN:  # a shut-down link stays so: its workers were told to leave
                 self.phase = Phase.STOPPED
+            self._close()
         return stopped
 
     def still_stopped(self) -> RunStopped:
@@ -121,7 +134,7 @@ class ForwardScope:
             no collective runs).
     """
 
-    __slots__ = ("blocks", "declared", "empty", "enforced", "open", "ran")
+    __slots__ = ("blocks", "declared", "due", "empty", "enforced", "open", "ran")
 
     def __init__(self, enforced: bool) -> None:
         self.enforced = enforced
@@ -129,7 +142,10 @@ class ForwardScope:
         """A command is in flight whose forward runs here: a worker's hook, or the head from its send to the
         end of its forward (its ``collective()`` block, or the next command)."""
         self.declared = False
-        """The command is one of the worker's ``ep_collective_commands``."""
+        """The command is one of the worker's ``ep_collective_commands``: any part of its hook may run collectives."""
+        self.due = False
+        """This rank owes the command's forward: the other ranks wait in its collectives, so it must enter it (a
+        ``collective()`` block, or ``EpLink.empty_forward``) before its next command or sync point."""
         self.blocks = 0
         """``collective()`` blocks entered and not left."""
         self.ran = 0
@@ -137,12 +153,17 @@ class ForwardScope:
         self.empty = False
         """Its forward was declared empty on every rank (``EpLink.empty_forward``)."""
 
-    def begin(self, declared: bool) -> None:
-        """A command starts: its forward may run collectives if ``declared``, and has run none."""
+    def begin(self, declared: bool, due: bool) -> None:
+        """A command starts: its forward may run collectives anywhere if ``declared``, is owed if ``due``, ran none."""
         self.open = self.enforced
         self.declared = declared
+        self.due = due and self.enforced
         self.ran = 0
         self.empty = False
+
+    def entered(self) -> None:
+        """The forward of the command in flight runs now (a ``collective()`` block, or it is said to be empty)."""
+        self.due = False
 
     def allows(self) -> bool:
         """Whether a collective may run now: outside any command, or inside a declared one or a block."""
@@ -169,19 +190,4 @@ def ran_no_collective(cmd: int) -> str:
         f"it ran no collective: cmd {command_word(cmd)} is in ep_collective_commands, but its hook ran no all-reduce "
         "through Collectives (skipped, or torch.distributed called directly); an empty forward says so: "
         "link.empty_forward()"
-    )
-
-
-def undeclared(who: str, what: str, cmd: int) -> str:
-    """Why ``who`` refuses a collective (``what``) of command word ``cmd`` that nothing declared (one answer)."""
-    word = command_word(cmd)
-    if who == "head":
-        return (
-            f"{what} ran after the head sent cmd {word}, outside `with link.collective():`: run the head's forward "
-            f"of cmd {word} inside that block (and declare {word} in ep_collective_commands), so that a failure of "
-            "it stops every rank"
-        )
-    return (
-        f"{what} ran in cmd {word}, which ep_collective_commands does not declare: add {word} to the model's "
-        "ep_collective_commands (a failure there must stop every rank, not leave them in the collective)"
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Final
 
 from typing_extensions import Buffer
@@ -16,7 +16,7 @@ from .._core.codec import (
     encode_tokens_prefix,
     encode_word,
 )
-from .._core.errors import EpError, EpLinkError, EpSendError, RunStopped
+from .._core.errors import EpError, EpLinkError, EpSendError, RunStopped, command_word
 from .._core.tokens import TokenArray, as_u32_buffer, token_count
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
@@ -33,20 +33,39 @@ class HeadSender:
     """The head's sends: every check first, the encoding chosen, then the one path every message takes.
 
     ``EpLink``'s sends state the contract.  A command starts once what the workers
-    reported is raised (the transport's cheap ``answers_ready`` says whether to look).
+    reported is raised (the transport's cheap ``answers_ready`` says whether to look),
+    and once the head entered the forward it owes (``forward_skipped``).
 
     Args:
         parts: the link's parts.
         reports: the head's reading of its workers' reports.
     """
 
-    __slots__ = ("_answers_ready", "_reports", "_scope", "_send", "_settings", "_state", "_stream")
+    __slots__ = (
+        "_answers_ready",
+        "_declared",
+        "_owed",
+        "_reports",
+        "_scope",
+        "_send",
+        "_settings",
+        "_state",
+        "_stream",
+    )
 
     def __init__(self, parts: LinkParts, reports: WorkerReports) -> None:
         transport, self._settings, self._stream, self._state, self._scope = parts
         self._send = transport.send  # the hot paths call these bound methods
         self._answers_ready = transport.answers_ready
         self._reports = reports
+        self._owed: Container[int] = frozenset()
+        self._declared = False
+
+    def owed_words(self, words: Container[int], *, declared: bool) -> None:
+        """The command words whose forward the head owes (they run collectives): ``declared`` by the model's
+        ``ep_collective_commands``, else learned from its ``collective()`` blocks (``words`` grows)."""
+        self._owed = words
+        self._declared = declared
 
     def send_command(self, seq_id: int, cmd: int, follow_ups: Sequence[int | TokenArray]) -> None:
         """``EpLink.send_command``: the command and its follow-ups, as one message."""
@@ -110,12 +129,34 @@ class HeadSender:
             _LOGGER.debug("the head could not tell its workers that it closed: %s", error)
 
     def _start(self, seq_id: int, cmd: int, message: Sequence[Buffer]) -> None:
-        """Send a command's first message, once what the workers reported is raised; count the command."""
+        """Send a command's first message, once the forward owed and what the workers reported are raised."""
+        scope = self._scope
+        if scope.due:
+            raise self.forward_skipped("sent the next command")
         if self._answers_ready():
             self._reports.raise_pending()
         self.send(message)
         self._stream.begin(seq_id, cmd)
-        self._scope.begin(False)  # the head declares its forward's collectives with collective() blocks
+        scope.begin(False, cmd in self._owed)  # its collectives run in collective() blocks, never declared
+
+    def forward_skipped(self, doing: str) -> RunStopped:
+        """The head owes the forward of the command in flight and ``doing`` instead: stop the run; return the error.
+
+        Its workers wait in that forward's collectives, where a later forward of the head
+        would meet them off by one; so it is refused before anything more is sent.
+        """
+        self._scope.due = False  # settled: the run stops here, and later calls say it stopped earlier
+        stream = self._stream
+        word = command_word(stream.command[1])
+        why = "ep_collective_commands declares it" if self._declared else "its earlier forwards ran them"
+        return self._state.stop(
+            RunStopped(
+                f"head: the run stopped in {stream.described()}: the head {doing} without running its forward: "
+                f"the forward of cmd {word} runs collectives ({why}), which the workers wait in; run the head's "
+                f"forward of every cmd {word} inside `with link.collective():` (an empty one says "
+                "link.empty_forward())"
+            )
+        )
 
     def send(self, parts: Sequence[Buffer]) -> None:
         """Send one message, the concatenation of ``parts``, and fold it into the stream's digest."""

@@ -1,16 +1,15 @@
-"""``LinkSettings``: what one rank's link was built with, checked once, read by every part; the setup exchange;
-the stand-ins for the parts of the role a rank does not play (``HeadOnly``, ``WorkerOnly``)."""
+"""``LinkSettings``: what one rank's link was built with, checked once, read by every part; the setup exchange."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, NoReturn
+from typing import Final
 
 from .._core.checks import check_bool, check_instance, check_int, check_seconds, disagreement
 from .._core.codec import WIRE_VERSION
-from .._core.errors import EpLinkError, EpRoleError, EpSetupError
+from .._core.errors import EpLinkError, EpSetupError
 from .._core.protocol import ProtocolVersion
 from .._core.transport import EpTransport
 from .._core.words import U32_MAX
@@ -110,41 +109,3 @@ def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, 
         for peer, words in enumerate(everyone)
         if peer and words[5:] == mine[5:] and words[4] not in (0, mine[4])
     }
-
-
-class HeadOnly:
-    """Stands in, on a worker, for the head's parts: whatever is asked of them raises ``EpRoleError``.
-
-    Python's own probes (``__deepcopy__``, ``hasattr`` of a dunder) get ``AttributeError``, as from any object.
-    """
-
-    __slots__ = ("_rank",)
-
-    def __init__(self, rank: int) -> None:
-        self._rank = rank
-
-    def __getattr__(self, name: str) -> NoReturn:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        what = "sends" if name.startswith("send") else "runs sync points and reads the workers' reports"
-        raise EpRoleError(f"only the head (rank 0) {what}; this is worker rank {self._rank}")
-
-
-class WorkerOnly:
-    """Stands in, on the head, for a worker's parts: whatever is asked of them raises ``EpRoleError``.
-
-    Python's own probes get ``AttributeError``, as from any object.
-    """
-
-    __slots__ = ()
-
-    def __getattr__(self, name: str) -> NoReturn:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name == "step":
-            raise EpRoleError("the step of a command (ep_worker_step) runs on worker ranks; this is the head (rank 0)")
-        raise EpRoleError("follow-ups are received on worker ranks; this is the head (rank 0)")
-
-
-WORKER_ONLY: Final = WorkerOnly()
-"""The stand-in for a worker's parts on the head."""

@@ -6,7 +6,7 @@ import zlib
 from typing import Final
 
 from .._core.codec import Ack, WireError, encode_sync
-from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, WorkerFailure
+from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure
 from .._core.transport import GATHER_WORDS, EpTransport, PretendGroup
 from .._core.words import check_u32
 from .agreement import HeadFigures, differences, disagreement_of_values
@@ -29,10 +29,11 @@ class SyncPoints:
         reports: the head's reading of its workers' reports.
     """
 
-    __slots__ = ("_agreed", "_number", "_reports", "_sender", "_settings", "_stream", "_transport")
+    __slots__ = ("_agreed", "_number", "_reports", "_scope", "_sender", "_settings", "_stream", "_transport")
 
     def __init__(self, parts: LinkParts, sender: HeadSender, reports: WorkerReports) -> None:
         self._transport, self._settings, self._stream = parts.transport, parts.settings, parts.stream
+        self._scope = parts.scope
         self._sender = sender
         self._reports = reports
         self._number = 0  # sync points sent
@@ -40,6 +41,8 @@ class SyncPoints:
 
     def sync(self, mine: int | None) -> None:
         """``EpLink.sync``, comparing state digests when ``mine`` (the head's) is given."""
+        if self._scope.due:
+            raise self._sender.forward_skipped("reached a sync point")
         reports = self._reports
         self._number += 1
         number = self._number
@@ -74,21 +77,22 @@ class SyncPoints:
 
     def _failed_waiting(
         self, reports: WorkerReports, number: int, rank: int, error: Exception, failures: list[WorkerFailure]
-    ) -> EpLinkError:
-        """Why sync point ``number`` failed waiting for worker ``rank`` (``error``), as far as the head can tell.
+    ) -> RunStopped:
+        """Sync point ``number`` failed waiting for worker ``rank`` (``error``): stop the run, naming why.
 
-        Workers the transport found lost stop the run; else the error names the rank,
-        whether it exited, and the workers whose heartbeat stopped.
+        A worker that does not answer in time (or at all) leaves the head unable to
+        know what it ran: the run cannot go on.  Workers the transport found lost
+        are named as such; else the rank that did not answer, whether it exited,
+        and the workers whose heartbeat stopped.
         """
+        where = f" at sync point {number}"
         lost, ranks = reports.lost()
         if lost:
-            return reports.stop(lost, failures, ranks, where=f" at sync point {number}")
+            return reports.stop(lost, failures, ranks, where=where)
         exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
         silent = "" if exited else reports.silence()
-        return EpLinkError(
-            f"head: sync point {number} failed waiting for worker rank {rank}{exited}: {error}"
-            + (f"; {silent}" if silent else "")
-        )
+        why = f"worker rank {rank} did not answer{exited}: {error}" + (f"; {silent}" if silent else "")
+        return reports.stop(why, failures, [rank], where=where)
 
 
 def gather_u32(transport: EpTransport, settings: LinkSettings, value: int) -> list[int]:

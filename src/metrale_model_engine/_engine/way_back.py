@@ -15,7 +15,6 @@ from .._core.errors import (
     EpReceiveError,
     RunStopped,
     WorkerFailure,
-    describe_command,
     error_text,
 )
 from .run_state import LinkParts
@@ -60,7 +59,7 @@ class WorkerWayBack:
 
     def report(self, text: str) -> None:
         """Tell the head that the command in flight (its count of them) failed here, and why (``text``)."""
-        self._answer(encode_report(Report(self._stream.commands, *self._stream.command, text)))
+        self._answer(encode_report(self._report(text)))
         self._reports += 1
 
     def refuse(self, error: BaseException) -> EpCommandRefused:
@@ -70,22 +69,18 @@ class WorkerWayBack:
     def refused(self, text: str) -> EpCommandRefused:
         """Refuse the command in flight for ``text``: report it to the head as stopping the run, stop; return it."""
         self.collective = True
-        seq_id, cmd = self._stream.command
-        number = self._stream.commands
-        failure = WorkerFailure(self._settings.rank, number, seq_id, cmd, text, stopped=True)
         refused = EpCommandRefused(
-            f"{self._settings.who}: {describe_command(number, seq_id, cmd)}, which runs collectives, "
+            f"{self._settings.who}: {self._stream.described()}, which runs collectives, "
             f"failed here, so the run stops on every rank: {text}",
-            (failure,),
+            (WorkerFailure.from_report(self._settings.rank, self._report(text, stopped=True)),),
         )
         self.leave(refused, text)
         return refused
 
     def witness(self, error: BaseException, what: str) -> RunStopped:
         """A collective (``what``) of the command in flight failed here: report it as a witness, stop; return it."""
-        where = describe_command(self._stream.commands, *self._stream.command)
         stopped = RunStopped(
-            f"{self._settings.who}: the run stopped in {where}: {what} failed, so a rank died, "
+            f"{self._settings.who}: the run stopped in {self._stream.described()}: {what} failed, so a rank died, "
             f"left the run or stalls: {error_text(error)}"
         )
         self.leave(stopped, f"{what} failed here: {error_text(error)}", witness=True)
@@ -99,8 +94,7 @@ class WorkerWayBack:
         reports otherwise wait for a sync point.  ``witness``: this worker's collective failed.
         """
         try:
-            report = Report(self._stream.commands, *self._stream.command, text, True, witness)
-            self._answer(encode_report(report), timeout=_LEAVE_TIMEOUT)
+            self._answer(encode_report(self._report(text, stopped=True, witness=witness)), timeout=_LEAVE_TIMEOUT)
             self._reports += 1
         except EpLinkError as error:
             _LOGGER.debug("%s could not report why the run stopped: %s", self._settings.who, error)
@@ -115,6 +109,10 @@ class WorkerWayBack:
             self._transport.flush_answers(self._settings.command_timeout)
         except Exception as error:
             raise EpReceiveError(f"{self._settings.who}: answering sync point {number} failed: {error}") from error
+
+    def _report(self, text: str, *, stopped: bool = False, witness: bool = False) -> Report:
+        """The report that the command in flight (the head's count of it, ``seq_id``, ``cmd``) failed for ``text``."""
+        return Report(self._stream.commands, *self._stream.command, text, stopped, witness)
 
     def _answer(self, answer: bytes, *, timeout: float | None = None) -> None:
         try:

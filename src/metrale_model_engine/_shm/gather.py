@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from .._core.checks import disagreement
 from .._core.transport import GATHER_WORDS, PeerLost, TransportClosed, TransportTimeout
 from .._core.words import u32_values
 from .._host.liveness import ProcessWatch
@@ -70,10 +71,9 @@ class SetupGather:
             lambda: all(u32[line + 1] >= generation for line in lines), "finish the gather", seconds, limit
         )
         self._generation = generation
-        counts = {len(words) for words in everyone}
-        if len(counts) > 1:
-            per_rank = ", ".join(f"rank {r}: {len(w)}" for r, w in enumerate(everyone))
-            raise ValueError(f"rank {self._rank}: the ranks gathered different word counts ({per_rank})")
+        differ = disagreement(self._rank, "word count of a gather", [len(words) for words in everyone])
+        if differ is not None:
+            raise ValueError(differ)
         return everyone
 
     def _wait_for_ranks(self, ready: Callable[[], bool], doing: str, timeout: float, limit: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, MutableSequence
-from typing import ClassVar, NoReturn, cast
+from typing import Any, ClassVar, NoReturn, cast
 
 from typing_extensions import Self
 
@@ -11,6 +11,7 @@ from .._core.protocol import ProtocolVersion
 from .._core.state import S
 from .._core.tokens import TokenArray, token_count
 from .._core.words import check_u32
+from .._engine.forward import declare_collective_commands
 from .._engine.link import EpLink
 from .model_ep import ModelEp
 
@@ -47,7 +48,10 @@ class LinkedEp(ModelEp[S]):
 
     It adds nothing else to the model's class: the trait's six methods, the hook,
     [`ep_collective_commands`][metrale_model_engine.LinkedEp.ep_collective_commands], the ``ep_link`` attribute, and
-    ``with model:`` (which closes the link on the way out).  It has no ``__init__`` and
+    ``with model:`` (which closes the link on the way out).  As the model assigns
+    ``self.ep_link``, the link is handed its ``ep_collective_commands``: the head then
+    refuses a command of one of them whose forward it never entered (see
+    [`EpLink.collective`][metrale_model_engine.EpLink.collective]).  It has no ``__init__`` and
     ``__slots__ = ()``: a slotted model declares an ``"ep_link"`` slot.
     """
 
@@ -65,6 +69,12 @@ class LinkedEp(ModelEp[S]):
     ordinary command: the run stops on every rank.  A ``frozenset`` (or a ``set``) of
     u32 words, as a class attribute.
     """
+
+    def __setattr__(self, name: str, value: Any) -> None:  # Any: torch.nn.Module's, beside it, takes its own
+        """Set the attribute; a link assigned to ``ep_link`` is handed ``ep_collective_commands``."""
+        super().__setattr__(name, value)
+        if name == "ep_link" and isinstance(value, EpLink):
+            declare_collective_commands(value, self.ep_collective_commands)
 
     def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
         """Worker: receive one header and run its command through ``ep_run_command`` (as ``EpLink.step``)."""
