@@ -36,7 +36,7 @@ from metrale_model_engine.reference import (
     ShardedLm,
     Tokenizer,
 )
-from metrale_model_engine.reference.checkpoint import QWEN3_MOE, byte_tokenizer, save_checkpoint
+from metrale_model_engine.reference.checkpoint import QWEN3_MOE, byte_tokenizer, files, save_checkpoint
 from metrale_model_engine.transport import SoloTransport
 
 from helpers import oracle
@@ -233,6 +233,12 @@ ROUTER = "model.layers.1.block_sparse_moe.gate.weight"
         ("mixtral", _bytes(lambda raw: struct.pack("<Q", 2**40) + raw[8:]), "model.safetensors: corrupt or truncated: "
          "its header length is 1099511627776 bytes"),
         ("mixtral", _bytes(lambda raw: raw[:8] + b"\xff" + raw[9:]), "model.safetensors: corrupt header: not valid"),
+        ("mixtral", _bytes(lambda raw: struct.pack("<Q", len(raw)) + raw[8:]), "model.safetensors: corrupt or "
+         "truncated: its header length is "),  # past the file's end, under safetensors' own limit
+        ("mixtral", _bytes(lambda raw: raw.replace(b'"data_offsets":[0,', b'"data_offsets":[9,', 1)),
+         "model.safetensors: corrupt: invalid offset for tensor `"),
+        ("mixtral", lambda d: ((d / "model.safetensors").unlink(), (d / "model.safetensors").mkdir()),
+         "model.safetensors: cannot be read ("),
     ],
 )  # fmt: skip
 def test_a_bad_checkpoint_is_refused_in_one_line_naming_it(
@@ -244,6 +250,12 @@ def test_a_bad_checkpoint_is_refused_in_one_line_naming_it(
         Checkpoint.open(directory)
     text = str(refused.value)
     assert text.startswith(str(directory)) and message in text and "\n" not in text, text
+
+
+def test_a_file_gone_before_its_refusal_is_named_as_unreadable(tmp_path: Path) -> None:
+    """safe_open refused the file, which then could not be read to say how: the refusal names it as unreadable."""
+    gone = tmp_path / "model.safetensors"
+    assert files._refusal(gone, "header too small") == f"{gone}: cannot be read (No such file or directory)"
 
 
 def test_what_does_not_change_the_arithmetic_is_served(written: dict[str, Path], tmp_path: Path) -> None:
