@@ -24,10 +24,14 @@ from metrale_model_engine import (
     EpRoleError,
     EpWorkerFailed,
     ProtocolVersion,
+    RunStopped,
     WorkerFailure,
     run_worker,
 )
 from metrale_model_engine.reference import (
+    CMD_ALLOC,
+    CMD_DECODE,
+    CMD_PREFILL,
     LmConfig,
     LmSlots,
     LmState,
@@ -37,10 +41,10 @@ from metrale_model_engine.reference import (
     check_decode,
     check_prefill,
     kv_digest,
-    serving,
 )
 from metrale_model_engine.reference.model import ShardedBlock
-from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, Chunk, RunStopped
+from metrale_model_engine.reference.rank import reduce
+from metrale_model_engine.reference.rank.runner import Chunk
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
@@ -413,7 +417,7 @@ def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: 
     def broken(tensor: torch.Tensor) -> None:
         raise RuntimeError("Connection closed by peer")
 
-    monkeypatch.setattr(serving, "EXIT_GRACE", 0.01)
+    monkeypatch.setattr(reduce, "EXIT_GRACE", 0.01)
     head = ReferenceLm(EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2), all_reduce=broken)
     slots: list[LmState | None] = [None, None]
     head.alloc(slots, 0)
