@@ -47,7 +47,7 @@ from .rank.slots import LmSlots, LmState
 from .rank.timing import TimeSpent
 from .requests import Completion, FinishReason, Request, Sampler, check_count
 
-__all__ = ["Completion", "DecodeStep", "FinishReason", "Request", "ServedLm", "Server"]
+__all__ = ["DecodeStep", "ServedLm", "Server"]
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)

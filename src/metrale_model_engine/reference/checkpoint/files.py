@@ -17,14 +17,6 @@ from typing import Any, Final
 
 from safetensors import SafetensorError, safe_open
 
-from ..._core.namespace import PublicDir, public_dir
-
-__all__ = ["INDEX", "CheckpointError", "TensorEntry", "read_json", "tensor_table"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
-
 INDEX: Final = "model.safetensors.index.json"
 
 

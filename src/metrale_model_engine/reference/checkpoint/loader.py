@@ -19,7 +19,6 @@ from typing import Any, Final
 import torch
 from safetensors import safe_open
 
-from ..._core.namespace import PublicDir, public_dir
 from ..config import LmConfig
 from ..model import ShardedLm
 from .family import Family
@@ -28,12 +27,6 @@ from .files import CheckpointError, TensorEntry, read_json, tensor_table
 from .mixtral import MIXTRAL
 from .plan import Piece, fill, pieces
 from .qwen3_moe import QWEN3_MOE
-
-__all__ = ["DTYPES", "FAMILIES", "SHIPPED_MODEL", "Checkpoint", "load_shard"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
 
 SHIPPED_MODEL: Final[Path] = Path(__file__).parents[1] / "tiny_moe"
 """The model that ships with the package: a ``MixtralForCausalLM`` checkpoint with a byte tokenizer."""
