@@ -37,8 +37,10 @@ matrix products do, so sharded logits equal the one-rank logits to rounding
 (within 1e-5 in float32 on the CPU), not bit for bit; the ranks of one group agree
 bit for bit, since the all-reduce hands each the same sums.  The tests hold the
 greedy tokens at 1, 2 and 4 ranks equal to ``transformers``' for the same
-checkpoint.  Any floating dtype works: float32, float64, bfloat16 and float16
-(norms, rotations and routing weights are then computed in float32).
+checkpoint, in float32.  Any floating dtype works: float32, float64, bfloat16 and float16
+(norms, rotations and routing weights are then computed in float32); in bfloat16 the tokens
+part from ``transformers``' (and from one world size to another) where the two largest
+logits tie within its rounding (docs/reference.md).
 
 This package imports torch; the root package never imports it.  Its modules, one
 job each: ``config`` (the shape and the sharding rule), ``layers``,
