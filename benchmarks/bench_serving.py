@@ -45,7 +45,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -57,7 +56,6 @@ from metrale_model_engine.reference import (
     LmSlots,
     LmState,
     ReferenceLm,
-    Request,
     Server,
     check_decode,
     check_prefill,
@@ -69,38 +67,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_step
 import real_model
 from output import DEFAULT_OUT, plotting_available, say_written
-from serving_report import RoundResult, analyse, report
+from serving_report import analyse, report
+from serving_work import RoundResult, Workload
 
 from peers import ShmEventChannel, ShmEventHandle
 
 PATHS: Final = ("world 1", "ours shm", "ours gloo", "peer pickle", "peer shm+event")
 CMD_END_ROUND: Final = 0x0000BEEF
 """The benchmark's own command: the round is over (workers leave their loop, the link stays up)."""
-SOURCE: Final = (Path(__file__).resolve().parents[1] / "LICENSE-APACHE").read_text()
 
 
 Call = tuple[Any, ...]
 """A peer call: ``("alloc", seq_id)``, ``("free", seq_id)``, ``("prefill", ...)``, ``("decode", ...)``."""
 Send = Callable[[list[Call]], None]
 Receive = Callable[[], Any]
-
-
-@dataclass(frozen=True)
-class Workload:
-    requests: int
-    prompt_tokens: int
-    new_tokens: int
-    slots: int
-    prefill_chunk: int
-
-    def build(self) -> list[Request]:
-        """Prompts cut from the Apache license at spread offsets (real text, so the model stays on it)."""
-        step = (len(SOURCE) - self.prompt_tokens) // self.requests
-        return [
-            Request(i, tuple(SOURCE[i * step : i * step + self.prompt_tokens].encode())[: self.prompt_tokens],
-                    self.new_tokens)
-            for i in range(self.requests)
-        ]  # fmt: skip
 
 
 class BenchLm(ReferenceLm):

@@ -7,24 +7,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, TypedDict
+from typing import Final
 
-if TYPE_CHECKING:
-    from bench_serving import Workload
+from serving_work import RoundResult, Workload
 
 TARGET_SHARE: Final = 0.02
 """The protocol's share of a decode step at the full batch, over shared memory: at most this."""
 TARGET_PROTOCOL_US: Final = 25.0
 """The head's protocol time of that step (the decode command's send), median, in microseconds: at most this."""
-
-
-class RoundResult(TypedDict):
-    tokens: int
-    wall_s: float
-    tokens_per_s: float
-    outputs: list[list[int]]
-    steps: list[tuple[int, float, float, float]]
-    """Each decode step: batch, total, protocol and collectives seconds."""
 
 
 @dataclass

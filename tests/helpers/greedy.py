@@ -1,5 +1,5 @@
-"""The reference model's greedy run that one rank and a sharded group must agree on, and the shipped model built
-on one rank of a group (needs torch)."""
+"""The reference model's greedy run that one rank and a sharded group must agree on, how closely their float32
+logits must agree (``LOGIT_TOLERANCE``), and the shipped model built on one rank of a group (needs torch)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from metrale_model_engine.reference import AllReduce, Checkpoint, ExpertRouting,
 from metrale_model_engine.reference.checkpoint import load_shard
 
 PROMPTS = ("Licensed under the", "Permission is hereby")
+
+LOGIT_TOLERANCE = 1e-4
+"""The largest difference allowed between two float32 computations of the same logits that sum in another order:
+a sharded model's against one rank's, a batched or cached decode's against one alone or the training path's (seen:
+about 1e-6)."""
 
 GREEDY_STEPS = 24
 Greedy = dict[str, list[list[float]] | list[list[int]]]

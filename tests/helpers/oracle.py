@@ -89,15 +89,14 @@ def reference_tokens(
     *,
     dtype: torch.dtype = torch.float32,
     stop_at_eos: bool = False,
-) -> tuple[list[list[int]], float]:
-    """``transformers``' greedy tokens for each prompt (one at a time), and the smallest gap between the two
-    largest logits at any step (a gap far above rounding makes equal tokens a fair test)."""
+) -> tuple[list[list[int]], list[list[tuple[float, float]]]]:
+    """``transformers``' greedy tokens for each prompt (one at a time), and at each step its two largest logits."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model.train(False)
     generated: list[list[int]] = []
-    smallest = float("inf")
+    tops: list[list[tuple[float, float]]] = []
     for prompt in prompts:
         stop = {} if stop_at_eos else {"eos_token_id": None}
         with torch.no_grad():
@@ -106,7 +105,13 @@ def reference_tokens(
                 output_scores=True, return_dict_in_generate=True, **stop,
             )  # fmt: skip
         generated.append(out.sequences[0, len(prompt) :].tolist())
-        for scores in out.scores:
-            top = scores[0].float().topk(2).values
-            smallest = min(smallest, float(top[0] - top[1]))
-    return generated, smallest
+        tops.append(
+            [(float(first), float(second)) for first, second in (s[0].float().topk(2).values for s in out.scores)]
+        )
+    return generated, tops
+
+
+def smallest_gap(tops: Sequence[Sequence[tuple[float, float]]]) -> float:
+    """The smallest gap between the two largest logits at any step of ``reference_tokens``' (a gap far above
+    rounding makes equal tokens a fair test)."""
+    return min(first - second for steps in tops for first, second in steps)

@@ -26,7 +26,7 @@ from metrale_model_engine.reference import (
     kv_digest,
 )
 from metrale_model_engine.reference.model import ShardedBlock
-from metrale_model_engine.torch import open_link
+from metrale_model_engine.torch import Collectives, open_link
 
 from helpers.greedy import byte_ids
 from helpers.rank_results import save
@@ -107,22 +107,28 @@ def serve_workload(rank: int, world_size: int, kind: str, protocol: str, out: st
 
 
 class DiesInDecode(ReferenceLm):
-    """A rank that kills itself (SIGKILL) inside the second all-reduce of its first decode step."""
+    """A rank that kills itself (SIGKILL) inside the second all-reduce of its first decode step: its all-reduce is
+    ``Collectives``' behind a wrapper that counts the calls of a decode."""
 
     out = ""
     _reduces_in_decode = -1
 
+    def __init__(self, link: EpLink) -> None:
+        collectives = Collectives(link)
+
+        def all_reduce(tensor: torch.Tensor) -> None:
+            if self._reduces_in_decode >= 0:
+                self._reduces_in_decode += 1
+                if self._reduces_in_decode == 2:
+                    save(self.out, link.rank, killed_at=time.time())
+                    os.kill(os.getpid(), signal.SIGKILL)
+            collectives.all_reduce(tensor)
+
+        super().__init__(link, all_reduce=all_reduce)
+
     def forward_decode(self, states: Sequence[LmState], tokens: Sequence[int]) -> torch.Tensor:
         self._reduces_in_decode = 0
         return super().forward_decode(states, tokens)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self._reduces_in_decode >= 0:
-            self._reduces_in_decode += 1
-            if self._reduces_in_decode == 2:
-                save(self.out, self.ep_link.rank, killed_at=time.time())
-                os.kill(os.getpid(), signal.SIGKILL)
-        super()._all_reduce(tensor)
 
 
 class ForgetsAllocs(ReferenceLm):

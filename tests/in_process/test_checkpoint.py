@@ -36,7 +36,7 @@ from metrale_model_engine.reference import (
     ShardedLm,
     Tokenizer,
 )
-from metrale_model_engine.reference.checkpoint import QWEN3_MOE, byte_tokenizer, save_checkpoint
+from metrale_model_engine.reference.checkpoint import QWEN3_MOE, byte_tokenizer, files, save_checkpoint
 from metrale_model_engine.transport import SoloTransport
 
 from helpers import oracle
@@ -65,7 +65,8 @@ def served(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any)
 
 def test_transformers_continues_the_shipped_model_with_the_demos_text() -> None:
     prompts = [byte_ids(text) for text in PROMPTS]
-    expected, gap = oracle.reference_tokens(SHIPPED_MODEL, prompts, 48)
+    expected, tops = oracle.reference_tokens(SHIPPED_MODEL, prompts, 48)
+    gap = oracle.smallest_gap(tops)
     assert served(None, prompts, 48) == expected
     assert gap > 1e-2  # far from a tie: rounding cannot flip a token
     assert bytes(expected[0]).decode().startswith(' Apache License, Version 2.0 (the "License")')
@@ -73,7 +74,8 @@ def test_transformers_continues_the_shipped_model_with_the_demos_text() -> None:
 
 @pytest.mark.parametrize("family", oracle.FAMILIES)
 def test_one_rank_gives_the_tokens_of_transformers(written: dict[str, Path], family: str) -> None:
-    expected, gap = oracle.reference_tokens(written[family])
+    expected, tops = oracle.reference_tokens(written[family])
+    gap = oracle.smallest_gap(tops)
     assert gap > 1e-4, gap  # rounding is about 1e-6 here: a flip would need a near tie
     assert served(written[family], oracle.PROMPTS, oracle.NEW_TOKENS) == expected
 
@@ -137,9 +139,13 @@ def test_a_bfloat16_checkpoint_runs_in_its_dtype_or_in_float32(tmp_path: Path) -
     assert served(directory, oracle.PROMPTS, oracle.NEW_TOKENS, dtype=torch.float32) == expected
     model = ReferenceLm(EpLink(SoloTransport(), num_slots=1), checkpoint=directory)
     assert all(parameter.dtype == torch.bfloat16 for parameter in model.parameters())
-    in_bf16 = served(directory, oracle.PROMPTS, oracle.NEW_TOKENS)
-    agree = sum(a == b for run, ref in zip(in_bf16, expected, strict=True) for a, b in zip(run, ref, strict=True))
-    assert agree >= 0.75 * sum(map(len, expected))  # bfloat16 rounds: mostly the same tokens, not all
+    theirs, tops = oracle.reference_tokens(directory, dtype=torch.bfloat16)
+    for ours, their, steps in zip(served(directory, oracle.PROMPTS, oracle.NEW_TOKENS), theirs, tops, strict=True):
+        parted = next((at for at, (a, b) in enumerate(zip(ours, their, strict=True)) if a != b), None)
+        if parted is not None:  # only where bfloat16's 8 significant bits leave the two largest logits (nearly) tied
+            first, second = steps[parted]
+            step = torch.finfo(torch.bfloat16).eps * 2 ** math.floor(math.log2(abs(first)))  # bfloat16's unit there
+            assert first - second <= 2 * step, (ours, their, parted, first, second)
 
 
 # Refusals: one line, naming the file and what is wrong
@@ -233,6 +239,12 @@ ROUTER = "model.layers.1.block_sparse_moe.gate.weight"
         ("mixtral", _bytes(lambda raw: struct.pack("<Q", 2**40) + raw[8:]), "model.safetensors: corrupt or truncated: "
          "its header length is 1099511627776 bytes"),
         ("mixtral", _bytes(lambda raw: raw[:8] + b"\xff" + raw[9:]), "model.safetensors: corrupt header: not valid"),
+        ("mixtral", _bytes(lambda raw: struct.pack("<Q", len(raw)) + raw[8:]), "model.safetensors: corrupt or "
+         "truncated: its header length is "),  # past the file's end, under safetensors' own limit
+        ("mixtral", _bytes(lambda raw: raw.replace(b'"data_offsets":[0,', b'"data_offsets":[9,', 1)),
+         "model.safetensors: corrupt: invalid offset for tensor `"),
+        ("mixtral", lambda d: ((d / "model.safetensors").unlink(), (d / "model.safetensors").mkdir()),
+         "model.safetensors: cannot be read ("),
     ],
 )  # fmt: skip
 def test_a_bad_checkpoint_is_refused_in_one_line_naming_it(
@@ -244,6 +256,12 @@ def test_a_bad_checkpoint_is_refused_in_one_line_naming_it(
         Checkpoint.open(directory)
     text = str(refused.value)
     assert text.startswith(str(directory)) and message in text and "\n" not in text, text
+
+
+def test_a_file_gone_before_its_refusal_is_named_as_unreadable(tmp_path: Path) -> None:
+    """safe_open refused the file, which then could not be read to say how: the refusal names it as unreadable."""
+    gone = tmp_path / "model.safetensors"
+    assert files._refusal(gone, "header too small") == f"{gone}: cannot be read (No such file or directory)"
 
 
 def test_what_does_not_change_the_arithmetic_is_served(written: dict[str, Path], tmp_path: Path) -> None:

@@ -1,10 +1,6 @@
-"""The reference model served through the protocol: same tokens at every world size, faults inside a forward.
-
-The multi-rank tests run real processes (``torch.run_group``), bounded by a timeout.
-Float tolerance: a sharded forward sums its partial products in another order than
-one rank does, so the head's logits match one rank's to :data:`LOGIT_TOLERANCE`
-(float32), not bit for bit; the greedy tokens must be identical.
-"""
+"""The reference model served through the protocol, in this process: one rank's serving, the checks every rank
+makes, a worker's hook replaying what a head sent, the head's failures, and the server kept whole whatever a step
+meets (the multi-rank runs are ``tests/ranks/test_serving.py``)."""
 
 from __future__ import annotations
 
@@ -24,10 +20,14 @@ from metrale_model_engine import (
     EpRoleError,
     EpWorkerFailed,
     ProtocolVersion,
+    RunStopped,
     WorkerFailure,
     run_worker,
 )
 from metrale_model_engine.reference import (
+    CMD_ALLOC,
+    CMD_DECODE,
+    CMD_PREFILL,
     LmConfig,
     LmSlots,
     LmState,
@@ -37,10 +37,10 @@ from metrale_model_engine.reference import (
     check_decode,
     check_prefill,
     kv_digest,
-    serving,
 )
 from metrale_model_engine.reference.model import ShardedBlock
-from metrale_model_engine.reference.serving import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, Chunk, RunStopped
+from metrale_model_engine.reference.rank import reduce
+from metrale_model_engine.reference.rank.runner import Chunk
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
 from metrale_model_engine.wire import Report, decode_answer
@@ -50,9 +50,6 @@ from helpers.fakes import RealHead
 from helpers.greedy import byte_ids
 
 pytestmark = pytest.mark.torch
-
-LOGIT_TOLERANCE = 1e-4
-"""Largest difference allowed between a sharded head's logits and one rank's (float32; seen: about 1e-6)."""
 
 
 def solo_model(slots: int = 4) -> ReferenceLm:
@@ -413,7 +410,7 @@ def test_a_failed_all_reduce_the_link_cannot_explain_stops_the_run(monkeypatch: 
     def broken(tensor: torch.Tensor) -> None:
         raise RuntimeError("Connection closed by peer")
 
-    monkeypatch.setattr(serving, "EXIT_GRACE", 0.01)
+    monkeypatch.setattr(reduce, "EXIT_GRACE", 0.01)
     head = ReferenceLm(EpLink(RecordingTransport(2), num_slots=2, protocol=ProtocolVersion.V2), all_reduce=broken)
     slots: list[LmState | None] = [None, None]
     head.alloc(slots, 0)

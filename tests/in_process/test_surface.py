@@ -141,7 +141,6 @@ REFERENCE_SURFACE = [
     "Completion",
     "DecodeGraphs",
     "DecodeStep",
-    "EXIT_GRACE",
     "ExpertRouting",
     "FinishReason",
     "GREEDY",
@@ -151,7 +150,6 @@ REFERENCE_SURFACE = [
     "OpCount",
     "ReferenceLm",
     "Request",
-    "RunStopped",
     "SHIPPED_MODEL",
     "Sampler",
     "Sampling",
@@ -293,15 +291,28 @@ def test_the_renamed_server_module_warns_and_gives_the_schedulers_names() -> Non
     assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the op count needs torch")
-@pytest.mark.parametrize("name", ["count_ops", "OpCount", "WAITING_OPS"])
-def test_the_op_count_moved_to_the_reference_and_its_old_name_warns(name: str) -> None:
-    from metrale_model_engine import reference
-    from metrale_model_engine import torch as ep_torch
+REFERENCE = "metrale_model_engine.reference"
+SERVING = f"{REFERENCE}.serving"
+MOVED = [
+    *(("metrale_model_engine.torch", name, REFERENCE) for name in ("count_ops", "OpCount", "WAITING_OPS")),
+    *((old, "RunStopped", "metrale_model_engine") for old in (REFERENCE, SERVING)),
+    *((old, "EXIT_GRACE", "metrale_model_engine.torch") for old in (REFERENCE, SERVING)),
+    *((SERVING, name, REFERENCE) for name in ("CMD_PREFILL", "check_decode")),
+]
+"""``(old module, name, new home)``: the op count moved to the reference package, beside the model it measures;
+the protocol's names left the reference package, whose ``serving`` module gave them and its own before its parts
+moved to ``rank``."""
 
-    assert name not in ep_torch.__all__
-    assert name not in dir(ep_torch)
-    match = rf"metrale_model_engine\.torch\.{name} is now metrale_model_engine\.reference\.{name}; .* goes in 0\.3"
-    with pytest.warns(DeprecationWarning, match=match):
-        value = getattr(ep_torch, name)
-    assert value is getattr(reference, name)
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="the reference package and the op count need torch"
+)
+@pytest.mark.parametrize(("old", "name", "home"), MOVED)
+def test_a_moved_name_has_one_home_and_its_old_name_warns(old: str, name: str, home: str) -> None:
+    module = importlib.import_module(old)
+    assert name not in getattr(module, "__all__", ()) and name not in dir(module)
+    with pytest.warns(DeprecationWarning, match=rf"^{old}\.{name} is now {home}\.{name}; the old name goes in 0\.3$"):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match=rf"module '{old}' has no attribute 'Nothing'"):
+        module.Nothing  # noqa: B018

@@ -19,11 +19,9 @@ import torch
 from metrale_model_engine.reference import Checkpoint
 from metrale_model_engine.torch import run_group
 
-from helpers.greedy import Greedy, greedy_session, shipped_model
+from helpers.greedy import LOGIT_TOLERANCE, Greedy, greedy_session, shipped_model
 
 pytestmark = pytest.mark.torch
-
-ATOL = 1e-4
 
 
 def sharded_session(rank: int, world_size: int, out: str) -> None:
@@ -44,5 +42,5 @@ def test_sharded_equals_one_rank(world_size: int, tmp_path: Path, greedy_one_ran
     for result in results:
         assert result == results[0]  # bit for bit: every rank gets the same sums
     expected = torch.tensor(greedy_one_rank["logits"])
-    torch.testing.assert_close(torch.tensor(results[0]["logits"]), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(results[0]["logits"]), expected, atol=LOGIT_TOLERANCE, rtol=0)
     assert results[0]["tokens"] == greedy_one_rank["tokens"]

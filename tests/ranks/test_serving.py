@@ -2,7 +2,7 @@
 
 The multi-rank tests run real processes (``torch.run_group``), bounded by a timeout.
 Float tolerance: a sharded forward sums its partial products in another order than
-one rank does, so the head's logits match one rank's to :data:`LOGIT_TOLERANCE`
+one rank does, so the head's logits match one rank's to ``helpers.greedy.LOGIT_TOLERANCE``
 (float32), not bit for bit; the greedy tokens must be identical.
 """
 
@@ -15,23 +15,16 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 
-from metrale_model_engine import (
-    EpLink,
-    ProtocolVersion,
-)
-from metrale_model_engine.reference import (
-    ReferenceLm,
-)
-from metrale_model_engine.testing import RecordingTransport
+from metrale_model_engine import EpLink
+from metrale_model_engine.reference import ReferenceLm
 from metrale_model_engine.torch import run_group
 
 from helpers import serving_sessions as sessions
+from helpers.greedy import LOGIT_TOLERANCE
 from helpers.rank_results import load
 
 pytestmark = pytest.mark.torch
 
-LOGIT_TOLERANCE = 1e-4
-"""Largest difference allowed between a sharded head's logits and one rank's (float32; seen: about 1e-6)."""
 RUN_LIMIT = 240.0
 """Seconds a multi-rank test may run before its ranks are killed."""
 FAULT_BOUND = 10.0
@@ -58,16 +51,6 @@ def test_the_group_must_be_the_links(tmp_path: Path) -> None:
         "group: this process is rank 0 of 1 there, but rank 0 of 2 on the link; "
         "the all-reduces must run over the link's ranks"
     )
-
-
-# -- the worker hook and the head's failures, in this process (an all-reduce that adds nothing) --
-
-
-def message(seq_id: int, cmd: int, *follow_ups: int | list[int]) -> list[int]:
-    """The words of one command as the head sends it."""
-    transport = RecordingTransport(2)
-    EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2).send_command(seq_id, cmd, *follow_ups)
-    return list(transport.messages[-1])
 
 
 # -- several ranks, real processes ----------------------------------------------

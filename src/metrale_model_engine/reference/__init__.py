@@ -37,24 +37,34 @@ matrix products do, so sharded logits equal the one-rank logits to rounding
 (within 1e-5 in float32 on the CPU), not bit for bit; the ranks of one group agree
 bit for bit, since the all-reduce hands each the same sums.  The tests hold the
 greedy tokens at 1, 2 and 4 ranks equal to ``transformers``' for the same
-checkpoint.  Any floating dtype works: float32, float64, bfloat16 and float16
-(norms, rotations and routing weights are then computed in float32).
+checkpoint, in float32.  Any floating dtype works: float32, float64, bfloat16 and float16
+(norms, rotations and routing weights are then computed in float32); in bfloat16 the tokens
+part from ``transformers``' (and from one world size to another) where the two largest
+logits tie within its rounding (docs/reference.md).
 
 This package imports torch; the root package never imports it.  Its modules, one
 job each: ``config`` (the shape and the sharding rule), ``layers``,
 ``experts`` and ``model`` (the network), ``graphs`` (decode steps
 replayed from CUDA graphs), [`checkpoint`][metrale_model_engine.reference.checkpoint] (the Hugging Face layout),
-``state`` (a slot's state, the checks every rank makes of a command, the
-digests of sync points), ``serving`` ([`ReferenceLm`][metrale_model_engine.reference.ReferenceLm], the network served
-over the protocol), ``requests`` (a request, its completion, how its tokens are
-picked), ``scheduler`` ([`Server`][metrale_model_engine.reference.Server], continuous batching on the head) and
-``summary``.  Everything is exported here, with [`count_ops`][metrale_model_engine.reference.count_ops] (what one call
+``serving`` ([`ReferenceLm`][metrale_model_engine.reference.ReferenceLm], the network served over the protocol,
+composed of its parts in ``rank``: a slot's state, the checks every rank makes of a command, the digests sync points
+compare, the command words and their wire layout, the head's and the worker's side of a command, the forwards, the
+all-reduce, the time spent), ``requests`` (a request, its completion, how its tokens are picked), ``scheduler``
+([`Server`][metrale_model_engine.reference.Server], continuous batching on the head) and ``summary``; ``server`` is
+the scheduler's former name.  Everything a user writes is exported here, with
+[`count_ops`][metrale_model_engine.reference.count_ops] (what one call
 costs a device: its launches, and the ops that make the host wait for a GPU, on
 any device; [`OpCount`][metrale_model_engine.reference.OpCount],
 [`WAITING_OPS`][metrale_model_engine.reference.WAITING_OPS]), the check the tests and benchmarks make of these steps.
+``RunStopped`` and ``EXIT_GRACE``, which this package re-exported, are the protocol's: their homes are
+[`metrale_model_engine.RunStopped`][metrale_model_engine.RunStopped] and
+[`metrale_model_engine.torch.EXIT_GRACE`][metrale_model_engine.torch.EXIT_GRACE]; the names here still work, with a
+``DeprecationWarning``, until 0.3.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 try:
     import torch  # noqa: F401  (the check below; the modules import it themselves)
@@ -72,30 +82,20 @@ from .experts import ExpertRouting
 from .graphs import DecodeGraphs
 from .layers import AllReduce
 from .model import ShardedLm, decode_span
+from .rank.checks import check_decode, check_prefill, check_prompt
+from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
+from .rank.digest import kv_digest
+from .rank.slots import LmSlots, LmState
+from .rank.timing import TimeSpent
 from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling
 from .scheduler import DecodeStep, ServedLm, Server
-from .serving import (
-    CMD_ALLOC,
-    CMD_DECODE,
-    CMD_PREFILL,
-    EXIT_GRACE,
-    LmSlots,
-    LmState,
-    ReferenceLm,
-    RunStopped,
-    TimeSpent,
-    check_decode,
-    check_prefill,
-    check_prompt,
-    kv_digest,
-)
+from .serving import ReferenceLm
 from .summary import run_summary, summary_lines
 
 __all__ = [
     "CMD_ALLOC",
     "CMD_DECODE",
     "CMD_PREFILL",
-    "EXIT_GRACE",
     "GREEDY",
     "SHIPPED_MODEL",
     "WAITING_OPS",
@@ -113,7 +113,6 @@ __all__ = [
     "OpCount",
     "ReferenceLm",
     "Request",
-    "RunStopped",
     "Sampler",
     "Sampling",
     "ServedLm",
@@ -135,3 +134,19 @@ __all__ = [
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)
+
+if TYPE_CHECKING:
+    from .. import RunStopped as RunStopped
+    from ..torch import EXIT_GRACE as EXIT_GRACE
+else:
+    from .. import RunStopped as _RunStopped
+    from .._core.namespace import moved_names
+    from ..torch import EXIT_GRACE as _EXIT_GRACE
+
+    __getattr__ = moved_names(
+        __name__,
+        {
+            "RunStopped": ("metrale_model_engine", _RunStopped),
+            "EXIT_GRACE": ("metrale_model_engine.torch", _EXIT_GRACE),
+        },
+    )

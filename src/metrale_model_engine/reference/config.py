@@ -17,13 +17,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from .._core.namespace import PublicDir, public_dir
-
-__all__ = ["LmConfig", "Shard", "check_world"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
 
 class Shard(NamedTuple):
     """What one rank of a world holds ([`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard])."""

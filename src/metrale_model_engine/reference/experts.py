@@ -32,15 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._core.namespace import PublicDir, public_dir
 from .config import LmConfig, Shard
 from .layers import compute_dtype
-
-__all__ = ["ExpertRouting", "ShardedMoe"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
 
 ExpertRouting = Literal["auto", "host", "device"]
 """How ``ShardedMoe`` runs the picked experts (see the module)."""

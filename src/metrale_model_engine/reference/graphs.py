@@ -29,13 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._core.namespace import PublicDir, public_dir
 from .model import ShardedLm
-
-__all__ = ["DecodeGraphs"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 @dataclass

@@ -24,24 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._core.namespace import PublicDir, public_dir
 from .config import LmConfig, Shard
-
-__all__ = [
-    "AllReduce",
-    "Attend",
-    "RotaryTables",
-    "ShardedAttention",
-    "attend_causal",
-    "attend_decode",
-    "attend_prefill",
-    "attend_split",
-    "compute_dtype",
-    "rms_norm",
-]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._core.namespace import PublicDir, public_dir
 from .config import LmConfig, Shard, check_world
 from .experts import ExpertRouting, ShardedMoe
 from .layers import (
@@ -28,11 +27,6 @@ from .layers import (
     attend_split,
     rms_norm,
 )
-
-__all__ = ["AllReduce", "ShardedBlock", "ShardedLm", "decode_span"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 class ShardedBlock(nn.Module):

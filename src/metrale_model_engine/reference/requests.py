@@ -22,12 +22,6 @@ from typing import Literal
 import torch
 
 from .. import check_u32
-from .._core.namespace import PublicDir, public_dir
-
-__all__ = ["GREEDY", "Completion", "FinishReason", "Request", "Sampler", "Sampling"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,13 @@ from .. import EpLink, EpWorkerFailed
 from .._core.namespace import PublicDir, public_dir
 from ..batching import prefill_chunks
 from .config import LmConfig
+from .rank.checks import check_prompt
+from .rank.runner import Chunk
+from .rank.slots import LmSlots, LmState
+from .rank.timing import TimeSpent
 from .requests import Completion, FinishReason, Request, Sampler, check_count
-from .serving import Chunk, TimeSpent
-from .state import LmSlots, LmState, check_prompt
 
-__all__ = ["Completion", "DecodeStep", "FinishReason", "Request", "ServedLm", "Server"]
+__all__ = ["DecodeStep", "ServedLm", "Server"]
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)

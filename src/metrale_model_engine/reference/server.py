@@ -6,7 +6,8 @@ Importing it warns; the name goes in 0.3.  ``metrale_model_engine.reference`` ex
 import warnings
 
 from .._core.namespace import PublicDir, public_dir
-from .scheduler import Completion, DecodeStep, FinishReason, Request, ServedLm, Server
+from .requests import Completion, FinishReason, Request
+from .scheduler import DecodeStep, ServedLm, Server
 
 __all__ = ["Completion", "DecodeStep", "FinishReason", "Request", "ServedLm", "Server"]
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from .._core.namespace import PublicDir, public_dir
 from .checkpoint import Tokenizer
 from .scheduler import Server
 from .serving import ReferenceLm
-
-__all__ = ["run_summary", "summary_lines"]
 
 
 def run_summary(
@@ -98,6 +95,3 @@ def summary_lines(summary: dict[str, object]) -> list[str]:
             f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
         )
     return lines
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)

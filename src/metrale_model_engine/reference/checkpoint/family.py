@@ -14,16 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from ..._core.namespace import PublicDir, public_dir
 from ..config import LmConfig
 from .fields import ConfigFields
 from .files import CheckpointError
-
-__all__ = ["HARMLESS", "Family", "check_window", "make_config", "read_shared"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
 
 HARMLESS: Final = frozenset(
     {

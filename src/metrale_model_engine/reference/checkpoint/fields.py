@@ -14,13 +14,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Final, NoReturn, TypeVar
 
-from ..._core.namespace import PublicDir, public_dir
 from .files import CheckpointError
-
-__all__ = ["REQUIRED", "ConfigFields", "Missing"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 _T = TypeVar("_T")
 

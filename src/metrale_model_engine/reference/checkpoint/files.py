@@ -2,35 +2,22 @@
 
 A directory holds ``config.json``, one or more ``*.safetensors`` files (with
 ``model.safetensors.index.json`` naming each tensor's file when there are several),
-and optionally ``generation_config.json`` and ``tokenizer.json``.  A safetensors
-file is an 8-byte little-endian header length, a JSON header (each tensor's
-``dtype``, ``shape`` and ``data_offsets``, counted from the end of the header), then
-the data.  ``tensor_table`` reads the headers alone and checks that every tensor
-lies inside its file, so a truncated or corrupt file is named before any rank starts.
+and optionally ``generation_config.json`` and ``tokenizer.json``.  ``tensor_table``
+reads the safetensors headers alone, through ``safetensors``' ``safe_open``, which
+checks each (its length, its JSON, every tensor's dtype, shape and place in the file),
+so a truncated or corrupt file is named before any rank starts.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, TypeGuard
+from typing import Any, Final
 
-from ..._core.namespace import PublicDir, public_dir
-
-__all__ = ["DTYPE_SIZES", "INDEX", "CheckpointError", "TensorEntry", "read_json", "tensor_table"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
+from safetensors import SafetensorError, safe_open
 
 INDEX: Final = "model.safetensors.index.json"
-DTYPE_SIZES: Final[dict[str, int]] = {"F32": 4, "BF16": 2, "F16": 2}
-"""The safetensors dtypes a weight may have, and their sizes in bytes."""
-_LENGTH: Final = struct.Struct("<Q")
-_MAX_HEADER: Final = 100 * 2**20  # safetensors' own limit
 
 
 class CheckpointError(ValueError):
@@ -59,17 +46,12 @@ def read_json(path: Path) -> dict[str, object]:
         raise CheckpointError(f"{path}: no such file") from None
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be read ({error.strerror or error})") from None
-    return _object(text, f"{path}: ")
-
-
-def _object(raw: bytes, where: str) -> dict[str, object]:
-    """``raw`` as a JSON object; ``where`` begins a refusal."""
     try:
-        value = json.loads(raw)
+        value = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{where}not valid JSON ({error})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{where}a JSON {type(value).__name__}, not an object")
+        raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not an object")
     return value
 
 
@@ -81,9 +63,9 @@ def tensor_table(directory: Path) -> dict[str, TensorEntry]:
     file of the directory (a name in two files is refused).
 
     Raises:
-        CheckpointError: no weights file, a bad index, a missing file, a corrupt or
-            truncated header, or a tensor that lies past its file's end (the message
-            names the file and the tensor).
+        CheckpointError: no weights file, a bad index, a missing or unreadable file, or one that
+            ``safe_open`` refuses: a truncated file, or a corrupt header (the message names the file,
+            and the tensor where the index is at fault).
     """
     index = directory / INDEX
     if index.exists():
@@ -122,46 +104,35 @@ def _indexed(index: Path) -> dict[str, TensorEntry]:
 
 
 def _header(file: Path) -> dict[str, TensorEntry]:
-    """The tensors a safetensors file's header describes, each checked to lie inside the file."""
+    """The tensors of a safetensors file, as ``safe_open`` reads its header (and checks it: no weight is read)."""
     try:
-        with file.open("rb") as stream:
-            size = file.stat().st_size
-            prefix = stream.read(_LENGTH.size)
-            if len(prefix) < _LENGTH.size:
-                raise CheckpointError(f"{file}: truncated: {size} bytes, less than the 8-byte header length")
-            (length,) = _LENGTH.unpack(prefix)
-            if length > min(_MAX_HEADER, size - _LENGTH.size):
-                raise CheckpointError(
-                    f"{file}: corrupt or truncated: its header length is {length} bytes, the file has {size}"
-                )
-            raw = stream.read(length)
+        with safe_open(str(file), framework="pt") as opened:
+            return {name: _entry(file, opened.get_slice(name)) for name in opened.keys()}  # noqa: SIM118  (no __iter__)
+    except SafetensorError as error:
+        raise CheckpointError(_refusal(file, str(error).removeprefix("Error while deserializing header: "))) from None
     except OSError as error:
         raise CheckpointError(f"{file}: cannot be read ({error.strerror or error})") from None
-    header = _object(raw, f"{file}: corrupt header: ")
-    data = size - _LENGTH.size - length
-    return {name: _entry(file, name, fields, data) for name, fields in header.items() if name != "__metadata__"}
 
 
-def _entry(file: Path, name: str, fields: object, data: int) -> TensorEntry:
-    if not isinstance(fields, dict):
-        raise CheckpointError(f"{file}: corrupt: the header's entry for {name!r} is not an object")
-    dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
-    if not isinstance(dtype, str) or not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
-        raise CheckpointError(f"{file}: corrupt: tensor {name!r} lacks a dtype, a shape or two data offsets")
-    begin, end = offsets
-    if not 0 <= begin <= end:
-        raise CheckpointError(f"{file}: corrupt: tensor {name!r} has data offsets {offsets}")
-    if end > data:
-        raise CheckpointError(
-            f"{file}: truncated: tensor {name!r} needs bytes {begin} .. {end} of the data, the file has {data}"
-        )
-    if dtype in DTYPE_SIZES and end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-        raise CheckpointError(
-            f"{file}: corrupt: tensor {name!r} ({dtype}, shape {shape}) spans {end - begin} bytes, "
-            f"not {math.prod(shape) * DTYPE_SIZES[dtype]}"
-        )
-    return TensorEntry(file, dtype, tuple(shape))
+def _entry(file: Path, part: Any) -> TensorEntry:
+    """A tensor's entry from its slice in ``safe_open`` (which safetensors leaves untyped)."""
+    return TensorEntry(file, str(part.get_dtype()), tuple(int(size) for size in part.get_shape()))
 
 
-def _ints(value: object) -> TypeGuard[list[int]]:
-    return isinstance(value, list) and all(type(item) is int and item >= 0 for item in value)
+def _refusal(file: Path, reason: str) -> str:
+    """``safe_open``'s ``reason`` for refusing ``file``, in this reader's words: truncated or corrupt, and how."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as stream:
+            length = int.from_bytes(stream.read(8), "little")  # the header's length, to name the one refused
+    except OSError as error:
+        return f"{file}: cannot be read ({error.strerror or error})"
+    if reason.startswith("header too small"):
+        return f"{file}: truncated: {size} bytes, less than the 8-byte header length"
+    if reason.startswith(("header too large", "invalid header length")):
+        return f"{file}: corrupt or truncated: its header length is {length} bytes, the file has {size}"
+    if reason.startswith("incomplete metadata"):
+        return f"{file}: truncated: tensor data does not end where its header says (the file has {size} bytes)"
+    if reason.startswith(("invalid JSON in header: ", "invalid UTF-8 in header: ")):
+        return f"{file}: corrupt header: not valid JSON ({reason.partition(': ')[2]})"
+    return f"{file}: corrupt: {reason}"

@@ -19,21 +19,14 @@ from typing import Any, Final
 import torch
 from safetensors import safe_open
 
-from ..._core.namespace import PublicDir, public_dir
 from ..config import LmConfig
 from ..model import ShardedLm
 from .family import Family
 from .fields import ConfigFields
-from .files import DTYPE_SIZES, CheckpointError, TensorEntry, read_json, tensor_table
+from .files import CheckpointError, TensorEntry, read_json, tensor_table
 from .mixtral import MIXTRAL
 from .plan import Piece, fill, pieces
 from .qwen3_moe import QWEN3_MOE
-
-__all__ = ["DTYPES", "FAMILIES", "SHIPPED_MODEL", "Checkpoint", "load_shard"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
 
 SHIPPED_MODEL: Final[Path] = Path(__file__).parents[1] / "tiny_moe"
 """The model that ships with the package: a ``MixtralForCausalLM`` checkpoint with a byte tokenizer."""
@@ -44,8 +37,9 @@ DTYPES: Final[dict[str, torch.dtype]] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-"""The dtypes a model may run in, by name."""
-_STORED: Final[dict[str, torch.dtype]] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+"""The dtypes a model may run in and a checkpoint's weights may have, by name (``config.json``'s)."""
+_STORED: Final = {name.upper().replace("FLOAT", "F"): dtype for name, dtype in DTYPES.items()}
+"""``DTYPES`` by the names safetensors gives them: ``F32``, ``BF16``, ``F16``."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +106,8 @@ class Checkpoint:
 
     def weight_bytes(self) -> int:
         """The bytes of the checkpoint's weights as stored."""
-        return sum(math.prod(entry.shape) * DTYPE_SIZES.get(entry.dtype, 0) for entry in self.tensors.values())
+        sizes = {name: dtype.itemsize for name, dtype in _STORED.items()}
+        return sum(math.prod(entry.shape) * sizes.get(entry.dtype, 0) for entry in self.tensors.values())
 
 
 def load_shard(model: ShardedLm, checkpoint: Checkpoint) -> None:
@@ -174,8 +169,9 @@ def _check_tensors(
         entry = tensors.get(piece.name)
         if entry is None:
             raise CheckpointError(f"{path}: no tensor {piece.name!r} in any of its files")
-        if entry.dtype not in DTYPE_SIZES:
-            raise CheckpointError(f"{entry.file}: tensor {piece.name!r} is {entry.dtype}, not one of F32, BF16, F16")
+        if entry.dtype not in _STORED:
+            stored = ", ".join(_STORED)
+            raise CheckpointError(f"{entry.file}: tensor {piece.name!r} is {entry.dtype}, not one of {stored}")
         if entry.shape != piece.shape:
             raise CheckpointError(
                 f"{entry.file}: tensor {piece.name!r} has shape {list(entry.shape)}, "

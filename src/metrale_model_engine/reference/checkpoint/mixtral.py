@@ -11,14 +11,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from ..._core.namespace import PublicDir, public_dir
 from .family import Family, check_window
 from .fields import ConfigFields
-
-__all__ = ["MIXTRAL"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 def _sliding_window(fields: ConfigFields, values: dict[str, object]) -> None:

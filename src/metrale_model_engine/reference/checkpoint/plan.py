@@ -15,16 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._core.namespace import PublicDir, public_dir
 from ..config import LmConfig, Shard
 from ..model import ShardedLm
 from .family import Family
-
-__all__ = ["Index", "Piece", "Read", "export_state", "fill", "load_state", "pieces"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
-
 
 Index = tuple[int | slice, ...]
 """An index into a tensor: ``tensor[index]``; ``()`` is the whole tensor."""

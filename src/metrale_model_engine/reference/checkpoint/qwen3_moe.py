@@ -13,14 +13,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from ..._core.namespace import PublicDir, public_dir
 from .family import Family, check_window
 from .fields import ConfigFields
-
-__all__ = ["QWEN3_MOE"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 def _own_fields(fields: ConfigFields, values: dict[str, object]) -> None:

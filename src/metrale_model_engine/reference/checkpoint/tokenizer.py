@@ -10,13 +10,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from ..._core.namespace import PublicDir, public_dir
 from .files import CheckpointError
-
-__all__ = ["Tokenizer", "byte_tokenizer"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 class Tokenizer:

@@ -11,16 +11,10 @@ from pathlib import Path
 import tokenizers
 from safetensors.torch import save_file
 
-from ..._core.namespace import PublicDir, public_dir
 from ..model import ShardedLm
 from .loader import DTYPES
 from .mixtral import MIXTRAL
 from .plan import export_state
-
-__all__ = ["save_checkpoint"]
-
-
-__dir__: PublicDir = public_dir(globals(), __all__)
 
 
 def save_checkpoint(
