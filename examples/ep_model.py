@@ -110,9 +110,11 @@ def serve(rank: int, world_size: int, transport: str, model_class: type[TensorPa
             else:
                 run_worker(model, slots)  # until the shutdown header
         except RunStopped as stopped:  # the run is over on every rank; the head's line says the most
-            raise SystemExit(f"error: {stopped}") from None  # that line on stderr, exit status 1
+            sys.stderr.write(f"error: {stopped}\n")  # one write, as below
+            raise SystemExit(1) from None
         live = {state.seq_id: list(state.tokens) for state in slots if state is not None}
-        print(f"rank {rank} of {world_size}: slots {live}, last output {model.checksum:.4f}", flush=True)
+        line = f"rank {rank} of {world_size}: slots {live}, last output {model.checksum:.4f}"
+        sys.stdout.write(line + "\n")  # one write, so that the ranks' lines never interleave
 
 
 def main() -> int:
