@@ -50,7 +50,8 @@ replayed from CUDA graphs), [`checkpoint`][metrale_model_engine.reference.checkp
 composed of its parts in ``rank``: a slot's state, the checks every rank makes of a command, the digests sync points
 compare, the command words and their wire layout, the head's and the worker's side of a command, the forwards, the
 all-reduce, the time spent), ``requests`` (a request, its completion, how its tokens are picked), ``scheduler``
-([`Server`][metrale_model_engine.reference.Server], continuous batching on the head) and ``summary``; ``server`` is
+([`Server`][metrale_model_engine.reference.Server], continuous batching on the head), ``batch`` (the requests in
+flight: the queue, and the slots they hold) and ``summary``; ``server`` is
 the scheduler's former name.  Everything a user writes is exported here, with
 [`count_ops`][metrale_model_engine.reference.count_ops] (what one call
 costs a device: its launches, and the ops that make the host wait for a GPU, on
