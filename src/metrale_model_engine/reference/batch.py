@@ -3,10 +3,10 @@
 A [`Server`][metrale_model_engine.reference.Server] keeps its requests in a ``Batch``: the waiting ones in a queue,
 oldest first, and the running ones each in a slot of the head's slot array, with the prompt's chunks still to feed
 and the token the next decode feeds.  The batch admits waiting requests into free slots, frees the slots of the
-requests that ended, and resets on every rank the slots whose failed command left a worker's state unknown.  Each
-of these is an ordinary command of the model (``alloc``, ``free``), and a request moves only once its command
-succeeded.  Which request holds which slot, and when a request may have one, is decided here alone; the server
-decides what each step feeds the running requests and which tokens they get.
+requests that ended or were cancelled, and resets on every rank the slots whose failed command left a worker's
+state unknown.  Each of these is an ordinary command of the model (``alloc``, ``free``), and a request moves only
+once its command succeeded.  Which request holds which slot, and when a request may have one, is decided here
+alone; the server decides what each step feeds the running requests and which tokens they get.
 """
 
 from __future__ import annotations
@@ -112,6 +112,17 @@ class Batch:
             reason = running.ended or self._limit(running)
             self.model.free(self.slots, running.seq_id)
             self._finish(running, reason, step)
+
+    def cancel(self, completion: Completion, step: int) -> None:
+        """End ``completion``'s request at ``step`` as ``"cancelled"``: taken off the queue if it waits (no command),
+        its slot freed on every rank if it runs (one ``free``; if that raises, the request is left as it was)."""
+        for running in [running for running in self.running if running.completion is completion]:
+            self.model.free(self.slots, running.seq_id)
+            self._finish(running, "cancelled", step)
+        if completion in self.waiting:
+            self.waiting.remove(completion)
+            completion.finish_reason = "cancelled"
+            completion.finished_step = step
 
     def fail_reported(self, reported: EpWorkerFailed, step: int) -> None:
         """Fail the requests whose commands failed on a worker; their slots are reset at the next ``reset``.

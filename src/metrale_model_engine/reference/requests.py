@@ -104,9 +104,10 @@ class Sampler:
         return int(torch.searchsorted(cumulative, draw, right=True))  # never a token of probability 0
 
 
-FinishReason = Literal["stop", "length", "context", "error"]
+FinishReason = Literal["stop", "length", "context", "error", "cancelled"]
 """Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its slot's
-cache full (``"context"``), a failure (``"error"``)."""
+cache full (``"context"``), a failure (``"error"``), [`Server.cancel`][metrale_model_engine.reference.Server.cancel]
+(``"cancelled"``)."""
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,8 @@ class Completion:
     finish_reason: FinishReason | None = None
     """``"stop"``: it generated an end-of-sequence id (the last of ``tokens``); ``"length"``:
     ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
-    full; ``"error"``: failed (see [`error`][metrale_model_engine.reference.Completion.error]); ``None`` while it waits
-    or runs."""
+    full; ``"error"``: failed (see [`error`][metrale_model_engine.reference.Completion.error]); ``"cancelled"``:
+    ended by [`Server.cancel`][metrale_model_engine.reference.Server.cancel]; ``None`` while it waits or runs."""
     error: str | None = None
     """Why it failed, ``"Type: message"``, when ``finish_reason`` is ``"error"``."""
     seed: int | None = None

@@ -14,7 +14,7 @@ Each [`Server.step`][metrale_model_engine.reference.Server.step]:
 Each request picks its tokens by its own [`Sampling`][metrale_model_engine.reference.Sampling]: greedy by
 default (the largest logit; the lowest token on a tie), or drawn with its own
 seeded generator.  The head picks; its workers receive the token in the next
-decode command.  Requests may be submitted between any two steps; tokens are
+decode command.  Requests may be submitted, and cancelled (``cancel``), between any two steps; tokens are
 streamed through ``on_token`` as they are chosen.  The server only calls the model's head methods, so the same code
 serves a one-rank model and a multi-rank one: it never asks which it has.  Which request holds which slot (steps 1
 and 4) is its ``Batch``'s to decide (``reference.batch``); what a step feeds and which tokens it picks, its own.
@@ -248,6 +248,24 @@ class Server:
             except EpWorkerFailed as reported:
                 self._batch.fail_reported(reported, self.steps)
                 raise
+
+    def cancel(self, request_id: int) -> Completion:
+        """End request ``request_id`` now, between steps: its ``finish_reason`` becomes ``"cancelled"``.
+
+        A waiting request leaves the queue (no command); a running one's slot is freed on every
+        rank at once (its own free command, sent by this call).  A finished one is left as it is.
+        Returns its completion.
+
+        Raises:
+            KeyError: no request of that id is in ``completions``.
+            RuntimeError: the server was shut down.
+            EpSendError, EpWorkerFailed, RunStopped: as the free's send; the request is left as it was.
+        """
+        self._check_open()
+        completion = self.completions[request_id]
+        if completion.finish_reason is None:
+            self._batch.cancel(completion, self.steps)
+        return completion
 
     def shutdown(self) -> None:
         """Shut the workers down, after a last sync point that compares every rank's slots; then take nothing more.

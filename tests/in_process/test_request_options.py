@@ -1,0 +1,81 @@
+"""What a request may ask of ``Server`` beyond its tokens: to be cancelled between steps, log-probabilities of
+each token and its likeliest alternatives, and to run past an end-of-sequence id."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from metrale_model_engine import EpLink, ProtocolVersion
+from metrale_model_engine.reference import CMD_ALLOC, LmState, ReferenceLm, Request, Server
+from metrale_model_engine.testing import RecordingTransport
+from metrale_model_engine.transport import SoloTransport
+
+from helpers.greedy import byte_ids
+
+pytestmark = pytest.mark.torch
+
+
+def solo_server(slots: int = 2) -> Server:
+    return Server(ReferenceLm(EpLink(SoloTransport(), num_slots=slots)), prefill_chunk=8)
+
+
+def request(request_id: int, text: str, new: int = 6) -> Request:
+    return Request(request_id, tuple(byte_ids(text)), new)
+
+
+def test_a_cancelled_request_frees_its_slot_at_once_and_the_others_go_on() -> None:
+    server = solo_server()
+    server.submit(request(0, "Licensed under the"))
+    server.submit(request(1, "THE SOFTWARE IS"))
+    server.step()
+    server.step()
+    held = [state.seq_id for state in server.slots if isinstance(state, LmState)]
+    assert held == [0, 1]
+    cancelled = server.cancel(0)
+    assert cancelled.finish_reason == "cancelled" and cancelled.finished_step == 2
+    assert server.slots[0] is None and server.slots[1] is not None  # freed before the next step
+    done = server.run()
+    alone = solo_server().run([request(1, "THE SOFTWARE IS")])
+    assert done[1].tokens == alone[1].tokens and done[1].finish_reason == "length"
+    assert len(done[0].tokens) < 6
+
+
+def test_a_waiting_request_leaves_the_queue_and_sends_nothing() -> None:
+    transport = RecordingTransport(2)
+    model = ReferenceLm(EpLink(transport, num_slots=1, protocol=ProtocolVersion.V2), all_reduce=lambda _: None)
+    server = Server(model)
+    server.submit(request(0, "Licensed"))
+    server.submit(request(1, "THE"))
+    server.step()
+    sent = len(transport.messages)
+    assert server.cancel(1).finish_reason == "cancelled"
+    assert len(transport.messages) == sent
+    assert not server.completions[1].tokens and server.completions[1].admitted_step is None
+
+
+def test_a_running_request_is_freed_on_every_rank_by_a_command_of_its_own() -> None:
+    transport = RecordingTransport(2)
+    model = ReferenceLm(EpLink(transport, num_slots=2, protocol=ProtocolVersion.V2), all_reduce=lambda _: None)
+    server = Server(model)
+    server.submit(request(0, "Licensed"))
+    server.step()
+    sent = len(transport.messages)
+    server.cancel(0)
+    (free,) = transport.messages[sent:]
+    expected = RecordingTransport(2)
+    EpLink(expected, num_slots=2, protocol=ProtocolVersion.V2).send_command(0, CMD_ALLOC, 0)
+    assert list(free) == list(expected.messages[-1])
+    assert server.slots == [None, None] and not server.busy
+
+
+def test_cancel_refuses_an_unknown_id_and_a_shut_down_server_and_leaves_a_finished_request() -> None:
+    server = solo_server()
+    done = server.run([request(3, "you may", 2)])
+    assert server.cancel(3) is done[3] and done[3].finish_reason == "length"
+    with pytest.raises(KeyError):
+        server.cancel(4)
+    server.shutdown()
+    with pytest.raises(RuntimeError, match="the server was shut down"):
+        server.cancel(3)
