@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+import torch
 
 from metrale_model_engine import EpLink, ProtocolVersion
 from metrale_model_engine.reference import CMD_ALLOC, LmState, ReferenceLm, Request, Server
@@ -79,3 +81,51 @@ def test_cancel_refuses_an_unknown_id_and_a_shut_down_server_and_leaves_a_finish
     server.shutdown()
     with pytest.raises(RuntimeError, match="the server was shut down"):
         server.cancel(3)
+
+
+def test_logprobs_are_the_models_own_and_the_likeliest_come_first() -> None:
+    server = solo_server()
+    asked = Request(0, tuple(byte_ids("Licensed under the")), 4, logprobs=3)
+    done = server.run([asked, request(1, "Licensed under the", 4)])
+    kept = done[0].logprobs
+    assert [entry.token for entry in kept] == done[0].tokens == done[1].tokens
+    assert not done[1].logprobs
+    prompt = list(asked.prompt)
+    with torch.no_grad():
+        logits = ReferenceLm(EpLink(SoloTransport(), num_slots=1)).lm.forward(torch.tensor([prompt]))[0, -1]
+    expected = torch.log_softmax(logits, dim=-1)
+    first = kept[0]
+    assert len(first.top) == 3 and first.top[0][0] == first.token  # greedy: the chosen one is the likeliest
+    assert first.logprob == pytest.approx(float(expected[first.token]), abs=1e-4)
+    assert [p for _, p in first.top] == sorted((p for _, p in first.top), reverse=True)
+    assert [t for t, _ in first.top] == torch.topk(expected, 3).indices.tolist()
+
+
+def test_logprobs_zero_keeps_the_tokens_own_alone() -> None:
+    done = solo_server().run([Request(0, tuple(byte_ids("THE")), 2, logprobs=0)])
+    assert [entry.top for entry in done[0].logprobs] == [(), ()]
+    assert all(entry.logprob <= 0 for entry in done[0].logprobs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"logprobs": 21}, ValueError, r"request 0: logprobs must be in 0 \.\.= 20, got 21"),
+        ({"logprobs": -1}, ValueError, r"logprobs must be in 0 \.\.= 20, got -1"),
+        ({"logprobs": 2.0}, TypeError, "request 0: logprobs must be an int, got float"),
+        ({"ignore_eos": 1}, TypeError, "request 0: ignore_eos must be a bool, got int"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        Request(0, (1, 2), 3, **kwargs)  # type: ignore[arg-type]
+
+
+def test_ignore_eos_runs_past_an_end_of_sequence_id() -> None:
+    plain = solo_server().run([request(0, "Licensed under the", 8)])[0].tokens
+    eos = plain[2]
+    stopped = Server(solo_server().model, eos_token_ids=[eos]).run([request(0, "Licensed under the", 8)])[0]
+    assert stopped.tokens == plain[: plain.index(eos) + 1] and stopped.finish_reason == "stop"
+    ignoring = Request(0, tuple(byte_ids("Licensed under the")), 8, ignore_eos=True)
+    went_on = Server(solo_server().model, eos_token_ids=[eos]).run([ignoring])[0]
+    assert went_on.tokens == plain and went_on.finish_reason == "length"

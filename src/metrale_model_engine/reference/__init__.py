@@ -88,7 +88,7 @@ from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
 from .rank.digest import kv_digest
 from .rank.slots import LmSlots, LmState
 from .rank.timing import TimeSpent
-from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling
+from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling, TokenLogprobs, token_logprobs
 from .scheduler import DecodeStep, ServedLm, Server
 from .serving import ReferenceLm
 from .summary import run_summary, summary_lines
@@ -121,6 +121,7 @@ __all__ = [
     "Shard",
     "ShardedLm",
     "TimeSpent",
+    "TokenLogprobs",
     "Tokenizer",
     "check_decode",
     "check_prefill",
@@ -131,6 +132,7 @@ __all__ = [
     "kv_digest",
     "run_summary",
     "summary_lines",
+    "token_logprobs",
 ]
 
 

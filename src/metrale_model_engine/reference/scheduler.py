@@ -45,7 +45,7 @@ from .rank.checks import check_prompt
 from .rank.runner import Chunk
 from .rank.slots import LmSlots
 from .rank.timing import TimeSpent
-from .requests import Completion, Request, check_count
+from .requests import Completion, Request, check_count, token_logprobs
 from .requests import FinishReason as FinishReason  # this module's name for it before ``batch`` (and ``server``'s)
 
 __all__ = ["DecodeStep", "ServedLm", "Server"]
@@ -288,7 +288,7 @@ class Server:
             logits = self.model.prefill(self.slots, running.seq_id, running.completion.request.prompt, start, length)
             running.chunks.popleft()
             if not running.chunks:
-                self._choose(running, running.sampler(logits))
+                self._choose(running, running.sampler(logits), logits)
 
     def _fused(self) -> None:
         """One rank: every prefilling request's next chunk and every decoding request's token, in one forward."""
@@ -305,7 +305,7 @@ class Server:
         for running, row in zip(prefilling, logits[len(decoding) :], strict=True):
             running.chunks.popleft()
             if not running.chunks:
-                self._choose(running, running.sampler(row))
+                self._choose(running, running.sampler(row), row)
         self._pick(decoding, logits[: len(decoding)])
 
     def _timed(self, decoding: list[Running], forward: Forward) -> torch.Tensor:
@@ -330,13 +330,17 @@ class Server:
             chosen = torch.argmax(logits, dim=-1).tolist()
         else:
             chosen = [running.sampler(row) for running, row in zip(decoding, logits, strict=True)]
-        for running, token in zip(decoding, chosen, strict=True):
-            self._choose(running, token)
+        for running, token, row in zip(decoding, chosen, logits, strict=True):
+            self._choose(running, token, row)
 
-    def _choose(self, running: Running, token: int) -> None:
+    def _choose(self, running: Running, token: int, logits: torch.Tensor) -> None:
+        """Give ``running`` its next ``token``, chosen from ``logits`` (its row)."""
+        request = running.completion.request
+        if request.logprobs is not None:
+            running.completion.logprobs.append(token_logprobs(logits, token, request.logprobs))
         running.completion.tokens.append(token)
         running.pending = token
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not request.ignore_eos:
             running.ended = "stop"
         if self.on_token is None:
             return
