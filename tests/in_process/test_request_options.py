@@ -3,6 +3,8 @@ each token and its likeliest alternatives, and to run past an end-of-sequence id
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
@@ -10,7 +12,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 import torch
 
 from metrale_model_engine import EpLink, ProtocolVersion
-from metrale_model_engine.reference import CMD_ALLOC, LmState, ReferenceLm, Request, Server
+from metrale_model_engine.reference import CMD_ALLOC, LmState, ReferenceLm, Request, Server, Tokenizer
 from metrale_model_engine.testing import RecordingTransport
 from metrale_model_engine.transport import SoloTransport
 
@@ -129,3 +131,15 @@ def test_ignore_eos_runs_past_an_end_of_sequence_id() -> None:
     ignoring = Request(0, tuple(byte_ids("Licensed under the")), 8, ignore_eos=True)
     went_on = Server(solo_server().model, eos_token_ids=[eos]).run([ignoring])[0]
     assert went_on.tokens == plain and went_on.finish_reason == "length"
+
+
+def test_a_tokenizer_encodes_with_or_without_its_special_tokens(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models, processors
+
+    raw = Raw(models.WordLevel({"<s>": 0, "a": 1}, unk_token="a"))
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert tokenizer.encode("a") == [0, 1]
+    assert tokenizer.encode("a", add_special_tokens=False) == [1]
