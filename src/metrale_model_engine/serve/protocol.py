@@ -47,7 +47,7 @@ def from_validation(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     if not errors:
         return ApiError(400, "the request body is not valid")
     error = errors[0]
-    location = [part for part in error.get("loc", ()) if part != "body"]
+    location = [part for part in error.get("loc", ()) if part != "body" and not _union_member(part)]
     if error.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {error.get('ctx', {}).get('error', '')}".strip())
     param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location).lstrip(".") or "body"
@@ -55,6 +55,11 @@ def from_validation(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         return bad(param, "this field is required")
     message = str(error.get("msg", "is not valid")).removeprefix("Value error, ")
     return bad(param, f"{message[:1].lower()}{message[1:]}, got {error.get('input')!r}")
+
+
+def _union_member(part: object) -> bool:
+    """Whether a location's part names the member of a union pydantic tried (``str``, ``list[int]``)."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))
 
 
 class _Body(BaseModel):
