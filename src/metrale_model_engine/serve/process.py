@@ -44,8 +44,9 @@ if TYPE_CHECKING:
     from .chat import ChatTemplate
     from .engine import Engine
 
-STOP_GRACE_S: Final = 0.1
-"""After a stopped run, how long the streams get to write their error events before the server closes."""
+STOP_GRACE_S: Final = 0.5
+"""After a stopped run (or a drain), how long the server stays up, answering /health 503, for the streams to
+write their error events and for monitors to see it."""
 INTERRUPTED_BY_TERM: Final = 128 + signal.SIGTERM
 
 
