@@ -3,8 +3,8 @@
 ``python -m metrale_model_engine.serve --model DIR`` (or ``metrale-serve``) starts the ranks as
 the demo does, and rank 0 serves ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` with FastAPI and uvicorn, while the
-scheduler ([`Server`][metrale_model_engine.reference.Server]) steps on a thread of its own.
-Its modules, one job each: ``args`` (the command line), ``process`` (the
+scheduler ([`Server`][metrale_model_engine.reference.Server]) steps on a thread of its own
+(docs/serving.md).  Its modules, one job each: ``args`` (the command line), ``process`` (the
 ranks, signals, uvicorn), ``engine`` (the scheduler's thread and the way to it), ``limits`` (what
 is admitted), ``protocol`` (the request bodies and OpenAI's error body), ``routes`` and ``app``
 (the endpoints), ``streams`` (a request's choices as they arrive), ``text`` (tokens to text, stop
