@@ -158,6 +158,7 @@ REFERENCE_SURFACE = [
     "Shard",
     "ShardedLm",
     "TimeSpent",
+    "TokenLogprobs",
     "Tokenizer",
     "WAITING_OPS",
     "check_decode",
@@ -169,6 +170,7 @@ REFERENCE_SURFACE = [
     "kv_digest",
     "run_summary",
     "summary_lines",
+    "token_logprobs",
 ]
 
 

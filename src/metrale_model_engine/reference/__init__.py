@@ -50,7 +50,8 @@ replayed from CUDA graphs), [`checkpoint`][metrale_model_engine.reference.checkp
 composed of its parts in ``rank``: a slot's state, the checks every rank makes of a command, the digests sync points
 compare, the command words and their wire layout, the head's and the worker's side of a command, the forwards, the
 all-reduce, the time spent), ``requests`` (a request, its completion, how its tokens are picked), ``scheduler``
-([`Server`][metrale_model_engine.reference.Server], continuous batching on the head) and ``summary``; ``server`` is
+([`Server`][metrale_model_engine.reference.Server], continuous batching on the head), ``batch`` (the requests in
+flight: the queue, and the slots they hold) and ``summary``; ``server`` is
 the scheduler's former name.  Everything a user writes is exported here, with
 [`count_ops`][metrale_model_engine.reference.count_ops] (what one call
 costs a device: its launches, and the ops that make the host wait for a GPU, on
@@ -87,7 +88,7 @@ from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
 from .rank.digest import kv_digest
 from .rank.slots import LmSlots, LmState
 from .rank.timing import TimeSpent
-from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling
+from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling, TokenLogprobs, token_logprobs
 from .scheduler import DecodeStep, ServedLm, Server
 from .serving import ReferenceLm
 from .summary import run_summary, summary_lines
@@ -120,6 +121,7 @@ __all__ = [
     "Shard",
     "ShardedLm",
     "TimeSpent",
+    "TokenLogprobs",
     "Tokenizer",
     "check_decode",
     "check_prefill",
@@ -130,6 +132,7 @@ __all__ = [
     "kv_digest",
     "run_summary",
     "summary_lines",
+    "token_logprobs",
 ]
 
 
