@@ -119,6 +119,11 @@ def test_what_is_read_from_each_family(written: dict[str, Path]) -> None:
     halves = [mixtral.shard_bytes(rank, 2, torch.float32) for rank in range(2)]
     assert halves[0] == halves[1] < whole < sum(halves)  # the replicated parts are on both
     assert mixtral.shard_bytes(0, 2, torch.bfloat16) * 2 == halves[0]
+    thirds = [ShardedLm(mixtral.config, num_slots=1, rank=rank, world_size=3, all_reduce=print) for rank in range(3)]
+    assert thirds[1].shard.pad_before == 1  # its zero head is part of its weights
+    assert [mixtral.shard_bytes(rank, 3, torch.float32) for rank in range(3)] == [
+        4 * sum(parameter.numel() for parameter in third.parameters()) for third in thirds
+    ]
 
 
 def test_the_shipped_tokenizer_is_utf8_bytes() -> None:

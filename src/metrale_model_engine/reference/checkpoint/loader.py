@@ -99,10 +99,12 @@ class Checkpoint:
         return cls(path, family, config, dtype, tensors, eos_ids, tokenizer if tokenizer.is_file() else None)
 
     def shard_bytes(self, rank: int, world_size: int, dtype: torch.dtype) -> int:
-        """The bytes of rank ``rank``'s weights in ``dtype``, when ``world_size`` ranks share the model."""
-        shard = self.config.shard(rank, world_size)
-        elements = sum(_elements(piece) for piece in pieces(self.config, self.family, shard))
-        return elements * dtype.itemsize
+        """The bytes of rank ``rank``'s weights in ``dtype``, when ``world_size`` ranks share the model (the zero
+        heads of its padding included: their rows of the query projection and columns of the output projection)."""
+        config, shard = self.config, self.config.shard(rank, world_size)
+        elements = sum(_elements(piece) for piece in pieces(config, self.family, shard))
+        padding = (shard.pad_before + shard.pad_after) * config.head_dim * config.d_model * 2 * config.n_layers
+        return (elements + padding) * dtype.itemsize
 
     def weight_bytes(self) -> int:
         """The bytes of the checkpoint's weights as stored."""

@@ -44,15 +44,17 @@ class Piece:
 def pieces(config: LmConfig, family: Family, shard: Shard) -> list[Piece]:
     """Every piece rank ``shard`` of a model of ``config`` reads from a checkpoint of ``family``.
 
-    Query heads are rows of ``q_proj`` and columns of ``o_proj``; KV heads rows of
+    Query heads are rows of ``q_proj`` and columns of ``o_proj`` (between the zero
+    heads of the shard's padding, which no piece fills); KV heads rows of
     ``k_proj`` and ``v_proj`` (all three stacked into ``wqkv``); an expert's gate and
     up projections are the two halves of its ``w_in``, its down projection its ``w_out``, each
     transposed; everything else is read whole.
     """
     width, head, expert = config.d_model, config.head_dim, config.d_expert
-    h, g = shard.heads, shard.kv_heads
-    q_rows = slice(shard.first_head * head, (shard.first_head + h) * head)
+    h, g = shard.padded_heads, shard.kv_heads
+    q_rows = slice(shard.first_head * head, (shard.first_head + shard.heads) * head)
     kv_rows = slice(shard.first_kv_head * head, (shard.first_kv_head + g) * head)
+    own = slice(shard.pad_before * head, (shard.pad_before + shard.heads) * head)  # its query heads between the pads
     found = [Piece("model.embed_tokens.weight", (config.vocab_size, width), (), "embed", ())]
     for layer in range(config.n_layers):
         name, target = family.layer(layer), f"layers.{layer}."
@@ -60,13 +62,13 @@ def pieces(config: LmConfig, family: Family, shard: Shard) -> list[Piece]:
         found += [
             Piece(f"{name}input_layernorm.weight", (width,), (), f"{target}attn_norm", ()),
             Piece(f"{attention}q_proj.weight", (config.n_heads * head, width), (q_rows,), f"{target}attn.wqkv",
-                  (slice(0, h * head),)),
+                  (own,)),
             Piece(f"{attention}k_proj.weight", (config.n_kv_heads * head, width), (kv_rows,), f"{target}attn.wqkv",
                   (slice(h * head, (h + g) * head),)),
             Piece(f"{attention}v_proj.weight", (config.n_kv_heads * head, width), (kv_rows,), f"{target}attn.wqkv",
                   (slice((h + g) * head, (h + 2 * g) * head),)),
             Piece(f"{attention}o_proj.weight", (width, config.n_heads * head), (slice(None), q_rows),
-                  f"{target}attn.wo", ()),
+                  f"{target}attn.wo", (slice(None), own)),
         ]  # fmt: skip
         if config.qk_norm:
             found += [Piece(f"{attention}{norm}.weight", (head,), (), f"{target}attn.{norm}", ()) for norm in
