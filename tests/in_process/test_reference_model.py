@@ -31,7 +31,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 
 import torch
 
-from metrale_model_engine.reference import Checkpoint, LmConfig, ShardedLm, count_ops, decode_span
+from metrale_model_engine.reference import Checkpoint, ExpertRouting, LmConfig, ShardedLm, count_ops, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
 
 from helpers.greedy import LOGIT_TOLERANCE, Greedy, byte_ids, greedy_session, ints, shipped_model
@@ -210,11 +210,11 @@ def _random_model(config: LmConfig, seed: int = 0) -> ShardedLm:
     return model
 
 
-@pytest.mark.parametrize("world_size", [3, 5])
-def test_padded_shards_equal_one_rank(world_size: int) -> None:
+@pytest.mark.parametrize(("world_size", "routing"), [(3, "host"), (5, "host"), (5, "device")])
+def test_padded_shards_equal_one_rank(world_size: int, routing: ExpertRouting) -> None:
     """8 heads of 2 KV heads (with Qwen3's query and key norms) and 4 experts over 3 and 5 ranks: ranks whose heads
-    straddle two KV heads pad them with zero heads, ranks past the experts hold none; the logits of the training
-    path, a prefill and a decode step are one rank's."""
+    straddle two KV heads pad them with zero heads, ranks past the experts hold none (their experts run on the host
+    or as on a device); the logits of the training path, a prefill and a decode step are one rank's."""
     config = LmConfig(d_model=64, n_heads=8, n_kv_heads=2, head_dim=16, n_experts=4, d_expert=32, qk_norm=True)
     shards = [config.shard(rank, world_size) for rank in range(world_size)]
     if world_size == 3:
@@ -234,7 +234,8 @@ def test_padded_shards_equal_one_rank(world_size: int) -> None:
     group = ThreadGroup(world_size)
 
     def rank_logits(rank: int) -> list[torch.Tensor]:
-        model = ShardedLm(config, num_slots=2, rank=rank, world_size=world_size, all_reduce=group.all_reduce(rank))
+        model = ShardedLm(config, num_slots=2, rank=rank, world_size=world_size, all_reduce=group.all_reduce(rank),
+                          expert_routing=routing)  # fmt: skip
         load_state(model, MIXTRAL, state)
         return logits(model)
 
@@ -298,10 +299,11 @@ def test_a_decode_attends_over_its_span_alone_as_over_the_whole_cache(shipped: C
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
 def test_the_experts_run_the_same_sums_every_way(shipped: Checkpoint, batch: int) -> None:
-    """On the host by expert, gathered by token, or densely: equal to rounding, at one rank and at two."""
+    """On the host by expert, gathered by token, or densely: equal to rounding, at one rank, two and three (2 + 1 + 1
+    experts)."""
     generator = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, shipped.config.d_model, generator=generator)
-    for world_size in (1, 2):
+    for world_size in (1, 2, 3):
         outputs = []
         for routing in ("host", "device"):  # device: gathered when batch * top_k < experts, else dense
             models = [shipped_model(shipped, rank=rank, world_size=world_size, all_reduce=print, routing=routing)
