@@ -184,6 +184,7 @@ CHECKPOINT_SURFACE = [
     "CheckpointError",
     "Family",
     "Piece",
+    "Reshard",
     "TensorEntry",
     "Tokenizer",
     "byte_tokenizer",
@@ -191,6 +192,7 @@ CHECKPOINT_SURFACE = [
     "load_shard",
     "load_state",
     "pieces",
+    "reshard",
     "save_checkpoint",
 ]
 
