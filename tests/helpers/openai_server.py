@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import re
 import signal
@@ -74,9 +76,13 @@ class RemoteServer:
         return self.process.wait(timeout)
 
     def kill(self) -> None:
+        """Kill the process and every rank its first line named (under torchrun they outlive a killed agent)."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> int:
         """SIGTERM, and its exit status (killed after 60 s)."""
