@@ -86,3 +86,22 @@ def test_under_torchrun_rank_0_serves_and_the_others_run_its_commands() -> None:
         assert "[worker 1] served" in server.output()  # the head shut its worker down
     finally:
         server.kill()
+
+
+def test_ctrl_c_ends_every_rank_at_once_with_130() -> None:
+    server = RemoteServer("--world-size", "2", "--slots", "2")
+    try:
+        with server.client() as client:
+            stream = client.completions.create(model=MODEL, prompt="Licensed", max_tokens=240, temperature=0,
+                                               stream=True)  # fmt: skip
+            next(iter(stream))
+            told = time.monotonic()
+            server.process.send_signal(signal.SIGINT)  # the launcher's Ctrl-C: it interrupts its ranks
+            code = server.wait(30)
+            took = time.monotonic() - told
+        assert code == 130, server.output()
+        assert all(gone(pid) for pid in server.pids), server.pids
+        assert "interrupted" in server.output()
+        assert took < 5.0, f"the ranks took {took:.2f} s to end after Ctrl-C"
+    finally:
+        server.kill()
