@@ -280,8 +280,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: a small model and 8 short requests")
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (default 2)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="paired rounds of ours over HTTP and in process, all at once (default 2)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="paired rounds of ours, HTTP and in process (default 2; 1 with --quick)")  # fmt: skip
     parser.add_argument("--slots", type=int, default=None, help="our server's --slots (default: the requests)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every side (default 2)")
     parser.add_argument("--ours-arg", action="append", default=[], metavar="ARG",
@@ -290,6 +290,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"where the JSON and PNG go (default {DEFAULT_OUT})")  # fmt: skip
     args = parser.parse_args()
+    args.rounds = args.rounds or (1 if args.quick else 2)
     plots = plotting_available()
     args.out.mkdir(parents=True, exist_ok=True)
     load = QUICK_LOAD if args.quick else Load()
