@@ -48,22 +48,29 @@ def test_a_drain_that_runs_out_ends_the_running_streams_with_an_error_and_exits_
         server.kill()
 
 
-def test_a_second_sigterm_ends_every_rank_at_once_with_143() -> None:
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [((signal.SIGTERM, signal.SIGTERM), 128 + signal.SIGTERM), ((signal.SIGINT,), 130)],
+    ids=["a-second-sigterm", "ctrl-c"],
+)
+def test_a_second_sigterm_or_ctrl_c_ends_every_rank_at_once(signals: tuple[int, ...], code: int) -> None:
+    """The first SIGTERM starts a drain of up to 30 s, the second ends it; Ctrl-C to the launcher interrupts its
+    ranks."""
     server = RemoteServer("--world-size", "2", "--slots", "2")
     try:
         with server.client() as client:
             stream = client.completions.create(model=MODEL, prompt="Licensed", max_tokens=240, temperature=0,
                                                stream=True)  # fmt: skip
             next(iter(stream))
-            server.terminate()  # a drain of up to 30 s begins ...
-            time.sleep(0.05)
-            told = time.monotonic()
-            server.terminate()  # ... and the second one ends it
-            code = server.wait(30)
+            for signum in signals:
+                told = time.monotonic()
+                server.process.send_signal(signum)
+                time.sleep(0.05)
+            ended = server.wait(30)
             took = time.monotonic() - told
-        assert code == 128 + signal.SIGTERM, server.output()
+        assert ended == code, server.output()
         assert all(gone(pid) for pid in server.pids), server.pids
-        assert took < 5.0, f"the ranks took {took:.2f} s to end after the second SIGTERM"
+        assert took < 5.0, f"the ranks took {took:.2f} s to end after the last signal"
     finally:
         server.kill()
 
@@ -84,24 +91,5 @@ def test_under_torchrun_rank_0_serves_and_the_others_run_its_commands() -> None:
         server.wait(60)
         assert all(gone(pid) for pid in server.pids), server.output()
         assert "[worker 1] served" in server.output()  # the head shut its worker down
-    finally:
-        server.kill()
-
-
-def test_ctrl_c_ends_every_rank_at_once_with_130() -> None:
-    server = RemoteServer("--world-size", "2", "--slots", "2")
-    try:
-        with server.client() as client:
-            stream = client.completions.create(model=MODEL, prompt="Licensed", max_tokens=240, temperature=0,
-                                               stream=True)  # fmt: skip
-            next(iter(stream))
-            told = time.monotonic()
-            server.process.send_signal(signal.SIGINT)  # the launcher's Ctrl-C: it interrupts its ranks
-            code = server.wait(30)
-            took = time.monotonic() - told
-        assert code == 130, server.output()
-        assert all(gone(pid) for pid in server.pids), server.pids
-        assert "interrupted" in server.output()
-        assert took < 5.0, f"the ranks took {took:.2f} s to end after Ctrl-C"
     finally:
         server.kill()
