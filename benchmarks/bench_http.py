@@ -59,6 +59,8 @@ IN_PROCESS: Final = "ours, Server in process"
 THEIRS_CB: Final = "transformers serve --continuous-batching"
 THEIRS: Final = "transformers serve"
 ALL_AT_ONCE: Final = "all at once"
+SETTINGS: Final = ("Paged cache initialized", "attn_implementation", "max_batch_tokens", "num_blocks")
+"""What ``transformers serve``'s log says of how it batches, kept for the report."""
 Requests = list[tuple[list[int], int]]
 
 
@@ -197,11 +199,12 @@ def free_port() -> int:
 
 @contextmanager
 def started(command: list[str], threads: int, log: Path, limit: float = 900.0) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process, once it answers ``/v1/models``; SIGTERM at the end (killed after 60 s)."""
+    """A server process, once it answers ``/v1/models``; SIGTERM at the end (killed after 60 s).  Its output goes
+    to ``log`` (``transformers``' at the info level: its paged cache's settings)."""
     import urllib.request
 
     port = command[command.index("--port") + 1]
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "TRANSFORMERS_VERBOSITY": "info"}
     with log.open("wb") as output:
         process = subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT)
     try:
@@ -233,6 +236,15 @@ def http_run(process: subprocess.Popen[bytes], port: int, model: str, name: str,
     before = cpu_seconds(process.pid)
     run = asyncio.run(drive(port, model, requests, arrivals(len(requests), rate), name, arrival))
     run.cpu_s = cpu_seconds(process.pid) - before
+    return said(run)
+
+
+def said(run: Run) -> Run:
+    """``run``, once a line to standard error says it (a long run shows its progress)."""
+    row = run.summary()
+    print(f"  {run.server}, {run.arrival}: {row['tokens_per_s']:.1f} tokens/s, p99 TTFT {row['ttft_p99_s']:.2f} s, "
+          f"{row['cpu_s_per_1k_tokens']:.1f} CPU s per 1k tokens; load average {os.getloadavg()[0]:.1f}",
+          file=sys.stderr, flush=True)  # fmt: skip
     return run
 
 
@@ -266,7 +278,7 @@ class InProcess:
             run.tokens += len(times)
             run.ttft_s.append(times[0])
             run.itl_s += [later - earlier for earlier, later in itertools.pairwise(times)]
-        return run
+        return said(run)
 
     def close(self) -> None:
         assert self.process.stdin is not None
@@ -351,8 +363,8 @@ def serve_theirs(directory: Path, args: argparse.Namespace, requests: Requests, 
     with started([*command, "--continuous-batching"] if continuous else command, args.threads, log) as process:
         warm(port, str(directory))
         runs = [http_run(process, port, str(directory), name, requests, rate) for rate in (None, args.rate)]
-    said = [line for line in log.read_text().splitlines() if "Paged cache initialized" in line or "attn" in line]
-    return runs, " | ".join(line.strip()[-160:] for line in said[:3])
+    said = [line for line in log.read_text().splitlines() if any(word in line for word in SETTINGS)]
+    return runs, " | ".join(line.strip()[-200:] for line in said[:4])
 
 
 def medians(runs: list[Run]) -> dict[tuple[str, str], dict[str, float]]:
