@@ -34,6 +34,7 @@ import torch
 
 from metrale_model_engine.reference import Checkpoint, ExpertRouting, LmConfig, ShardedLm, count_ops, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
+from metrale_model_engine.reference.model import run_span, slot_runs
 
 from helpers.greedy import LOGIT_TOLERANCE, Greedy, byte_ids, greedy_session, ints, shipped_model
 from helpers.threaded import ThreadGroup
@@ -202,8 +203,8 @@ def test_three_ranks_equal_one_rank(shipped: Checkpoint, greedy_one_rank: Greedy
     assert results[0]["tokens"] == greedy_one_rank["tokens"]
 
 
-def _random_model(config: LmConfig, seed: int = 0) -> ShardedLm:
-    model = ShardedLm(config, num_slots=2)
+def _random_model(config: LmConfig, seed: int = 0, num_slots: int = 2) -> ShardedLm:
+    model = ShardedLm(config, num_slots=num_slots)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -328,6 +329,30 @@ def test_every_call_makes_two_all_reduces_per_layer(shipped: Checkpoint) -> None
     per_call = 2 * config.n_layers
     d = config.d_model
     assert calls == [(2, 3, d)] * per_call + [(3, d)] * per_call + [(2, d)] * per_call  # tokens, flattened
+
+
+def test_a_fused_step_attends_run_by_run_as_the_training_path() -> None:
+    """Decode rows in slots 0, 1, 3, 5 and 6 (three runs of consecutive slots) at positions far apart, with a
+    prefill chunk in slot 7, in one fused step of a grouped-query model (8 heads of 2 KV heads): each run reads its
+    slots' caches in place over its own span, and every row's logits are the training path's on its sequence."""
+    assert slot_runs([0, 1, 3, 5, 6]) == [(0, 2), (2, 3), (3, 5)]
+    assert slot_runs([4, 2, 3, 9]) == [(0, 1), (1, 3), (3, 4)] and slot_runs([]) == []
+    assert [run_span(n, 100) for n in (1, 32, 33, 70, 97)] == [32, 32, 64, 96, 100]
+    config = LmConfig(d_model=64, n_heads=8, n_kv_heads=2, head_dim=16, n_experts=4, d_expert=32, max_seq_len=100)
+    model = _random_model(config, num_slots=8)
+    generator = torch.Generator().manual_seed(1)
+    slots, lengths = [0, 1, 3, 5, 6], [6, 42, 12, 72, 3]
+    sequences = [torch.randint(config.vocab_size, (length,), generator=generator) for length in lengths]
+    for slot in range(8):  # stale entries past every row's position, which no row may see
+        model.prefill(slot, torch.randint(config.vocab_size, (90,), generator=generator), 0)
+    for slot, sequence in zip(slots, sequences, strict=True):
+        model.prefill(slot, sequence[:-1], 0)
+    chunk = torch.randint(config.vocab_size, (9,), generator=generator)
+    rows = [(slot, int(sequence[-1]), len(sequence) - 1) for slot, sequence in zip(slots, sequences, strict=True)]
+    logits = model.fused_step([(7, 0, chunk.tolist())], rows)
+    for row, sequence in enumerate([*sequences, chunk]):
+        expected = model(sequence[None])[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=LOGIT_TOLERANCE, rtol=0)
 
 
 def _prefill_prompts(model: ShardedLm, slots: list[int]) -> list[torch.Tensor]:

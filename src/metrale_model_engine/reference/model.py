@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
+from typing import Final
 
 import torch
 import torch.nn.functional as F
@@ -57,10 +58,34 @@ class ShardedBlock(nn.Module):
         return x + partial
 
 
+RUN_SPAN_STEP: Final = 32
+"""What ``run_span`` rounds to."""
+
+
 def decode_span(needed: int, max_seq_len: int) -> int:
     """The positions a decode step attends over when its longest row needs ``needed``: a power of two,
     at least 16, at most ``max_seq_len``; so that the cache read grows with the sequences, in few shapes."""
     return min(max_seq_len, max(16, 1 << (needed - 1).bit_length()))
+
+
+def run_span(needed: int, max_seq_len: int) -> int:
+    """The positions a fused step's run of decode rows attends over when its longest row needs ``needed``:
+    ``needed`` rounded up to a multiple of ``RUN_SPAN_STEP``, at most ``max_seq_len``.  Closer than
+    ``decode_span``'s powers of two (no CUDA graph holds a fused step): past a power of two, the cache read
+    by a decode of long rows is up to half masked positions, which cost as much to read as the others."""
+    return min(max_seq_len, -(-needed // RUN_SPAN_STEP) * RUN_SPAN_STEP)
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """The runs of ``slots`` that name consecutive slots, ascending: ``(first, end)`` ranges of their indices, in
+    order, together covering every index (``[3, 4, 5, 9, 2]`` -> ``[(0, 3), (3, 4), (4, 5)]``)."""
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for index in range(1, len(slots) + 1):
+        if index == len(slots) or slots[index] != slots[index - 1] + 1:
+            runs.append((first, index))
+            first = index
+    return runs
 
 
 def _no_reduce(_: torch.Tensor) -> None:
@@ -313,8 +338,9 @@ class ShardedLm(nn.Module):
 
         Each chunk ``(slot, start, tokens)`` is a [`prefill`][metrale_model_engine.reference.ShardedLm.prefill], each
         row ``(slot, token, position)`` a row of [`decode`][metrale_model_engine.reference.ShardedLm.decode]; the
-        layers' weights are read once for all of them (rows of consecutive slots, ascending, read their caches in
-        place). Their values are trusted (the caller checked them, as
+        layers' weights are read once for all of them.  The rows attend run by run (``slot_runs``): a run of
+        consecutive slots, ascending, reads their caches in place, over the positions its own longest row needs
+        (``run_span``), never a copy of them.  Their values are trusted (the caller checked them, as
         [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] does).
 
         Returns:
@@ -330,13 +356,15 @@ class ShardedLm(nn.Module):
         if rows:
             ids = [slot for slot, _, _ in rows]
             slots = torch.tensor(ids, dtype=torch.int64).to(self.embed.device)
-            consecutive = slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
-            span = decode_span(max(positions[: len(rows)]) + 1, self.config.max_seq_len)
-            row_positions = inputs[1, : len(rows)]
-            visible = (self.positions[None, :span] <= row_positions[:, None])[:, None, None, :]
-            bias = self._bias(visible)
-            attend = functools.partial(attend_decode, slots, row_positions, bias, consecutive=consecutive)
-            parts.append((attend, len(rows)))
+            for first, end in slot_runs(ids):  # each run reads its slots' caches in place, over its own span
+                span = run_span(max(positions[first:end]) + 1, self.config.max_seq_len)
+                row_positions = inputs[1, first:end]
+                visible = (self.positions[None, :span] <= row_positions[:, None])[:, None, None, :]
+                run = slice(ids[first], ids[first] + end - first)
+                attend = functools.partial(
+                    attend_decode, slots[first:end], row_positions, self._bias(visible), consecutive=run
+                )
+                parts.append((attend, end - first))
         last = list(range(len(rows)))
         for slot, start, chunk in chunks:
             end = start + len(chunk)
