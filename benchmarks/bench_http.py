@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -94,6 +94,8 @@ class Run:
     tokens: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    threads: int = 0
+    """The server's OS threads at the end of the run."""
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -169,23 +171,36 @@ async def drive(port: int, model: str, requests: Requests, delays: Sequence[floa
 
 def cpu_seconds(pid: int) -> float:
     """The CPU time (user and system) of process ``pid`` and its live descendants, in seconds."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)] = int(fields[1])
-            times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return sum((int(fields[11]) + int(fields[12])) / tick for fields in _stats(_tree(pid)).values())
+
+
+def os_threads(pid: int) -> int:
+    """The threads of process ``pid`` and its live descendants (torch's, the event loop's, the scheduler's...)."""
+    return sum(int(fields[17]) for fields in _stats(_tree(pid)).values())
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid`` and its live descendants."""
+    parents = {member: int(fields[1]) for member, fields in _stats(int(entry) for entry in os.listdir("/proc")
+                                                                   if entry.isdigit()).items()}  # fmt: skip
     tree, grown = {pid}, True
     while grown:
         more = {child for child, parent in parents.items() if parent in tree} - tree
         grown = bool(more)
         tree |= more
-    return sum(times.get(member, 0.0) for member in tree)
+    return tree
+
+
+def _stats(pids: Iterable[int]) -> dict[int, list[str]]:
+    """Each live process's ``/proc/PID/stat`` fields after its name (field 3 of ``proc(5)`` first)."""
+    stats = {}
+    for pid in pids:
+        try:
+            stats[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+    return stats
 
 
 def free_port() -> int:
@@ -236,6 +251,7 @@ def http_run(process: subprocess.Popen[bytes], port: int, model: str, name: str,
     before = cpu_seconds(process.pid)
     run = asyncio.run(drive(port, model, requests, arrivals(len(requests), rate), name, arrival))
     run.cpu_s = cpu_seconds(process.pid) - before
+    run.threads = os_threads(process.pid)
     return said(run)
 
 
@@ -274,6 +290,7 @@ class InProcess:
         answer = json.loads(self.process.stdout.readline())
         run = Run(IN_PROCESS, ALL_AT_ONCE if rate is None else f"Poisson {rate:g}/s", wall_s=answer["wall_s"])
         run.cpu_s = cpu_seconds(self.process.pid) - before
+        run.threads = os_threads(self.process.pid)
         for times in answer["times"]:
             run.tokens += len(times)
             run.ttft_s.append(times[0])
@@ -388,11 +405,16 @@ def report(runs: list[Run], load: Load, args: argparse.Namespace, meta: dict[str
         print(f"{server:42} {arrival:13} {row['tokens_per_s']:9.1f} {row['ttft_median_s']:8.2f}s "
               f"{row['ttft_p99_s']:8.2f}s {row['itl_median_s'] * 1e3:6.1f}ms {row['itl_p99_s'] * 1e3:6.1f}ms "
               f"{row['cpu_s_per_1k_tokens']:12.1f}")  # fmt: skip
-    ours_texts = [run.texts for run in runs if run.server == OURS]
-    print(f"ours gives the same text in every run: {all(texts == ours_texts[0] for texts in ours_texts)}")
-    rounds = runs[: 2 * args.rounds]
+    rounds = [run.texts for run in runs if run.server == OURS and run.arrival == ALL_AT_ONCE]
+    differ = sum(any(texts[index] != rounds[0][index] for texts in rounds) for index in range(len(rounds[0])))
+    print(f"ours over HTTP, all at once: {differ} of {len(rounds[0])} requests' greedy texts differ between its "
+          f"{len(rounds)} rounds (each round batches the requests as they arrived over HTTP)")  # fmt: skip
+    threads = {run.server: run.threads for run in runs}
+    print(f"OS threads of each server's processes ({args.threads} torch threads each): "
+          + ", ".join(f"{side} {count}" for side, count in threads.items()))  # fmt: skip
+    paired_runs = runs[: 2 * args.rounds]
     paired = [(http.tokens_per_s / direct.tokens_per_s, http.cpu_s / direct.cpu_s)
-              for direct, http in zip(rounds[0::2], rounds[1::2], strict=True)]  # fmt: skip
+              for direct, http in zip(paired_runs[0::2], paired_runs[1::2], strict=True)]  # fmt: skip
     verdicts = []
     http = statistics.median(ratio for ratio, _ in paired)
     cpu = statistics.median(ratio for _, ratio in paired)
@@ -416,12 +438,12 @@ def report(runs: list[Run], load: Load, args: argparse.Namespace, meta: dict[str
     for line, met in verdicts:
         print(f"{line} ({'met' if met else 'missed'})")
     for side, said in dict(meta["settings"]).items():  # type: ignore[call-overload]
-        print(f"{side}: {said}")
+        print(f"{side}: {said or '(its log, at the info level, names none of its settings)'}")
     document = {
         "load": asdict(load), "rate": args.rate, "rounds": args.rounds,
         "rows": [{"server": s, "arrival": a, **row} for (s, a), row in rows.items()],
         "runs": [{"server": r.server, "arrival": r.arrival, **r.summary()} for r in runs],
-        "verdicts": [{"line": line, "met": met} for line, met in verdicts], "meta": meta,
+        "verdicts": [{"line": line, "met": met} for line, met in verdicts], "meta": {**meta, "os_threads": threads},
     }  # fmt: skip
     path = args.out / "bench_http.json"
     path.write_text(json.dumps(document, indent=1) + "\n")
