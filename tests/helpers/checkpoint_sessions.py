@@ -71,7 +71,7 @@ def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> No
     """
     torch.set_num_threads(1)
     tiny = LmConfig(d_model=32, n_heads=4, n_experts=4, top_k=2, d_expert=64, max_seq_len=8)
-    ShardedLm(tiny, num_slots=1, rank=rank, world_size=world_size, all_reduce=lambda tensor: None)  # dropped at once
+    ShardedLm(tiny, num_blocks=1, rank=rank, world_size=world_size, all_reduce=lambda tensor: None)  # dropped at once
     link = open_link("torch", num_slots=1, command_timeout=60.0)
     before = memory("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")

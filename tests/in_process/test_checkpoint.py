@@ -306,8 +306,8 @@ def test_a_missing_directory_and_a_context_past_the_model_are_refused(written: d
 
 def test_a_model_is_written_only_as_mixtral_can_hold_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a Mixtral checkpoint has no per-head query/key norms"):
-        save_checkpoint(tmp_path, ShardedLm(LmConfig(qk_norm=True), num_slots=1))
+        save_checkpoint(tmp_path, ShardedLm(LmConfig(qk_norm=True), num_blocks=1))
     with pytest.raises(ValueError, match="only a one-rank model holds every weight; this is rank 0 of 2"):
-        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_slots=1, world_size=2, all_reduce=print))
+        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_blocks=1, world_size=2, all_reduce=print))
     with pytest.raises(ValueError, match="the model's dtype must be one of float32, bfloat16, float16, got"):
-        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_slots=1, dtype=torch.float64))
+        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_blocks=1, dtype=torch.float64))

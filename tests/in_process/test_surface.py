@@ -143,6 +143,7 @@ REFERENCE_SURFACE = [
     "DecodeStep",
     "ExpertRouting",
     "FinishReason",
+    "KvBlocks",
     "GREEDY",
     "LmConfig",
     "LmSlots",

@@ -87,7 +87,7 @@ def test_a_seed_gives_the_same_sampled_tokens_at_every_world_size(
 def test_each_rank_holds_its_shard_not_the_checkpoint(tmp_path: Path) -> None:
     """Peak resident memory while loading, per rank: its shard, and the mapped pages of one layer's slices."""
     config = LmConfig(d_model=256, n_heads=4, n_experts=8, top_k=2, d_expert=2048, max_seq_len=64)
-    model = ShardedLm(config, num_slots=1)
+    model = ShardedLm(config, num_blocks=1)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(generator=torch.Generator().manual_seed(0))

@@ -81,11 +81,9 @@ def test_every_world_size_generates_the_same_text(
         assert "1 rank," in out
 
 
-def test_a_request_cut_short_by_its_slot_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_request_cut_short_by_its_context_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     summary = served(tmp_path, "cut", "--max-new-tokens", "240", "--world-size", "1")
-    cut = [
-        line for line in capfd.readouterr().out.splitlines() if line.endswith("(cut short: its slot's cache is full)")
-    ]
+    cut = [line for line in capfd.readouterr().out.splitlines() if line.endswith("(cut short: its context is full)")]
     reasons = {request["id"]: request["finish_reason"] for request in summary["requests"]}
     assert set(reasons.values()) == {"context"} and len(cut) == len(reasons) == 6  # every prompt + 240 > 256
     assert all(len(r["tokens"]) < 240 for r in summary["requests"])

@@ -80,6 +80,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._open: dict[int, _Open] = {}  # by request id; the scheduler's thread alone
         self._next_id = 0
+        self._preemptions = 0  # the server's count, as far as the metrics have it
         self.held: int = 0
         """Requests taken and not yet ended, running or waiting (the event loop's count)."""
         self.state: RunState = "serving"
@@ -227,10 +228,13 @@ class Engine:
             self._call(self._deliver, updates)
 
     def _gauges(self) -> None:
-        completions = self._server.completions
-        waiting = sum(1 for request_id in self._open if completions[request_id].admitted_step is None)
+        server = self._server
+        waiting, running = server.queued  # a preempted request waits again
         self.metrics.waiting.set(waiting)
-        self.metrics.running.set(len(self._open) - waiting)
+        self.metrics.running.set(running)
+        self.metrics.kv_blocks_used.set(server.model.kv_blocks.used)
+        self.metrics.preemptions.inc(server.preemptions - self._preemptions)
+        self._preemptions = server.preemptions
         self.metrics.slots_used.set(sum(1 for state in self._server.slots if state is not None))
 
     def _forget(self, request_id: int) -> Completion | None:
