@@ -39,6 +39,7 @@ from metrale_model_engine.reference import (
 from metrale_model_engine.reference.checkpoint import QWEN3_MOE, byte_tokenizer, files, save_checkpoint
 from metrale_model_engine.transport import SoloTransport
 
+from helpers import checkpoint_sessions as sessions
 from helpers import oracle
 from helpers.greedy import byte_ids
 
@@ -54,10 +55,15 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def served(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any) -> list[list[int]]:
     """The tokens one rank serves for ``prompts`` (greedy, every one of ``new_tokens``: no end-of-sequence stop)."""
+    return served_by(directory, prompts, new_tokens, **kwargs)[0]
+
+
+def served_by(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any) -> tuple[list[list[int]], Server]:
+    """``served``'s tokens, and the server that served them."""
     model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), checkpoint=directory, **kwargs)
     server = Server(model, prefill_chunk=5, eos_token_ids=())
     done = server.run(Request(i, tuple(prompt), new_tokens) for i, prompt in enumerate(prompts))
-    return [done[i].tokens for i in range(len(prompts))]
+    return [done[i].tokens for i in range(len(prompts))], server
 
 
 # transformers, the oracle
@@ -78,6 +84,9 @@ def test_one_rank_gives_the_tokens_of_transformers(written: dict[str, Path], fam
     gap = oracle.smallest_gap(tops)
     assert gap > 1e-4, gap  # rounding is about 1e-6 here: a flip would need a near tie
     assert served(written[family], oracle.PROMPTS, oracle.NEW_TOKENS) == expected
+    tight = {"kv_memory": sessions.tight_kv_memory(written[family], 0, 1), "block_size": sessions.BLOCK_SIZE}
+    tokens, server = served_by(written[family], oracle.PROMPTS, oracle.NEW_TOKENS, **tight)
+    assert tokens == expected and server.preemptions > 0  # across preemptions, the same tokens
 
 
 def test_generation_stops_at_the_end_of_sequence_ids_as_transformers_does(

@@ -1,10 +1,11 @@
 """The paged KV cache, in this process: the head's block manager (``KvBlocks``), the pool's size from the memory
 given, the block-table entries in the commands and what every rank checks of them, a sync point that names a worker
-whose table diverged, admission by blocks and the refusal of what could never fit (the ranks' tokens against
-``transformers``' are ``tests/ranks/test_checkpoint.py``)."""
+whose table diverged, admission by blocks and the refusal of what could never fit, preemption by recompute (the
+ranks' tokens against ``transformers``', across preemptions, are ``tests/ranks/test_checkpoint.py``)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,13 @@ from metrale_model_engine.reference import (
     CMD_ALLOC,
     CMD_DECODE,
     CMD_PREFILL,
+    GREEDY,
     Checkpoint,
     KvBlocks,
     LmState,
     ReferenceLm,
     Request,
+    Sampling,
     Server,
 )
 from metrale_model_engine.reference.rank import pool
@@ -34,7 +37,7 @@ from helpers import serving_sessions as sessions
 from helpers.greedy import byte_ids
 from helpers.pair import LinkPair
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_thread")]
 
 POSITION_BYTES = 2 * 2 * 4 * 32 * 4
 """What one position of the shipped model's cache takes on one rank: keys and values, 2 layers, 4 KV heads of 32
@@ -290,3 +293,58 @@ def test_the_http_server_refuses_what_its_cache_could_never_hold() -> None:
     )
     with pytest.raises(ApiError, match="prompt: the prompt has 65 tokens, more than the 64 positions this server's"):
         limits.new_tokens([1] * 65, 1, "max_tokens")
+
+
+# -- preemption by recompute -------------------------------------------------------
+
+TEXTS = ("Licensed under the", "Permission is hereby granted", "THE SOFTWARE IS PROVIDED", "you may not use this")
+
+
+def preempting(fuse: bool) -> tuple[Server, list[tuple[int, int, int]]]:
+    """A server whose cache holds 18 blocks of 4 positions, fewer than its 4 requests reach together: the newest
+    is preempted as the others grow.  Its ``on_token`` calls, as ``(step, request, token)``."""
+    seen: list[tuple[int, int, int]] = []
+    server = Server(
+        solo(kv_memory=POSITION_BYTES * 72, block_size=4), prefill_chunk=8, fuse=fuse,
+        on_token=lambda request, token: seen.append((server.steps, request.id, token)),
+    )  # fmt: skip
+    return server, seen
+
+
+def requests_of(count: int = 40) -> list[Request]:
+    """Greedy and seeded sampled requests, each of ``count`` new tokens."""
+    sampled = Sampling(temperature=0.8, top_k=50, seed=11)
+    return [Request(i, tuple(byte_ids(text)), count, sampled if i % 2 else GREEDY) for i, text in enumerate(TEXTS)]
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_preempted_request_resumes_with_its_tokens_unchanged_and_its_stream_paused(fuse: bool) -> None:
+    server, seen = preempting(fuse)
+    done = server.run(requests_of())
+    unhurried = Server(solo(), prefill_chunk=8, fuse=fuse).run(requests_of())
+    assert {i: c.tokens for i, c in done.items()} == {i: c.tokens for i, c in unhurried.items()}  # sampled too
+    assert server.preemptions >= 2 and sum(c.preemptions for c in done.values()) == server.preemptions
+    assert all(c.finish_reason == "length" for c in done.values())
+    assert not any(c.preemptions for c in unhurried.values())
+    for request_id, completion in done.items():
+        streamed = [(step, token) for step, rid, token in seen if rid == request_id]
+        assert [token for _, token in streamed] == completion.tokens  # each token once, in order
+    paused = next(i for i, c in done.items() if c.preemptions)
+    steps = [step for step, rid, _ in seen if rid == paused]
+    assert max(b - a for a, b in itertools.pairwise(steps)) > 1  # its stream paused, then went on
+    assert server.model.kv_blocks.used == 0 and server.slots == [None] * 4
+
+
+def test_a_preempted_request_can_be_cancelled_while_it_waits() -> None:
+    server, _ = preempting(fuse=True)
+    for request in requests_of(40):
+        server.submit(request)
+    while not server.preemptions:
+        server.step()
+    waiting = next(c for c in server.completions.values() if c.preemptions and c.finish_reason is None)
+    assert waiting.tokens  # it had generated some
+    server.cancel(waiting.request.id)
+    assert waiting.finish_reason == "cancelled"
+    done = server.run()
+    assert all(c.finish_reason in ("length", "cancelled") for c in done.values())
+    assert server.model.kv_blocks.used == 0

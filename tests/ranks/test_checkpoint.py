@@ -1,5 +1,6 @@
 """Checkpoints in the Hugging Face layout served by 2 and 4 ranks in real processes: the tokens of
-``transformers`` for both families, over shared memory and over torch; a bfloat16 checkpoint in several files;
+``transformers`` for both families, over shared memory and over torch, in a paged KV cache too small for every
+request at once (requests preempted and computed again); a bfloat16 checkpoint in several files;
 a sampled run the same at every world size; and each rank's memory, its shard and not the checkpoint.
 """
 
@@ -53,6 +54,8 @@ def served(
     assert all(results[rank]["failed"] == 0 for rank in range(1, world_size))
     kind = {"shm": "ShmTransport", "torch": "TorchTransport"}[transport] if world_size > 1 else "SoloTransport"
     assert results[0]["transport"] == kind
+    preemptions = results[0]["preemptions"]
+    assert isinstance(preemptions, int) and preemptions > 0  # a cache too small for the prompts at once
     return results[0]["tokens"]
 
 
@@ -62,7 +65,8 @@ def served(
 def test_the_ranks_give_the_tokens_of_transformers(
     written: dict[str, tuple[Path, list[list[int]]]], tmp_path: Path, family: str, world_size: int, transport: str
 ) -> None:
-    """4 ranks hold one KV head each of the 2: each KV head replicated on the 2 ranks whose query heads read it."""
+    """4 ranks hold one KV head each of the 2: each KV head replicated on the 2 ranks whose query heads read it.  The
+    paged cache is too small for the prompts at once, so requests are preempted and computed again."""
     directory, expected = written[family]
     assert served(tmp_path, directory, world_size, transport) == expected
 

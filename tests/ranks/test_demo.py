@@ -32,8 +32,9 @@ def as_started_by_hand(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-STEPS = ("submitted_step", "admitted_step", "finished_step")
-"""When a request came, was admitted and ended: one rank fuses prefills into decode steps, so its steps differ."""
+STEPS = ("submitted_step", "admitted_step", "finished_step", "preemptions")
+"""When a request came, was admitted and ended, and how often it was preempted: one rank fuses prefills into decode
+steps, so its steps differ, and a smaller cache preempts."""
 
 
 def generated(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -79,6 +80,19 @@ def test_every_world_size_generates_the_same_text(
         out = capfd.readouterr().out
         assert "[head] one rank: the single-GPU path, no command sent (is_ep() is false)" in out
         assert "1 rank," in out
+
+
+def test_a_cache_too_small_for_every_request_at_once_preempts_and_generates_the_same_text(
+    two_ranks: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """160 KiB at one rank: 20 blocks of 4 positions (4 KV heads), for 4 requests of 30 to 45 at first."""
+    summary = served(tmp_path, "tight", "--world-size", "1", "--kv-memory", "160KiB", "--block-size", "4", *SHORT)
+    assert generated(summary) == generated(two_ranks)
+    kv = summary["kv_cache"]
+    assert (kv["blocks"], kv["block_size"], kv["peak_blocks_used"]) == (20, 4, 20) and kv["preemptions"] > 0
+    assert sum(request["preemptions"] for request in summary["requests"]) == kv["preemptions"]
+    line = f"[head] KV cache: 20 blocks of 4, at most 20 in use; {kv['preemptions']} preemption(s)"
+    assert line in capfd.readouterr().out.splitlines()
 
 
 def test_a_request_cut_short_by_its_context_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
