@@ -148,6 +148,9 @@ def model_options(parser: argparse.ArgumentParser, *, slots: int, world_size: in
              "whole context)")  # fmt: skip
     add("--block-size", type=lambda t: whole(t, 1), default=16, metavar="N",
         help="positions of a block of the KV cache (default 16)")  # fmt: skip
+    add("--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="compute every prompt whole, even where its first blocks are cached (prefix caching is on by "
+             "default)")  # fmt: skip
     add("--check-kv", action="store_true",
         help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote")  # fmt: skip
 

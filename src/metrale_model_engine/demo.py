@@ -111,6 +111,7 @@ class Work:
     kv_memory: int | float | None = None
     """Each rank's KV cache (``ReferenceLm``'s ``kv_memory``); ``None``: every slot's whole context."""
     block_size: int = 16
+    prefix_caching: bool = True
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -231,7 +232,9 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         ended = _ENDED.get(completion.finish_reason or "", "")
         _say(f"[request {request.id}{late}] {shown(request.prompt)} -> {shown(completion.tokens)}{ended}")
 
-    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
+    server = Server(
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
+    )
     sampling = work.sampling or GREEDY
     requests = [Request(i, prompt, work.max_new_tokens, sampling) for i, prompt in enumerate(work.prompts)]
     split = len(requests) - work.late
@@ -305,6 +308,7 @@ def _work(start: Start) -> Work:
         sampling=None if sampling.greedy and args.seed is None else sampling,
         kv_memory=kv_memory,
         block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
     )
 
 

@@ -1,11 +1,13 @@
 """The paged KV cache, in this process: the head's block manager (``KvBlocks``), the pool's size from the memory
 given, the block-table entries in the commands and what every rank checks of them, a sync point that names a worker
-whose table diverged, admission by blocks and the refusal of what could never fit, preemption by recompute (the
-ranks' tokens against ``transformers``', across preemptions, are ``tests/ranks/test_checkpoint.py``)."""
+whose table diverged, admission by blocks and the refusal of what could never fit, preemption by recompute, and
+prefix caching (the ranks' tokens against ``transformers``', across preemptions and prefix hits, are
+``tests/ranks/test_checkpoint.py``)."""
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from metrale_model_engine.reference.rank import pool
 from metrale_model_engine.reference.rank.checks import Pool, check_blocks, check_decode_blocks
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 from metrale_model_engine.transport import SoloTransport
+from metrale_model_engine.wire import ItemKind, decode_item
 
 from helpers import serving_sessions as sessions
 from helpers.greedy import byte_ids
@@ -348,3 +351,60 @@ def test_a_preempted_request_can_be_cancelled_while_it_waits() -> None:
     done = server.run()
     assert all(c.finish_reason in ("length", "cancelled") for c in done.values())
     assert server.model.kv_blocks.used == 0
+
+
+# -- prefix caching ---------------------------------------------------------------
+
+
+def prefills(recording: RecordingTransport) -> list[tuple[int, int, int]]:
+    """Each prefill command the head sent: ``(chunk_start, chunk_len, cached)``."""
+    found = []
+    for words in recording.messages:
+        item = decode_item(memoryview(array("I", words)), 0)
+        if item.kind is ItemKind.COMMAND and item.first == CMD_PREFILL:
+            # [WORD, length, WORD, start, WORD, full, TOKENS, full, *prompt, WORD, cached, TOKENS, ...]
+            length, start, full = words[item.end + 1], words[item.end + 3], words[item.end + 5]
+            found.append((start, length, words[item.end + 9 + full]))
+    return found
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_prompt_that_begins_with_cached_blocks_prefills_only_the_rest_on_every_rank(prefix_caching: bool) -> None:
+    head, recording = recorded(block_size=4)
+    server = Server(head, prefill_chunk=8, prefix_caching=prefix_caching)
+    first = server.run([Request(0, tuple(byte_ids("Licensed under the")), 12)])[0]
+    sent = len(prefills(recording))
+    # its 18 prompt tokens and the first 11 of its 12 generated were written: 7 full blocks of 4
+    prompt = (*first.request.prompt, *first.tokens, *byte_ids(" and"))  # 34 tokens
+    second = server.run([Request(1, prompt, 8)])[1]
+    chunks = prefills(recording)[sent:]
+    if prefix_caching:  # its first 7 blocks are the first request's (the rest computed)
+        assert chunks == [(28, 6, 28)] and head.kv_blocks.hit_tokens == 28
+    else:
+        assert chunks == [(0, 8, 0), (8, 8, 0), (16, 8, 0), (24, 8, 0), (32, 2, 0)] and not head.kv_blocks.query_tokens
+    alone = Server(recorded(block_size=4)[0], prefill_chunk=8, prefix_caching=False).run([Request(1, prompt, 8)])[1]
+    assert second.tokens == alone.tokens
+    head.alloc(server.slots, 2)  # a slot held at the end, for the worker's slots to be compared
+    head.prefill(server.slots, 2, second.request.prompt, 0, 3)
+    head.ep_link.shutdown_workers()
+    worker, _ = replayed([list(message) for message in recording.messages], block_size=4)
+    slots: list[LmState | None] = [None] * 4
+    assert run_worker(worker, slots).commands_failed == 0
+    assert slots == server.slots  # the cached prefix's blocks, and its tokens, on the worker too
+
+
+def test_a_cached_block_is_shared_while_its_sequence_runs_and_freed_by_the_last() -> None:
+    model = solo(2, block_size=4)
+    server = Server(model, prefill_chunk=4)
+    prompt = tuple(byte_ids("THE SOFTWARE IS PROVIDED"))  # 24 tokens: 5 blocks are cached, the 6th computed
+    server.submit(Request(0, prompt, 30))
+    server.step()
+    server.step()  # its first 8 tokens in 2 blocks, registered as they fill
+    server.step()
+    server.submit(Request(1, prompt[:13], 4))  # the first 3 blocks of the running one
+    server.step()
+    held = [state.blocks for state in server.slots if state is not None]
+    assert held[0][:3] == held[1][:3] and model.kv_blocks.hit_tokens == 12
+    done = server.run()
+    assert done[1].tokens == Server(solo(1), prefix_caching=False).run([Request(1, prompt[:13], 4)])[1].tokens
+    assert model.kv_blocks.used == 0

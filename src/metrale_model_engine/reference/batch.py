@@ -82,7 +82,7 @@ class Batch:
     ``prefix_caching``: whether an admitted prompt shares the cached blocks its first tokens are in.
     """
 
-    def __init__(self, model: SlotModel, *, prefix_caching: bool = False) -> None:
+    def __init__(self, model: SlotModel, *, prefix_caching: bool = True) -> None:
         self.model: SlotModel = model
         self.prefix_caching: bool = prefix_caching
         self.slots: LmSlots = [None] * model.ep_link.num_slots

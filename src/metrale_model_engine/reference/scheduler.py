@@ -141,7 +141,7 @@ class Server:
             when the model is one rank (``is_ep()`` false).  Several ranks cannot: each of
             their commands runs its own forward.
         prefix_caching: whether a prompt whose first blocks are cached shares them (the
-            head's ``kv_blocks``), and feeds only the rest; default off.
+            head's ``kv_blocks``), and feeds only the rest; default on.
 
     Raises:
         TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` (unless ``None``) is not an int ``>= 1``,
@@ -162,7 +162,7 @@ class Server:
         sync_every: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
         fuse: bool | None = None,
-        prefix_caching: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         check_count("prefill_chunk", prefill_chunk)
         if sync_every is not None:

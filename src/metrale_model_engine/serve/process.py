@@ -102,7 +102,7 @@ def _make_work(start: Start) -> ServeWork:
         start.protocol, args.transport, args.slots, 1, args.prefill_chunk, args.sync_every, None, args.check_kv,
         device=start.device, cuda_graphs=args.cuda_graphs, threads=args.threads or default_threads(start.local_ranks),
         model=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, kv_memory=kv_memory,
-        block_size=args.block_size,
+        block_size=args.block_size, prefix_caching=args.prefix_caching,
     )  # fmt: skip
     name = args.served_model_name or checkpoint.directory.resolve().name
     http = HttpOptions(args.host, args.port, name, args.max_waiting, args.chat_template, args.drain_timeout)
@@ -128,7 +128,9 @@ def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence
     )
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     template = ChatTemplate.find(checkpoint.directory, http.chat_template)
-    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
+    server = Server(
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
+    )
     logging.basicConfig(format="[head] %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     cause = asyncio.run(_serve(http, server, tokenizer, template))
     if cause is not None:
