@@ -91,8 +91,33 @@ def test_a_cache_too_small_for_every_request_at_once_preempts_and_generates_the_
     kv = summary["kv_cache"]
     assert (kv["blocks"], kv["block_size"], kv["peak_blocks_used"]) == (20, 4, 20) and kv["preemptions"] > 0
     assert sum(request["preemptions"] for request in summary["requests"]) == kv["preemptions"]
-    line = f"[head] KV cache: 20 blocks of 4, at most 20 in use; {kv['preemptions']} preemption(s)"
-    assert line in capfd.readouterr().out.splitlines()
+    start = "[head] KV cache: 20 blocks of 4, at most 20 in use; prefix cache on: "
+    end = f"; {kv['preemptions']} preemption(s)"
+    assert any(line.startswith(start) and line.endswith(end) for line in capfd.readouterr().out.splitlines())
+    assert kv["prefix_caching"] is True
+
+
+def test_a_prompt_served_again_finds_its_blocks_cached_and_generates_the_same_text(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """One slot: the second request is admitted when the first has ended, its first 2 blocks of 16 (of a 46-token
+    prompt, one token left to compute) cached on every rank.  The head's lines are read at one rank (in this
+    process)."""
+    text = "Licensed under the Apache License, Version 2.0"
+    args = ("--slots", "1", "--prompt", text, "--prompt", text, *SHORT)
+    cached = served(tmp_path, "cached", *args)
+    kv = cached["kv_cache"]
+    assert (kv["prefix_caching"], kv["prefix_query_tokens"], kv["prefix_hit_tokens"]) == (True, 92, 32)
+    first, second = generated(cached)
+    assert first["text"] == second["text"]
+    capfd.readouterr()
+    assert generated(served(tmp_path, "cached1", *args, "--world-size", "1")) == [first, second]
+    assert "; prefix cache on: 32 of 92 prompt tokens found cached (34.8%); " in capfd.readouterr().out
+    whole = served(tmp_path, "whole", *args, "--world-size", "1", "--no-prefix-caching")
+    kv = whole["kv_cache"]
+    assert (kv["prefix_caching"], kv["prefix_query_tokens"], kv["prefix_hit_tokens"]) == (False, 0, 0)
+    assert "; prefix cache off: none looked up; " in capfd.readouterr().out
+    assert generated(whole) == [first, second]
 
 
 def test_a_request_cut_short_by_its_context_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

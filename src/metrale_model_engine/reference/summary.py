@@ -18,7 +18,8 @@ def run_summary(
     ``decode_step`` splits the head's decode steps into compute, collectives and
     protocol (shares of their total time); it counts none when every request ended
     with its prefill.  ``kv_cache`` gives the pool (its blocks, their size), the most
-    blocks held at once, and the requests preempted.  ``requests`` holds every request in the order submitted: its
+    blocks held at once, the prompt tokens looked up in the prefix cache and found
+    there, and the requests preempted.  ``requests`` holds every request in the order submitted: its
     prompt's ids and generated ``tokens`` (an end-of-sequence id included when
     generated), why it finished, the seed it was sampled with (``null`` when
     greedy), and with a ``tokenizer`` their text (``null`` without).  Call it on the
@@ -65,6 +66,9 @@ def run_summary(
             "blocks": blocks.num_blocks,
             "block_size": blocks.block_size,
             "peak_blocks_used": blocks.peak_used,
+            "prefix_caching": server.prefix_caching,
+            "prefix_query_tokens": blocks.query_tokens,
+            "prefix_hit_tokens": blocks.hit_tokens,
             "preemptions": server.preemptions,
         },
         "requests": [
@@ -104,8 +108,12 @@ def summary_lines(summary: dict[str, object]) -> list[str]:
             f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
             f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
         )
+    queried, hits = kv["prefix_query_tokens"], kv["prefix_hit_tokens"]
+    found = (
+        f"{hits:,} of {queried:,} prompt tokens found cached ({hits / queried:.1%})" if queried else "none looked up"
+    )
     lines.append(
         f"[head] KV cache: {kv['blocks']:,} blocks of {kv['block_size']}, at most {kv['peak_blocks_used']:,} in use; "
-        f"{kv['preemptions']} preemption(s)"
+        f"prefix cache {'on' if kv['prefix_caching'] else 'off'}: {found}; {kv['preemptions']} preemption(s)"
     )
     return lines

@@ -2,7 +2,8 @@
 
 Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``,
 ``metrale_kv_blocks_used``; counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
-``metrale_requests_cancelled_total``, ``metrale_preemptions_total``; histograms
+``metrale_requests_cancelled_total``, ``metrale_preemptions_total``, ``metrale_prefix_cache_queries_total``,
+``metrale_prefix_cache_hits_total``; histograms
 ``metrale_time_to_first_token_seconds`` (from a request's arrival) and
 ``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state``
 (``serving``, ``draining``, ``stopped``).  Each app has its own registry.
@@ -40,6 +41,14 @@ class Metrics:
         self.preemptions: Counter = Counter(
             "metrale_preemptions",
             "Requests preempted for the KV blocks others needed (each resumes, its tokens computed again).",
+            registry=registry,
+        )
+        self.prefix_queries: Counter = Counter(
+            "metrale_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=registry
+        )
+        self.prefix_hits: Counter = Counter(
+            "metrale_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed again).",
             registry=registry,
         )
         self.time_to_first_token: Histogram = Histogram(
