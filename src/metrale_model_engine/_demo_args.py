@@ -122,8 +122,8 @@ def model_options(parser: argparse.ArgumentParser, *, slots: int, world_size: in
     add("--max-seq-len", type=lambda t: whole(t, 1), default=None, metavar="N",
         help="the context each slot holds (default: the model's max_position_embeddings)")  # fmt: skip
     add("--world-size", type=_world_size, default=world_size,
-        help=f"local ranks, a world size that splits the model's heads and experts (default {world_size}; "
-             "torchrun sets it)")  # fmt: skip
+        help=f"local ranks, at most the model's attention heads, which they split as evenly as they can with its "
+             f"experts (default {world_size}; torchrun sets it)")  # fmt: skip
     versions = [p.value for p in ProtocolVersion]
     add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
     add("--slots", type=lambda t: whole(t, 1, U32_MAX), default=slots,

@@ -20,7 +20,7 @@ when the run failed (a rank died or diverged); 2 with one ``error: ...`` line wh
 it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
 the checkpoint cannot be served (a missing or malformed file, an unsupported
 architecture or field, a missing or misshapen tensor: the line names which and
-where), the world size cannot split the model, a prompt is empty or outside the
+where), the world size cannot split the model (more ranks than attention heads), a prompt is empty or outside the
 vocabulary, the weights and KV caches would not fit the machine's memory, or the
 ranks could not set up their link (``--transport shm`` with too little
 ``/dev/shm``, say; the line gives the root cause, once, whichever rank had it); 130

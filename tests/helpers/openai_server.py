@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import re
 import signal
@@ -24,11 +26,17 @@ READY_S = 120.0
 """How long a server may take to say where it serves (fresh interpreters import torch, on a loaded machine)."""
 
 
-class RemoteServer:
-    """``python -m metrale_model_engine.serve *args --port 0``, started at once, stopped by ``kill`` or ``stop``."""
+PYTHON_M: Sequence[str] = (sys.executable, "-m", "metrale_model_engine.serve")
+CONSOLE_SCRIPT: Sequence[str] = (str(Path(sys.executable).with_name("metrale-serve")),)
+"""The console script the package installs beside this interpreter."""
 
-    def __init__(self, *args: str) -> None:
-        command = [sys.executable, "-m", "metrale_model_engine.serve", *args, "--port", "0"]
+
+class RemoteServer:
+    """``python -m metrale_model_engine.serve *args --port 0`` (or ``program``: the console script, torchrun),
+    started at once, stopped by ``kill`` or ``stop``."""
+
+    def __init__(self, *args: str, program: Sequence[str] = PYTHON_M) -> None:
+        command = [*program, *args, "--port", "0"]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.errors: list[str] = []
@@ -68,9 +76,13 @@ class RemoteServer:
         return self.process.wait(timeout)
 
     def kill(self) -> None:
+        """Kill the process and every rank its first line named (under torchrun they outlive a killed agent)."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> int:
         """SIGTERM, and its exit status (killed after 60 s)."""
@@ -106,11 +118,11 @@ def sse_lines(url: str, body: dict[str, Any], limit: int) -> Sequence[str]:
     return lines
 
 
-def metric(server: RemoteServer, name: str) -> float:
-    """A metric's value, read from ``/metrics``."""
+def metric(server: RemoteServer, name: str, client: Any = None) -> float:
+    """A metric's value, read from ``/metrics`` (through ``client``, an ``httpx.Client``, if given)."""
     import httpx
 
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = (client or httpx).get(f"{server.url}/metrics", timeout=10).text
     found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert found, f"{name} is not in /metrics:\n{text}"
     return float(found.group(1))

@@ -185,6 +185,7 @@ CHECKPOINT_SURFACE = [
     "CheckpointError",
     "Family",
     "Piece",
+    "Reshard",
     "TensorEntry",
     "Tokenizer",
     "byte_tokenizer",
@@ -192,6 +193,7 @@ CHECKPOINT_SURFACE = [
     "load_shard",
     "load_state",
     "pieces",
+    "reshard",
     "save_checkpoint",
 ]
 

@@ -119,50 +119,60 @@ def test_sigterm_drains_the_running_requests_then_exits_0(two_ranks: RemoteServe
     assert two_ranks.wait(60) == 0, two_ranks.output()
 
 
-def watch_health(server: RemoteServer, seen: list[int]) -> None:
-    """``/health``'s status every 10 ms, until the server is gone."""
+def watch_health(server: RemoteServer, seen: list[tuple[float, int]]) -> None:
+    """``/health``'s status and when it came, every 5 ms, until the server is gone."""
     with httpx.Client(timeout=5) as client:
         while True:
             try:
-                seen.append(client.get(f"{server.url}/health").status_code)
+                seen.append((time.monotonic(), client.get(f"{server.url}/health").status_code))
             except httpx.HTTPError:
                 return
-            time.sleep(0.01)
+            time.sleep(0.005)
 
 
 def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_server_exits_1(checkpoint: Path) -> None:
+    """Measured from the kill: every stream's error event, /health's first 503, the exit status.
+
+    Seen here (2 cores, load average 8 to 10): the error events 20-80 ms after the kill, the process's exit 0.30-0.41 s
+    after it.  The bounds below are loose, for a busy machine; the test prints the times it saw.
+    """
     server = RemoteServer("--model", str(checkpoint), "--world-size", "2", "--slots", "4", "--transport", "shm")
     try:
+        killed: list[float] = []
 
-        async def streams() -> list[str]:
+        async def streams() -> list[tuple[str, float]]:
             async with server.async_client() as client:
 
-                async def one(index: int) -> str:
+                async def one(index: int) -> tuple[str, float]:
                     answer = await client.completions.create(
                         model="tiny-chat", prompt=[index + 1], max_tokens=120, temperature=0, stream=True
                     )
                     try:
                         async for chunk in answer:
-                            if chunk.choices and index == 0 and chunk.choices[0].text:
+                            if chunk.choices and index == 0 and chunk.choices[0].text and not killed:
+                                killed.append(time.monotonic())
                                 os.kill(server.pids[1], signal.SIGKILL)
                     except openai.APIError as error:
-                        return error.message
-                    return "finished"
+                        return error.message, time.monotonic()
+                    return "finished", time.monotonic()
 
                 return await asyncio.gather(*(one(index) for index in range(3)))
 
-        seen: list[int] = []
+        seen: list[tuple[float, int]] = []
         watching = threading.Thread(target=watch_health, args=(server, seen), daemon=True)
         watching.start()
-        killed = time.monotonic()
         ended = asyncio.run(streams())
-        assert all(message.startswith("the run stopped") and "worker rank(s) [1]" in message for message in ended)
-        watching.join(30)
-        assert seen[0] == 200 and 503 in seen and seen[seen.index(503) :] == [503] * (len(seen) - seen.index(503))
         code = server.wait(30)
-        took = time.monotonic() - killed
+        exited = time.monotonic() - killed[0]
+        watching.join(30)
+        assert all(message.startswith("the run stopped") and "worker rank(s) [1]" in message for message, _ in ended)
+        codes = [status for _, status in seen]
+        assert codes[0] == 200 and 503 in codes and codes[codes.index(503) :] == [503] * (len(codes) - codes.index(503))
+        events = max(at for _, at in ended) - killed[0]
+        unhealthy = next(at for at, status in seen if status == 503) - killed[0]
+        print(f"from the kill: error events {events:.3f} s, /health 503 {unhealthy:.3f} s, exit {exited:.3f} s")
         assert code == 1, server.output()
-        assert took < 10, f"the server took {took:.1f} s to exit after the kill"
+        assert events < 2.0 and exited < 3.0, f"error events {events:.3f} s, exit {exited:.3f} s after the kill"
         assert "error: RuntimeError: the run stopped: RunStopped" in server.output()
     finally:
         server.kill()

@@ -13,9 +13,12 @@ strings), ``chat`` (chat templates), ``metrics`` (Prometheus).  Nothing in the p
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["main", "script"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,9 +31,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"error: the server needs the 'serve' extra ({missing.name} is missing): "
             "pip install 'metrale-model-engine[torch,serve]'",
-            file=__import__("sys").stderr,
+            file=sys.stderr,
         )
         return 2
     from .process import main as run
 
     return run(argv)
+
+
+def script() -> NoReturn:
+    """``metrale-serve`` and ``python -m metrale_model_engine.serve``: ``main()``, then leave at once with its status.
+
+    Every rank has ended by then and nothing is left to clean, so the process skips the interpreter's teardown
+    (torch's takes seconds on a busy machine): a stopped run's exit status is out within a second.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

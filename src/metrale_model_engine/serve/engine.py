@@ -259,9 +259,9 @@ class Engine:
         message = str(error)
         cause = f"{type(error).__name__}: {message}" if message else type(error).__name__
         _LOGGER.error("the run stopped: %s", cause)
-        self._end_all(f"the run stopped: {cause}")
         self.metrics.set_state("stopped")
-        self._call(self._stopped, cause)
+        self._call(self._stopped, cause)  # first: /health says 503 before any stream has its error event
+        self._end_all(f"the run stopped: {cause}")
 
     # -- back on the event loop --------------------------------------------------
 

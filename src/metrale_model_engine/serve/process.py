@@ -12,7 +12,10 @@ Signals: SIGTERM stops taking requests (503), lets the running ones finish withi
 second SIGTERM, or Ctrl-C, ends every rank at once (exit 143, or 130).  With local ranks the
 launching process passes SIGTERM on to them (the workers ignore it: the head ends them).  A
 stopped run (a lost worker, a failed collective) ends every open stream with an error event naming
-the cause, turns ``/health`` to 503, and exits 1 with one ``error:`` line.
+the cause, turns ``/health`` to 503 at once, and exits 1 with one ``error:`` line as soon as the
+streams have their events: a rank that failed, and the launching process once its ranks have
+ended, leave at once (``os._exit``) rather than through the interpreter's teardown, which takes
+seconds with torch loaded on a busy machine.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from .._demo_choices import default_threads
 from .._demo_launch import Start, ranks_line, run
@@ -44,9 +47,9 @@ if TYPE_CHECKING:
     from .chat import ChatTemplate
     from .engine import Engine
 
-STOP_GRACE_S: Final = 0.5
-"""After a stopped run (or a drain), how long the server stays up, answering /health 503, for the streams to
-write their error events and for monitors to see it."""
+STREAMS_WRITTEN_S: Final = 0.5
+"""After a stopped run (or a drain), the longest the server waits for its open responses to end (their error
+events written) before it stops serving: they take milliseconds, unless a client stopped reading."""
 INTERRUPTED_BY_TERM: Final = 128 + signal.SIGTERM
 
 
@@ -70,22 +73,37 @@ class ServeWork:
     http: HttpOptions
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the server; its exit status (see the module), once every rank it started has ended."""
-    signal.signal(signal.SIGTERM, _pass_on_to_ranks)
-    return run(lambda: parse_args(argv), _make_work, serve_rank)
+Head = Callable[["HttpOptions", "ReferenceLm", Work, Sequence[int]], None]
+"""``head(http, model, work, pids)``: what rank 0 does with the model; by default ``serve_http``."""
 
 
-def _pass_on_to_ranks(signum: int, frame: object) -> None:
-    """The launcher's SIGTERM: the ranks are told (a second one kills them); before they exist, it leaves."""
-    ranks = multiprocessing.active_children()
-    if not ranks:
-        os._exit(INTERRUPTED_BY_TERM)
-    again = getattr(_pass_on_to_ranks, "told", False)
-    _pass_on_to_ranks.told = True  # type: ignore[attr-defined]
-    for rank in ranks:
-        if rank.pid is not None:
-            os.kill(rank.pid, signal.SIGKILL if again else signal.SIGTERM)
+def main(argv: Sequence[str] | None = None, *, head: Head | None = None) -> int:
+    """Run the server; its exit status (see the module), once every rank it started has ended.
+
+    ``head`` replaces what rank 0 does with the model, the start being the server's own (a benchmark drives
+    ``Server`` there without HTTP); it must be picklable for local ranks.
+    """
+    terms = _Terms()
+    signal.signal(signal.SIGTERM, terms.pass_on_to_ranks)
+    code = run(lambda: parse_args(argv), _make_work, functools.partial(serve_rank, head=head or serve_http))
+    return INTERRUPTED_BY_TERM if terms.count > 1 else code
+
+
+class _Terms:
+    """The launcher's SIGTERMs: the first is passed on to the ranks, a second kills them; before they exist, one
+    ends the launcher."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pass_on_to_ranks(self, signum: int, frame: object) -> None:
+        ranks = multiprocessing.active_children()
+        if not ranks:
+            os._exit(INTERRUPTED_BY_TERM)
+        self.count += 1
+        for rank in ranks:
+            if rank.pid is not None:
+                os.kill(rank.pid, signal.SIGKILL if self.count > 1 else signal.SIGTERM)
 
 
 def _make_work(start: Start) -> ServeWork:
@@ -109,16 +127,9 @@ def _make_work(start: Start) -> ServeWork:
     return ServeWork(work, http)
 
 
-def serve_rank(rank: int, world_size: int, served: ServeWork) -> None:
-    """One rank: rank 0 serves HTTP over the model; a worker runs its commands (and ignores SIGTERM)."""
-    if rank > 0:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve_rank_of_demo(rank, world_size, served.work, head=functools.partial(serve_http, served.http))
-
-
 def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
     """Rank 0: serve ``model`` over HTTP until a SIGTERM's drain ends (returns) or the run stops (raises)."""
-    from ..reference import Server, Tokenizer
+    from ..reference import Tokenizer
     from .chat import ChatTemplate
 
     checkpoint = model.checkpoint
@@ -128,13 +139,42 @@ def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence
     )
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     template = ChatTemplate.find(checkpoint.directory, http.chat_template)
-    server = Server(
-        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
-    )
+    server = make_server(model, work)
     logging.basicConfig(format="[head] %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     cause = asyncio.run(_serve(http, server, tokenizer, template))
     if cause is not None:
         raise RuntimeError(f"the run stopped: {cause}")
+
+
+def serve_rank(rank: int, world_size: int, served: ServeWork, head: Head = serve_http) -> None:
+    """One rank: rank 0 serves HTTP over the model (``head``); a worker runs its commands (and ignores SIGTERM).
+
+    A rank whose run failed (its one line said) leaves at once with its status, its link closed.
+    """
+    if rank > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        serve_rank_of_demo(rank, world_size, served.work, head=functools.partial(head, served.http))
+    except SystemExit as failed:
+        if failed.code:
+            leave_now(int(failed.code))
+        raise
+
+
+def leave_now(code: int) -> NoReturn:
+    """End this process now with ``code``, its output flushed: no interpreter teardown (torch's takes seconds)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def make_server(model: ReferenceLm, work: Work) -> Server:
+    """The scheduler rank 0 serves with: ``work``'s prefill chunks, sync points and prefix caching."""
+    from ..reference import Server
+
+    return Server(
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
+    )
 
 
 async def _serve(
@@ -159,14 +199,13 @@ async def _serve(
     listening = socket.create_server((http.host, http.port))
 
     def stopped(_: str) -> None:
-        uv.config.timeout_graceful_shutdown = 1
-        loop.call_later(STOP_GRACE_S, setattr, uv, "should_exit", True)
+        leaving.append(loop.create_task(_stop_serving(engine, uv)))
 
     engine = Engine(server, limits, metrics, stopped)
     app = build_app(Served(engine, http.name, tokenizer, template), metrics)
     uv = _uvicorn_without_signals(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     terms = 0
-    draining: list[asyncio.Task[None]] = []
+    leaving: list[asyncio.Task[None]] = []
 
     def term() -> None:
         nonlocal terms
@@ -174,7 +213,7 @@ async def _serve(
         if terms > 1:
             _leave_at_once(INTERRUPTED_BY_TERM)
         engine.drain()
-        draining.append(loop.create_task(_drain(engine, http.drain_timeout, uv)))
+        leaving.append(loop.create_task(_drain(engine, http.drain_timeout, uv)))
 
     loop.add_signal_handler(signal.SIGTERM, term)
     loop.add_signal_handler(signal.SIGINT, _leave_at_once, 130)
@@ -200,7 +239,18 @@ async def _drain(engine: Engine, timeout: float, uv: uvicorn.Server) -> None:
         await asyncio.sleep(0.02)
     engine.close()
     await engine.closed
-    await asyncio.sleep(STOP_GRACE_S)  # the last events written
+    await _stop_serving(engine, uv)
+
+
+async def _stop_serving(engine: Engine, uv: uvicorn.Server) -> None:
+    """Stop serving once every open response has its end (its last event written), ``STREAMS_WRITTEN_S`` at
+    most; ``/health`` says 503 until then."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STREAMS_WRITTEN_S
+    while engine.held and loop.time() < deadline:
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.005)  # the responses' last writes: they follow their ends by a turn or two of the loop
+    uv.config.timeout_graceful_shutdown = 1
     uv.should_exit = True
 
 
@@ -218,8 +268,7 @@ def _uvicorn_without_signals(config: uvicorn.Config) -> uvicorn.Server:
 
 def _leave_at_once(code: int) -> None:
     _say("[head] interrupted: every rank ends now")
-    sys.stderr.flush()
-    os._exit(code)
+    leave_now(code)
 
 
 def _say(line: str) -> None:
