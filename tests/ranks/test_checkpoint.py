@@ -50,6 +50,7 @@ def served(
     world_size: int,
     transport: str,
     sampling: Sampling | None = None,
+    *,
     prefix_caching: bool = True,
 ) -> object:
     """The tokens of the oracle's prompts served twice (``sessions.served_tokens``), preempted and, with
