@@ -104,6 +104,11 @@ class EpLink(ForwardCollectives):
         return self._settings.world_size
 
     @property
+    def epoch(self) -> int:
+        """How many times this link re-formed over the ranks left after a loss (0: as built); every rank agrees."""
+        return self._settings.epoch
+
+    @property
     def num_slots(self) -> int:
         """The slot count all ranks agreed on (``--max-batch-size``)."""
         return self._settings.num_slots
