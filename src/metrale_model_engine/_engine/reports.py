@@ -85,9 +85,15 @@ class WorkerReports:
         """
         failures = self.poll()
         if any(failure.stopped for failure in failures):
-            raise self.stop(self.why(failures, []), failures, (), note=_NOT_SENT)
+            raise self.stopped_by(failures, note=_NOT_SENT)
         if failures:
             raise EpWorkerFailed(failures, _NOT_SENT)
+
+    def stopped_by(self, failures: list[WorkerFailure], *, note: str = "", where: str = "") -> RunStopped:
+        """Reports that stop the run arrived (``failures``): stop it, naming the ranks that exited too (a moment
+        more for them when the reports are all witnesses'); return the ``RunStopped`` to raise."""
+        failures, exited = self.stopped_workers(DEATH_GRACE, failures)
+        return self.stop(self.why(failures, exited), failures, exited, note=note, where=where)
 
     def check(self, timeout: object) -> None:
         """``EpLink.check_workers``: raise why workers stopped, looking up to ``timeout`` seconds."""
@@ -99,16 +105,19 @@ class WorkerReports:
         if failures:
             raise EpWorkerFailed(failures)
 
-    def stopped_workers(self, limit: float) -> tuple[list[WorkerFailure], list[int]]:
-        """The reports not read yet and the worker ranks that exited; looks up to ``limit`` seconds for either.
+    def stopped_workers(
+        self, limit: float, found: Sequence[WorkerFailure] = ()
+    ) -> tuple[list[WorkerFailure], list[int]]:
+        """The reports not read yet (after ``found``, read already) and the worker ranks that exited; looks up to
+        ``limit`` seconds for either.
 
         Reports of witnesses alone (workers whose collective failed: they saw another
         rank's failure) do not end the look at once: it goes on up to ``DEATH_GRACE``
-        more for the rank behind them, whose exit may show a moment after its sockets
-        closed (its other threads still ending).
+        more (within ``limit``) for the rank behind them, whose exit may show a moment
+        after its sockets closed (its other threads still ending).
         """
         deadline = time.monotonic() + limit
-        failures: list[WorkerFailure] = []
+        failures = list(found)
         while self._settings.world_size > 1:
             exited = self.exited()  # first: a report written before the exit is in by now
             failures += self.poll()
@@ -161,8 +170,12 @@ class WorkerReports:
     def ended(self, ranks: Sequence[int]) -> str:
         """How the worker ``ranks`` of the head's host that exited ended, as a clause (``" (rank 3 was killed by
         SIGKILL)"``); empty where none can be told (not of this host, or reaped by its parent already)."""
-        told = [f"rank {rank} {how}" for rank in ranks if (how := exit_status(self._pids.get(rank, 0)))]
+        told = [f"rank {rank} {how}" for rank in ranks if (how := self.how(rank))]
         return f" ({'; '.join(told)})" if told else ""
+
+    def how(self, rank: int) -> str:
+        """How worker ``rank`` of the head's host ended (``"was killed by SIGKILL"``); ``""`` where unknown."""
+        return exit_status(self._pids.get(rank, 0))
 
     def silent(self) -> list[int]:
         """The worker ranks whose transport says they went silent (see ``NamesSilentRanks``); waits a moment."""

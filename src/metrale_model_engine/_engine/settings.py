@@ -79,8 +79,9 @@ rank's pid and host fingerprint."""
 _PID: Final = len(_FIELDS)
 
 
-def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, int]:
-    """Run the setup exchange over ``transport`` (collective); raise unless every rank agrees.
+def agree_on_setup(transport: EpTransport, settings: LinkSettings, timeout: float | None = None) -> dict[int, int]:
+    """Run the setup exchange over ``transport`` (collective, within ``timeout``: default the transport's setup
+    limit); raise unless every rank agrees.
 
     Each rank sends its wire version, protocol, ``seq_id_on_wire``, slot count, epoch,
     pid and host fingerprint.  A rank of another epoch than the head's missed a
@@ -97,7 +98,7 @@ def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, 
     mine = [WIRE_VERSION, settings.protocol.code, int(settings.seq_id_on_wire), settings.num_slots, settings.epoch]
     mine += [os.getpid(), *host_fingerprint()]
     try:
-        everyone = transport.gather(mine)
+        everyone = transport.gather(mine, timeout)
     except Exception as error:
         raise EpLinkError(f"rank {rank}: the setup exchange failed: {error}") from error
     for peer, words in enumerate(everyone):

@@ -7,6 +7,7 @@ import hashlib
 import os
 import select
 import signal
+from collections.abc import Mapping
 
 
 class ProcessWatch:
@@ -87,6 +88,17 @@ def process_state(pid: int) -> str:
     """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), ``""`` if unknown."""
     fields = _stat(pid)
     return fields[0] if fields else ""
+
+
+def ended_processes(pids: Mapping[int, int]) -> dict[int, str]:
+    """Of ``pids`` (each under a key, a rank say), the processes that ended, each with how (``exit_status``; else
+    ``"exited"``).  A zombie has ended; a pid whose process is gone too (its parent reaped it)."""
+    ended = {}
+    for key, pid in pids.items():
+        state = process_state(pid)
+        if state in ("Z", "X") or (not state and not process_exists(pid)):
+            ended[key] = exit_status(pid) or "exited"
+    return ended
 
 
 def exit_status(pid: int) -> str:
