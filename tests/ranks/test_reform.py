@@ -108,6 +108,16 @@ def test_a_model_that_does_not_opt_in_ends_every_rank_as_before(kind: str, tmp_p
         assert results[rank]["error"] == "RunStopped", results[rank]
 
 
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_the_head_lost_every_worker_of_a_model_that_re_forms_ends_as_before(kind: str, tmp_path: Path) -> None:
+    codes = run_group(sessions.losses, 4, kind, {2: ("hook", 0)}, 5, str(tmp_path), timeout=RUN_LIMIT)
+    assert codes == [-9, 1, 1, 1]  # the head is out of a re-form's reach: its workers end, none waits long
+    results: dict[int, Any] = load(tmp_path, 4)
+    for rank in (1, 2, 3):
+        assert results[rank]["error"] == "RunStopped", results[rank]
+        assert f"worker rank {rank}: the run stopped in command 2" in results[rank]["message"], results[rank]
+
+
 def test_over_one_ring_without_torch_the_survivors_states_agree_after_two_losses(tmp_path: Path) -> None:
     codes = run_ring(sessions.ring_losses, 4, str(tmp_path), timeout=RUN_LIMIT)
     assert codes == [0, -9, 0, -9]
