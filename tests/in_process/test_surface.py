@@ -161,6 +161,7 @@ REFERENCE_SURFACE = [
     "Shard",
     "ShardedLm",
     "TimeSpent",
+    "TokenLogprobs",
     "Tokenizer",
     "WAITING_OPS",
     "check_decode",
@@ -172,6 +173,7 @@ REFERENCE_SURFACE = [
     "kv_digest",
     "run_summary",
     "summary_lines",
+    "token_logprobs",
 ]
 
 
@@ -185,6 +187,7 @@ CHECKPOINT_SURFACE = [
     "CheckpointError",
     "Family",
     "Piece",
+    "Reshard",
     "TensorEntry",
     "Tokenizer",
     "byte_tokenizer",
@@ -192,6 +195,7 @@ CHECKPOINT_SURFACE = [
     "load_shard",
     "load_state",
     "pieces",
+    "reshard",
     "save_checkpoint",
 ]
 
