@@ -2,7 +2,8 @@
 
 How it died (``was killed by SIGKILL``) is read from the dead process while its
 parent has not reaped it: here the ranks fork from the test suite's start server,
-which reaps at once, so the programs tier shows that part (``tests/programs``).
+which reaps at once, so the programs tier shows that part
+(``tests/programs/test_lost_ranks.py``).
 """
 
 from __future__ import annotations
