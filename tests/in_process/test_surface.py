@@ -84,6 +84,8 @@ SURFACES = {
         "NamesSilentRanks",
         "PeerLost",
         "PretendGroup",
+        "Reformable",
+        "Regroup",
         "SoloTransport",
         "TransportClosed",
         "TransportCorrupt",
@@ -104,6 +106,7 @@ SURFACES = {
         "shm_supported",
     ],
     "metrale_model_engine.batching": ["check_batch", "prefill_chunks", "recv_batch", "send_batch"],
+    "metrale_model_engine.reform": ["DEFAULT_REFORM_TIMEOUT", "LostRank", "Reform", "reform_link"],
     "metrale_model_engine.testing": ["EpEvent", "EventKind", "RecordingEp", "RecordingTransport", "ReplayTransport"],
     "metrale_model_engine.toy": ["VOCAB_SIZE", "ToyCommand", "ToyModel", "ToySlots", "ToyState", "slots_digest"],
 }
