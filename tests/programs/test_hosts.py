@@ -19,12 +19,14 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine import EpLink, ProtocolVersion
+from metrale_model_engine.demo import main as demo_main
 from metrale_model_engine.torch import DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.transport import SoloTransport
 
 from helpers import way_back_sessions
 from helpers.bounded import finish
+from helpers.demo_env import leave_torchrun
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
 from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 from helpers.rank_results import load
@@ -62,11 +64,14 @@ def run_on_hosts(out: Path, scenario: str, *args: str, hosts: int = 2, per_host:
     return codes
 
 
+DEMO = ("--max-new-tokens", "8")
+
+
 def demo_on_hosts(out: Path, hosts: int, per_host: int) -> tuple[dict[str, object], list[str]]:
     """The demo under torchrun, ``per_host`` ranks on each of ``hosts`` hosts: the head's summary, and stdout."""
     lines: list[str] = []
     with SimulatedHosts(hosts) as simulated:
-        argv = ["-m", "metrale_model_engine.demo", "--max-new-tokens", "8", "--json", str(out)]
+        argv = ["-m", "metrale_model_engine.demo", *DEMO, "--json", str(out)]
         started = [simulated.torchrun(host, per_host, argv) for host in range(hosts)]
         for process in started:
             code, stdout, stderr = finish(process, RUN_BOUND)
@@ -76,9 +81,13 @@ def demo_on_hosts(out: Path, hosts: int, per_host: int) -> tuple[dict[str, objec
     return summary, lines
 
 
-def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path) -> None:
+def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the demo's 4 ranks on this one host, started from this process (their group's code is torchrun's:
+    ``test_demo.py``'s run under torchrun)."""
     across, lines = demo_on_hosts(tmp_path / "across.json", hosts=2, per_host=2)
-    one_host, _ = demo_on_hosts(tmp_path / "one.json", hosts=1, per_host=4)
+    leave_torchrun(monkeypatch)
+    assert demo_main([*DEMO, "--world-size", "4", "--json", str(tmp_path / "one.json")]) == 0
+    one_host = json.loads((tmp_path / "one.json").read_text())
     assert (across["ranks"], across["transport"]) == (4, "HostsTransport")  # auto: two hosts of two ranks
     assert (one_host["ranks"], one_host["transport"]) == (4, "ShmTransport")  # auto: one host's own /dev/shm
     assert across["requests"] == one_host["requests"]
