@@ -33,6 +33,8 @@ from metrale_model_engine._shm import segment as _segment
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
 
+from helpers.fakes import ignore, no_slots
+
 pytestmark = pytest.mark.skipif(not shm.shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64")
 
 T = TypeVar("T")
@@ -605,14 +607,6 @@ def test_a_setup_nobody_answers_is_a_link_error_caused_by_the_timeout() -> None:
         EpLink(head, num_slots=2)
     assert type(info.value) is EpLinkError and type(info.value.__cause__) is TransportTimeout
     assert "never attached" in str(info.value)
-
-
-def no_slots() -> list[SequenceState | None]:
-    return [None, None]
-
-
-def ignore(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
-    """A worker hook that runs nothing."""
 
 
 def _linked_pair(**head_options: int) -> tuple[EpLink, EpLink]:
