@@ -145,6 +145,7 @@ def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> 
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.serial  # within 2 s
 def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transport: str) -> None:
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     process = subprocess.Popen(
@@ -186,6 +187,7 @@ def outlived(how: str, delay: float, *args: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("delay", [0.4, 1.5, 2.5])  # importing torch, ranks starting, the link's setup
+@pytest.mark.serial  # within 2 s, torch's import included
 def test_ctrl_c_during_the_start_up_ends_the_demo_at_once_with_one_line_and_leaves_nothing(delay: float) -> None:
     found = outlived("interrupt", delay)
     assert (found["code"], found["stderr"]) == (130, ["interrupted"]), found
@@ -217,6 +219,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.serial  # a second Ctrl-C within the 0.5 s grace
 def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp_path: Path) -> None:
     script = tmp_path / "slow_to_leave.py"
     script.write_text(SLOW_TO_LEAVE)

@@ -92,6 +92,7 @@ def test_the_readmes_model_program_runs_as_shown(tmp_path: Path) -> None:
 
 @pytest.mark.torch
 @pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.serial  # within 30 s, torch's imports included
 def test_ep_example_with_a_worker_bug_stops_every_rank_at_once_and_the_head_names_it(transport: str) -> None:
     pytest.importorskip("torch")
     started = time.monotonic()

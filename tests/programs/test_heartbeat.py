@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from metrale_model_engine.torch import HEAD_LOST_EXIT_CODE, free_port
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.serial]  # a loss found within its bound and 3 s
 
 LOST_AFTER = 1.0
 LOST_SLACK = 3.0
