@@ -23,11 +23,13 @@ examples) are other processes and keep the default.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +50,21 @@ if TYPE_CHECKING:
 start_ranks_from_a_server(
     ["metrale_model_engine.torch"] if importlib.util.find_spec("torch") is not None else ["metrale_model_engine.shm"]
 )
+
+
+SERIAL = "serial"
+"""The marker of a test that runs alone in a parallel run, and the xdist group of every such test."""
+ROOM = pytest.StashKey[Room]()
+"""A worker's way into the room of a parallel run (``helpers.serial``)."""
+
+
+@pytest.fixture
+def alone(request: pytest.FixtureRequest) -> Callable[[], AbstractContextManager[None]]:
+    """``with alone():``, in a parallel run: the block runs once every other test running has ended, and no other
+    starts meanwhile; the rest of the test runs beside the others.  For a time bound measured after a start that
+    need not be alone (a program's, a server's); a test whose whole run is timed is marked ``serial`` instead."""
+    room = request.config.stash.get(ROOM, None)
+    return contextlib.nullcontext if room is None else room.alone
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +110,6 @@ def _tier(path: Path) -> str:
     if tier not in TIERS:
         raise pytest.UsageError(f"{path}: a test module belongs in one of the tiers' folders, {', '.join(TIERS)}")
     return tier
-
-
-SERIAL = "serial"
-"""The marker of a test that runs alone in a parallel run, and the xdist group of every such test."""
-ROOM = pytest.StashKey[Room]()
-"""A worker's way into the room of a parallel run (``helpers.serial``)."""
 
 
 def _serial(item: pytest.Item) -> bool:

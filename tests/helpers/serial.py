@@ -6,13 +6,17 @@ that each takes on its way in, so that a serial test waiting for the room keeps 
 ordinary tests out instead of waiting for a moment when none runs.  A worker keeps
 the room alone from one serial test to the next it runs, so that a run's serial
 tests follow one another (``tests/conftest.py`` sends them all to one worker, last).
+A test may also take the room alone for a block of its own (``Room.alone``: the
+``alone`` fixture), the part a time bound measures, and run the rest beside the others.
 A lock dies with its process: a worker that crashes holds nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -38,6 +42,19 @@ class Room:
         finally:
             fcntl.flock(self._turnstile, fcntl.LOCK_UN)
         self._held = wanted
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """The block alone (once every other test running has ended), then beside the others again; nothing
+        more where this worker is alone already (a serial test)."""
+        if self._held == fcntl.LOCK_EX:
+            yield
+            return
+        self.enter(alone=True)
+        try:
+            yield
+        finally:
+            self.enter(alone=False)
 
     def leave(self) -> None:
         """Let the others in (nothing when this worker holds nothing)."""

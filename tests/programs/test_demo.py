@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -219,8 +221,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.serial  # a second Ctrl-C within the 0.5 s grace
-def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp_path: Path) -> None:
+def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(
+    tmp_path: Path, alone: Callable[[], AbstractContextManager[None]]
+) -> None:
     script = tmp_path / "slow_to_leave.py"
     script.write_text(SLOW_TO_LEAVE)
     process = subprocess.Popen(
@@ -231,12 +234,13 @@ def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp
         while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.05)
-        time.sleep(0.2)
         pids = [int((tmp_path / str(rank)).read_text()) for rank in (0, 1)]
-        os.kill(process.pid, signal.SIGINT)
-        time.sleep(0.2)  # inside the launcher's grace for its ranks: a second Ctrl-C
-        os.kill(process.pid, signal.SIGINT)
-        stdout, _ = process.communicate(timeout=30)
+        with alone():  # a second Ctrl-C within the 0.5 s grace (the ranks sleep for a minute)
+            time.sleep(0.2)
+            os.kill(process.pid, signal.SIGINT)
+            time.sleep(0.2)  # inside the launcher's grace for its ranks: a second Ctrl-C
+            os.kill(process.pid, signal.SIGINT)
+            stdout, _ = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
