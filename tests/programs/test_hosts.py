@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -162,23 +164,25 @@ def test_every_process_of_the_heads_host_killed_the_other_hosts_workers_exit_wit
 
 @pytest.mark.parametrize("where", ["command", "sync", "forward"])
 def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, alone: Callable[[], AbstractContextManager[None]]
 ) -> None:
     with SimulatedHosts(2) as simulated:
         argv = ["-m", "helpers.host_programs", "cable_cut", str(tmp_path), where]
         head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
         wait_for(tmp_path / "ready", head_host)
-        simulated.cut(1)
-        cut_at = time.monotonic()
-        (tmp_path / "cut").touch()
-        code, stdout, stderr = finish(other, RUN_BOUND)
-        lost_after = time.monotonic() - cut_at
+        with alone():  # the loss timed to head_lost_after and 3 s (the ranks wait for the cut meanwhile)
+            simulated.cut(1)
+            cut_at = time.monotonic()
+            (tmp_path / "cut").touch()
+            code, stdout, stderr = finish(other, RUN_BOUND)
+            lost_after = time.monotonic() - cut_at
+            head = finish(head_host, RUN_BOUND)
         assert code == 0, stderr
         assert exit_codes(stdout) == {2: HEAD_LOST_EXIT_CODE, 3: HEAD_LOST_EXIT_CODE}
         for rank in (2, 3):
             assert f"worker rank {rank}: the head is lost: no answer from the group's store" in stderr
         assert HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= lost_after < HEAD_LOST_AFTER + LOST_SLACK  # from the last beat
-        code, stdout, stderr = finish(head_host, RUN_BOUND)
+        code, stdout, stderr = head
     assert code == 0, stderr
     codes = exit_codes(stdout)
     assert codes[0] == 3, (codes, stderr)
