@@ -84,8 +84,9 @@ QUICK: Final[dict[str, Any]] = {"hidden_size": 128, "num_hidden_layers": 2, "int
 """A smoke run's smaller shape (a few MB)."""
 
 
-def write_checkpoint(directory: Path, family: str, quick: bool) -> Path:
-    """A random ``family`` model of :data:`SHAPE` (:data:`QUICK` for a smoke run), by ``save_pretrained``."""
+def write_checkpoint(directory: Path, family: str, quick: bool, **overrides: Any) -> Path:
+    """A random ``family`` model of :data:`SHAPE` (:data:`QUICK` for a smoke run; ``overrides`` last), by
+    ``save_pretrained``."""
     import transformers
 
     config_class, model_class = {
@@ -93,7 +94,7 @@ def write_checkpoint(directory: Path, family: str, quick: bool) -> Path:
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     torch.manual_seed(0)
-    fields = {**SHAPE, **EXPERTS[family], **(QUICK if quick else {})}
+    fields = {**SHAPE, **EXPERTS[family], **(QUICK if quick else {}), **overrides}
     if family == "mixtral":
         fields.pop("moe_intermediate_size", None)
         fields.pop("head_dim", None)

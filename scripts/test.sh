@@ -76,7 +76,7 @@ if [ "$with_torch" = 1 ]; then
     [ ${#torch_source[@]} = 0 ] && torch_source=(torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)
 fi
 extras=test
-[ "$with_torch" = 1 ] && extras=test,torch,test-torch,bench,docs
+[ "$with_torch" = 1 ] && extras=test,torch,test-torch,bench,docs,serve
 inputs=$(
     {
         "$python" -c 'import sys; print(sys.executable, sys.version)'

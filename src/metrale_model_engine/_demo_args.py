@@ -21,7 +21,7 @@ PROMPT_TEXT = "text"
 PROMPT_IDS = "ids"
 
 
-def _whole(text: str, least: int, most: int | None = None) -> int:
+def whole(text: str, least: int, most: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -33,7 +33,7 @@ def _whole(text: str, least: int, most: int | None = None) -> int:
     return value
 
 
-def _number(text: str, least: float, most: float, *, open_below: bool = False) -> float:
+def number(text: str, least: float, most: float, *, open_below: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -46,7 +46,7 @@ def _number(text: str, least: float, most: float, *, open_below: bool = False) -
 
 
 def _world_size(text: str) -> int:
-    value = _whole(text, 1)
+    value = whole(text, 1)
     if value > MAX_WORLD_SIZE:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE} (the most ranks one ring serves)")
     return value
@@ -55,7 +55,7 @@ def _world_size(text: str) -> int:
 def _ids(text: str) -> tuple[int, ...]:
     """``1,2,3`` as token ids (the empty prompt is refused later, with the prompt's number)."""
     try:
-        return tuple(_whole(item.strip(), 0, U32_MAX) for item in text.split(",")) if text.strip() else ()
+        return tuple(whole(item.strip(), 0, U32_MAX) for item in text.split(",")) if text.strip() else ()
     except argparse.ArgumentTypeError as error:
         raise argparse.ArgumentTypeError(f"a comma-separated list of token ids; an id {error}") from None
 
@@ -75,11 +75,47 @@ class _Prompts(argparse.Action):
         setattr(namespace, self.dest, prompts)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose refusal is one ``error: ...`` line, as every other refusal of the demo."""
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one ``error: ...`` line, as every other refusal of the program."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (--help lists the options)\n")
+
+
+def model_options(parser: argparse.ArgumentParser, *, slots: int, world_size: int) -> None:
+    """The options of a model served on N ranks, which the demo and the HTTP server share (``--slots``'s
+    default is ``slots``, ``--world-size``'s ``world_size``)."""
+    add = parser.add_argument
+    add("--model", type=Path, default=None, metavar="DIR",
+        help="a checkpoint directory in the Hugging Face layout, MixtralForCausalLM or Qwen3MoeForCausalLM "
+             "(default: the shipped model)")  # fmt: skip
+    add("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="what the model runs in (default: the checkpoint's own dtype)")  # fmt: skip
+    add("--max-seq-len", type=lambda t: whole(t, 1), default=None, metavar="N",
+        help="the context each slot holds (default: the model's max_position_embeddings)")  # fmt: skip
+    add("--world-size", type=_world_size, default=world_size,
+        help=f"local ranks, at most the model's attention heads, which they split as evenly as they can with its "
+             f"experts (default {world_size}; torchrun sets it)")  # fmt: skip
+    versions = [p.value for p in ProtocolVersion]
+    add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
+    add("--slots", type=lambda t: whole(t, 1, U32_MAX), default=slots,
+        help=f"sequences served at once (default {slots}; at most {U32_MAX}, a u32, and what the memory "
+             "holds)")  # fmt: skip
+    add("--prefill-chunk", type=lambda t: whole(t, 1), default=16, help="most prompt tokens per prefill (default 16)")
+    add("--sync-every", type=lambda t: whole(t, 1), default=16, help="steps between sync points (default 16)")
+    add("--device", choices=["cpu", "cuda"], default=None,
+        help="where each rank keeps its shard (default: cuda with a CUDA device per local rank, else cpu)")  # fmt: skip
+    add("--backend", choices=["gloo", "nccl"], default=None,
+        help="what carries the all-reduces (default: nccl on --device cuda, else gloo)")  # fmt: skip
+    add("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (one rank, --device cuda)")
+    add("--threads", type=lambda t: whole(t, 1), default=None,
+        help="torch threads per rank (default: 1 per rank with several ranks, 2 with one; "
+        "see docs/reference.md, 'The demo')")  # fmt: skip
+    add("--transport", choices=["auto", "shm", "torch"], default="auto",
+        help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
+             "a host (auto, the default)")  # fmt: skip
+    add("--check-kv", action="store_true",
+        help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote")  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None = None, *, description: str = "") -> argparse.Namespace:
@@ -89,50 +125,22 @@ def parse_args(argv: Sequence[str] | None = None, *, description: str = "") -> a
     directory, not after the run.  ``prompts`` is ``None`` (the built-in prompts) or the
     ``(kind, value)`` pairs of ``--prompt`` and ``--prompt-ids`` in the order given.
     """
-    parser = _OneLineParser(prog="python -m metrale_model_engine.demo", description=description)
+    parser = OneLineParser(prog="python -m metrale_model_engine.demo", description=description)
+    model_options(parser, slots=4, world_size=2)
     add = parser.add_argument
-    add("--model", type=Path, default=None, metavar="DIR",
-        help="a checkpoint directory in the Hugging Face layout, MixtralForCausalLM or Qwen3MoeForCausalLM "
-             "(default: the shipped model)")  # fmt: skip
     add("--prompt", dest="prompts", action=_Prompts, metavar="TEXT", default=None,
         help="a prompt, encoded by the model's tokenizer.json (repeatable; replaces the built-in prompts)")  # fmt: skip
     add("--prompt-ids", dest="prompts", action=_Prompts, type=_ids, metavar="1,2,3",
         help="a prompt as token ids (repeatable; with --prompt, in the order given)")  # fmt: skip
-    add("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-        help="what the model runs in (default: the checkpoint's own dtype)")  # fmt: skip
-    add("--max-seq-len", type=lambda t: _whole(t, 1), default=None, metavar="N",
-        help="the context each slot holds (default: the model's max_position_embeddings)")  # fmt: skip
-    add("--temperature", type=lambda t: _number(t, 0.0, 1e6), default=0.0,
+    add("--temperature", type=lambda t: number(t, 0.0, 1e6), default=0.0,
         help="sample at this temperature (default 0: greedy)")  # fmt: skip
-    add("--top-k", type=lambda t: _whole(t, 0), default=0, help="sample among the K likeliest tokens (default 0: all)")
-    add("--top-p", type=lambda t: _number(t, 0.0, 1.0, open_below=True), default=1.0,
+    add("--top-k", type=lambda t: whole(t, 0), default=0, help="sample among the K likeliest tokens (default 0: all)")
+    add("--top-p", type=lambda t: number(t, 0.0, 1.0, open_below=True), default=1.0,
         help="sample among the likeliest tokens that reach this probability (default 1: all)")  # fmt: skip
-    add("--seed", type=lambda t: _whole(t, 0, 2**63 - 1), default=None,
+    add("--seed", type=lambda t: whole(t, 0, 2**63 - 1), default=None,
         help="each request's generator seed when sampling (default: a random one, written to --json)")  # fmt: skip
-    add("--world-size", type=_world_size, default=2,
-        help="local ranks, a world size that splits the model's heads and experts (default 2; torchrun "
-             "sets it)")  # fmt: skip
-    versions = [p.value for p in ProtocolVersion]
-    add("--protocol", choices=versions, default=None, help="default: METRALE_EP_PROTOCOL, else v1")
-    add("--slots", type=lambda t: _whole(t, 1, U32_MAX), default=4,
-        help=f"sequences served at once (default 4; at most {U32_MAX}, a u32, and what the memory holds)")  # fmt: skip
-    add("--max-new-tokens", type=lambda t: _whole(t, 1), default=48, help="tokens generated per prompt (default 48)")
-    add("--prefill-chunk", type=lambda t: _whole(t, 1), default=16, help="most prompt tokens per prefill (default 16)")
-    add("--sync-every", type=lambda t: _whole(t, 1), default=16, help="steps between sync points (default 16)")
-    add("--device", choices=["cpu", "cuda"], default=None,
-        help="where each rank keeps its shard (default: cuda with a CUDA device per local rank, else cpu)")  # fmt: skip
-    add("--backend", choices=["gloo", "nccl"], default=None,
-        help="what carries the all-reduces (default: nccl on --device cuda, else gloo)")  # fmt: skip
-    add("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (one rank, --device cuda)")
-    add("--threads", type=lambda t: _whole(t, 1), default=None,
-        help="torch threads per rank (default: 1 per rank with several ranks, 2 with one; "
-        "see docs/reference.md, 'The demo')")  # fmt: skip
-    add("--transport", choices=["auto", "shm", "torch"], default="auto",
-        help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
-             "a host (auto, the default)")  # fmt: skip
+    add("--max-new-tokens", type=lambda t: whole(t, 1), default=48, help="tokens generated per prompt (default 48)")
     add("--json", type=Path, default=None, metavar="PATH", help="also write the head's summary to PATH as JSON")
-    add("--check-kv", action="store_true",
-        help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote")  # fmt: skip
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.resolve().parent.is_dir():
         parser.error(f"argument --json: {str(args.json)!r} is in a directory that does not exist")

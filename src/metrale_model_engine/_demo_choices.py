@@ -38,7 +38,7 @@ def device_and_backend(
     args: argparse.Namespace, local_ranks: int, devices: int, world_sizes: Sequence[int]
 ) -> tuple[str, str]:
     """The device and the backend the ranks use, from ``--device`` and ``--backend`` and ``devices`` CUDA devices;
-    ``world_sizes`` are those that split the model (one that fits is suggested).
+    ``world_sizes`` are those that split the model, ascending (the largest that fits is suggested).
 
     Raises:
         ValueError: the choice cannot run here: CUDA with fewer devices than local
@@ -93,9 +93,8 @@ def open_checkpoint(model: Path | None, max_seq_len: int | None, world_size: int
     config = checkpoint.config
     if world_size not in config.world_sizes():
         raise ValueError(
-            f"--world-size {world_size} cannot split the model: it must divide its {config.n_heads} attention heads "
-            f"and {config.n_experts} experts, and divide its {config.n_kv_heads} KV heads or be a multiple of them "
-            f"(world sizes that can: {', '.join(map(str, config.world_sizes()))})"
+            f"--world-size {world_size} cannot split the model: each rank holds one of its {config.n_heads} attention "
+            f"heads at least (world sizes that can: 1 ..= {config.n_heads})"
         )
     return checkpoint
 
@@ -104,7 +103,8 @@ def check_memory(checkpoint: Checkpoint, dtype: torch.dtype, slots: int, world_s
     """Refuse (``ValueError``) a run whose local ranks' weights and KV caches would not fit this machine's memory."""
     config = checkpoint.config
     per_rank = [
-        checkpoint.shard_bytes(rank, world_size, dtype) + config.kv_cache_bytes(slots, world_size, dtype.itemsize)
+        checkpoint.shard_bytes(rank, world_size, dtype)
+        + config.kv_cache_bytes(slots, world_size, dtype.itemsize, rank=rank)
         for rank in range(local_ranks)
     ]
     needed = sum(per_rank)

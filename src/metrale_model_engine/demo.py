@@ -20,7 +20,7 @@ when the run failed (a rank died or diverged); 2 with one ``error: ...`` line wh
 it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
 the checkpoint cannot be served (a missing or malformed file, an unsupported
 architecture or field, a missing or misshapen tensor: the line names which and
-where), the world size cannot split the model, a prompt is empty or outside the
+where), the world size cannot split the model (more ranks than attention heads), a prompt is empty or outside the
 vocabulary, the weights and KV caches would not fit the machine's memory, or the
 ranks could not set up their link (``--transport shm`` with too little
 ``/dev/shm``, say; the line gives the root cause, once, whichever rank had it); 130
@@ -33,12 +33,9 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
@@ -48,20 +45,12 @@ from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
 from ._demo_args import PROMPT_TEXT
 from ._demo_args import parse_args as _parse_args
-from ._demo_choices import (
-    check_memory,
-    cuda_devices,
-    default_threads,
-    device_and_backend,
-    open_checkpoint,
-    prompt_ids,
-    under_torchrun_env,
-)
-from ._host.launch import INTERRUPTED, stop_resource_tracker
+from ._demo_choices import default_threads, prompt_ids, under_torchrun_env
+from ._demo_launch import Start, ranks_line, run
 
 if TYPE_CHECKING:
     from . import EpLink
-    from .reference import Checkpoint, Completion, ReferenceLm, Sampling
+    from .reference import Completion, ReferenceLm, Sampling
 
 __all__ = ["LATE_PROMPTS", "LATE_STEP", "PROMPTS", "Work", "main", "parse_args", "serve"]
 
@@ -146,8 +135,15 @@ class _OneLine(logging.Handler):
         _say(f"[worker {self._rank}] {record.getMessage()}{error}", sys.stderr)
 
 
-def serve(rank: int, world_size: int, work: Work) -> None:
+Head = Callable[["ReferenceLm", Work, Sequence[int]], None]
+"""``head(model, work, pids)``: what rank 0 does with the model, every rank's pid at hand."""
+
+
+def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> None:
     """One rank's part: build the model over a link, then drive it (head) or serve it (worker).
+
+    ``head`` is what rank 0 does with the model (default: serve the work's prompts and
+    report them); the run fails on this rank, in one line, when it raises.
 
     Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank,
     and lets [`EpSetupError`][metrale_model_engine.EpSetupError] (the link's setup failed, the
@@ -183,7 +179,7 @@ def serve(rank: int, world_size: int, work: Work) -> None:
         slots: list[LmState | None] = [None] * work.slots
         if rank == 0:
             try:
-                _drive(model, work, pids)
+                (head or _drive)(model, work, pids)
             except Exception as error:  # noqa: BLE001
                 _fail(f"error: {type(error).__name__}: {error}")
             return
@@ -216,14 +212,9 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
     link = model.ep_link
     checkpoint = model.checkpoint
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
-    ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
     name = "the shipped model" if work.model is None else str(checkpoint.directory)
     _say(
-        f"[head] {checkpoint.family.architecture} from {name} ({sum(p.numel() for p in model.lm.parameters()):,} "
-        f"parameters on this rank, {str(model.lm.embed.dtype).removeprefix('torch.')}, on {model.lm.embed.device}"
-        f"{', CUDA graphs' if work.cuda_graphs else ''}), {ranks}, protocol {link.protocol.value}; {work.slots} "
-        f"slots of {model.config.max_seq_len} positions, prefill chunks of {work.prefill_chunk}; "
-        f"pids {' '.join(map(str, pids))}"
+        ranks_line(model, name, pids, slots=work.slots, prefill_chunk=work.prefill_chunk, cuda_graphs=work.cuda_graphs)
     )
 
     def shown(tokens: Sequence[int]) -> str:
@@ -272,105 +263,25 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns its exit status (see the module), once every rank process it started has ended."""
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C, from its first moment (torch imports for seconds): one line
-        return _interrupted()
-    finally:  # its ranks have ended (run_group waits for them); the helper their start made goes too
-        stop_resource_tracker()
+    return run(lambda: parse_args(argv), _work, serve)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    with _interrupts_end_it_at_once():  # the start: reading the arguments imports torch, for seconds
-        args = parse_args(argv)
-        started = _start(args)
-    if isinstance(started, int):
-        return started
-    work, backend = started
-    try:
-        if under_torchrun_env():
-            return _under_torchrun(backend, work)
-        if args.world_size == 1:
-            return _exit_code(lambda: serve(0, 1, work))
-        from .torch import run_group
-
-        codes = run_group(serve, args.world_size, work, backend=backend)
-    except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
-        return _cannot_start(error)
-    if INTERRUPTED in codes:  # a rank was interrupted (a signal to the ranks alone)
-        return _interrupted()
-    if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
-        print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
-    return 1 if any(codes) else 0
-
-
-def _start(args: argparse.Namespace) -> tuple[Work, str] | int:
-    """What every rank is asked to do, and the backend; or the exit status of a demo that cannot start."""
-    try:
-        from . import torch  # noqa: F401  (first: without torch, its ImportError says what to install)
-
-        protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
-        torchrun = under_torchrun_env()
-        world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
-        checkpoint = open_checkpoint(args.model, args.max_seq_len, world_size)
-        device, backend = device_and_backend(args, local_ranks, cuda_devices(), checkpoint.config.world_sizes())
-        work = _work(args, checkpoint, protocol, device, world_size, local_ranks)
-    except (ImportError, ValueError, OSError) as error:
-        return _cannot_start(error)
-    return work, backend
-
-
-@contextmanager
-def _interrupts_end_it_at_once() -> Iterator[None]:
-    """While the block runs (the demo's start, before any rank exists), Ctrl-C ends the process at once.
-
-    The start imports torch (seconds), whose import can swallow the
-    ``KeyboardInterrupt`` raised inside it (seen: the demo then ran to its end as
-    if no Ctrl-C had come).  Nothing is held yet: the one line, and exit 130.
-    """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, _leave_at_once)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _leave_at_once(signum: int, frame: object) -> None:
-    _interrupted()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(INTERRUPTED)
-
-
-def _work(
-    args: argparse.Namespace,
-    checkpoint: Checkpoint,
-    protocol: ProtocolVersion,
-    device: str,
-    world_size: int,
-    local_ranks: int,
-) -> Work:
+def _work(start: Start) -> Work:
     """What the ranks will do, once the prompts and (on the CPU) the memory they need are checked.
 
     Raises:
         ValueError: a prompt, or the memory, cannot be served; the message is the line to print.
     """
     from .reference import Sampling, Tokenizer
-    from .reference.checkpoint import DTYPES
 
+    args, checkpoint = start.args, start.checkpoint
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     given = [(PROMPT_TEXT, text) for text in PROMPTS] if args.prompts is None else args.prompts
     prompts = prompt_ids(given, checkpoint, tokenizer)
-    if device == "cpu":
-        dtype = checkpoint.dtype if args.dtype is None else DTYPES[args.dtype]
-        check_memory(checkpoint, dtype, args.slots, world_size, local_ranks)
+    start.check_memory()
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return Work(
-        protocol,
+        start.protocol,
         args.transport,
         args.slots,
         args.max_new_tokens,
@@ -378,9 +289,9 @@ def _work(
         args.sync_every,
         args.json,
         args.check_kv,
-        device=device,
+        device=start.device,
         cuda_graphs=args.cuda_graphs,
-        threads=args.threads or default_threads(local_ranks),
+        threads=args.threads or default_threads(start.local_ranks),
         model=args.model,
         dtype=args.dtype,
         max_seq_len=args.max_seq_len,
@@ -388,47 +299,6 @@ def _work(
         late=LATE_PROMPTS if args.prompts is None else 0,
         sampling=None if sampling.greedy and args.seed is None else sampling,
     )
-
-
-def _interrupted() -> int:
-    """Say that the run was interrupted, in one line (under torchrun, from rank 0 alone), and return 130.
-
-    A second Ctrl-C is ignored from here on: the program is leaving, with no traceback.
-    """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("interrupted", file=sys.stderr)
-    return INTERRUPTED
-
-
-def _cannot_start(error: Exception) -> int:
-    """Say why the demo could not start, in one line (under torchrun, from rank 0 alone), and return 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {error}", file=sys.stderr)
-    return 2
-
-
-def _exit_code(run: Callable[[], None]) -> int:
-    try:
-        run()
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    except KeyboardInterrupt:
-        return _interrupted()
-    return 0
-
-
-def _under_torchrun(backend: str | None, work: Work) -> int:
-    import torch.distributed as dist
-
-    from .torch import init_group_from_env
-
-    init_group_from_env(backend=backend)
-    try:
-        return _exit_code(lambda: serve(dist.get_rank(), dist.get_world_size(), work))
-    finally:
-        dist.destroy_process_group()
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)

@@ -2,7 +2,8 @@
 Hub's layout, and ``transformers``' own greedy tokens for them (needs the ``test-torch`` extra).
 
 Both families are shaped to exercise what sharding must get right: grouped-query
-attention with 2 KV heads (replicated at 4 ranks), 4 or 8 experts, 2 of them per
+attention with 2 KV heads (replicated at 4 ranks; at 3, Mixtral's 8 heads split
+3 + 3 + 2 and the middle rank holds both KV heads), 4 or 8 experts, 2 of them per
 token; Qwen3-MoE also with heads wider than ``hidden_size / heads``, its per-head
 query and key norms, and routing weights that are not renormalised.
 """

@@ -47,10 +47,11 @@ DRAWING = ROOT / "ARCHITECTURE.md"
 MODULE_LINES = 450
 FOLDER_MODULES = 12
 
-DEMO = frozenset({"demo", "_demo_args", "_demo_choices"})
+DEMO = frozenset({"demo", "_demo_args", "_demo_choices", "_demo_launch"})
 """The root modules of the demo program; every other root module is a public front."""
 
 MAY_IMPORT: dict[str, frozenset[str]] = {
+    "serve": frozenset({"demo", "reference", "fronts", "_core"}),
     "demo": frozenset({"reference", "fronts", "_core", "_host"}),
     "reference": frozenset({"fronts", "_tensors", "_core"}),
     "fronts": frozenset({"_launch", "_tensors", "_torch", "_trait", "_engine", "_shm", "_host", "_core"}),
@@ -66,6 +67,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 """Each layer, top down, and the other layers it may import (its own is always allowed)."""
 
 OUTSIDE: dict[str, frozenset[str]] = {
+    "serve": frozenset({"fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "jinja2"}),
     "demo": frozenset({"torch"}),
     "reference": frozenset({"torch", "safetensors", "tokenizers"}),
     "fronts": frozenset({"typing_extensions", "torch", "numpy"}),

@@ -7,13 +7,14 @@ The same checkpoints at 2 and 4 ranks, over shared memory and over torch, are in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -21,6 +22,7 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 pytest.importorskip("transformers", reason="the test-torch extra is not installed")
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from metrale_model_engine import EpLink
@@ -36,7 +38,17 @@ from metrale_model_engine.reference import (
     ShardedLm,
     Tokenizer,
 )
-from metrale_model_engine.reference.checkpoint import QWEN3_MOE, byte_tokenizer, files, save_checkpoint
+from metrale_model_engine.reference.checkpoint import (
+    QWEN3_MOE,
+    Piece,
+    byte_tokenizer,
+    files,
+    load_shard,
+    loader,
+    pieces,
+    reshard,
+    save_checkpoint,
+)
 from metrale_model_engine.transport import SoloTransport
 
 from helpers import oracle
@@ -119,6 +131,11 @@ def test_what_is_read_from_each_family(written: dict[str, Path]) -> None:
     halves = [mixtral.shard_bytes(rank, 2, torch.float32) for rank in range(2)]
     assert halves[0] == halves[1] < whole < sum(halves)  # the replicated parts are on both
     assert mixtral.shard_bytes(0, 2, torch.bfloat16) * 2 == halves[0]
+    thirds = [ShardedLm(mixtral.config, num_slots=1, rank=rank, world_size=3, all_reduce=print) for rank in range(3)]
+    assert thirds[1].shard.pad_before == 1  # its zero head is part of its weights
+    assert [mixtral.shard_bytes(rank, 3, torch.float32) for rank in range(3)] == [
+        4 * sum(parameter.numel() for parameter in third.parameters()) for third in thirds
+    ]
 
 
 def test_the_shipped_tokenizer_is_utf8_bytes() -> None:
@@ -311,3 +328,117 @@ def test_a_model_is_written_only_as_mixtral_can_hold_it(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_slots=1, world_size=2, all_reduce=print))
     with pytest.raises(ValueError, match="the model's dtype must be one of float32, bfloat16, float16, got"):
         save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_slots=1, dtype=torch.float64))
+
+
+# A rank's change of shard: what it holds already, what it reads
+
+
+SURVIVORS: Final = {
+    (4, 3): {0: 0, 2: 1, 3: 2},  # rank 1 lost: the survivors renumbered in rank order
+    (3, 2): {0: 0, 1: 1},  # rank 2 lost
+    (2, 1): {1: 0},  # rank 0 lost
+}
+"""Per change of world size, each survivor's old rank and its new one."""
+
+
+def _requests(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every slice ``load_shard`` asks the files for from now on, as ``(tensor name, index)``."""
+    requested: list[tuple[str, Any]] = []
+
+    class Slice:
+        def __init__(self, name: str, whole: Any) -> None:
+            self.name, self.whole = name, whole
+
+        def __getitem__(self, index: Any) -> Any:
+            requested.append((self.name, index))
+            return self.whole[index]
+
+    class Handle:
+        def __init__(self, handle: Any) -> None:
+            self.handle = handle
+
+        def get_slice(self, name: str) -> Slice:
+            return Slice(name, self.handle.get_slice(name))
+
+    @contextlib.contextmanager
+    def spied(*args: Any, **kwargs: Any) -> Iterator[Handle]:
+        with safe_open(*args, **kwargs) as handle:
+            yield Handle(handle)
+
+    monkeypatch.setattr(loader, "safe_open", spied)
+    return requested
+
+
+def _marks(shape: tuple[int, ...], *parts: Piece) -> torch.Tensor:
+    """A tensor of ``shape`` counting, for each element, the ``parts`` that read it."""
+    marks = torch.zeros(shape, dtype=torch.int32)
+    for part in parts:
+        marks[part.part] += 1
+    return marks
+
+
+def test_a_shrinking_world_keeps_what_each_survivor_holds() -> None:
+    """The shipped model (4 heads, 4 KV heads, 4 experts) from 4 ranks to 3, rank 3 lost: rank 0 had head 0 and
+    expert 0 and now holds heads 0-1 and experts 0-1: it reads head 1's rows and columns and expert 1, nothing else."""
+    shipped = Checkpoint.open()
+    config, family, head = shipped.config, shipped.family, shipped.config.head_dim
+    change = reshard(config, family, config.shard(0, 4), config.shard(0, 3))
+    for layer in range(config.n_layers):
+        attention, expert = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.block_sparse_moe.experts.1."
+        assert [
+            (piece.name, piece.part) for piece in change.missing if piece.name.startswith(f"model.layers.{layer}.")
+        ] == [
+            *((f"{attention}{proj}_proj.weight", (slice(head, 2 * head),)) for proj in "qkv"),
+            (f"{attention}o_proj.weight", (slice(None), slice(head, 2 * head))),
+            *((f"{expert}{w}.weight", ()) for w in ("w1", "w3", "w2")),
+        ]
+    assert {piece.name for piece in change.missing} | {new.name for _, new in change.held} == {
+        piece.name for piece in pieces(config, family, config.shard(0, 3))
+    }
+    assert ("model.embed_tokens.weight", ()) in [(old.name, old.part) for old, _ in change.held]
+    unchanged = reshard(config, family, config.shard(1, 2), config.shard(1, 2))
+    assert unchanged.missing == [] and all(old == new for old, new in unchanged.held)
+
+
+@pytest.mark.parametrize("family", oracle.FAMILIES)
+@pytest.mark.parametrize(("before", "after"), list(SURVIVORS))
+def test_a_survivor_reads_from_the_files_only_the_slices_it_did_not_hold(
+    written: dict[str, Path], monkeypatch: pytest.MonkeyPatch, family: str, before: int, after: int
+) -> None:
+    """Both families (8 heads of 2 KV heads and 4 experts; 4 heads of 2 KV heads and 8 experts), shrinking
+    4 -> 3 -> 2 -> 1: each survivor's held and missing slices cover its new shard once, what it reads is the
+    missing ones alone (none of which it held), and its parameters are those of a fresh load."""
+    checkpoint = Checkpoint.open(written[family])
+    config = checkpoint.config
+    for old_rank, new_rank in SURVIVORS[before, after].items():
+        old = ShardedLm(config, num_slots=1, rank=old_rank, world_size=before, all_reduce=print)
+        load_shard(old, checkpoint)
+        fresh = ShardedLm(config, num_slots=1, rank=new_rank, world_size=after, all_reduce=print)
+        everything = load_shard(fresh, checkpoint)
+        family_of = checkpoint.family
+        change = reshard(config, family_of, old.shard, fresh.shard)
+        held_before = {piece.name: _marks(piece.shape, piece) > 0 for piece in pieces(config, family_of, old.shard)}
+        for piece in pieces(config, family_of, fresh.shard):  # held and missing: each element once
+            parts = [new for _, new in change.held if new.name == piece.name]
+            parts += [missing for missing in change.missing if missing.name == piece.name]
+            assert torch.equal(_marks(piece.shape, *parts), _marks(piece.shape, piece)), piece.name
+        for old_place, new_place in change.held:
+            assert (old_place.name, old_place.part) == (new_place.name, new_place.part)
+            assert bool(held_before[old_place.name][old_place.part].all())
+        requested = _requests(monkeypatch)
+        model = ShardedLm(config, num_slots=1, rank=new_rank, world_size=after, all_reduce=print)
+        read = load_shard(model, checkpoint, held=old)
+        assert requested == [(piece.name, piece.part) for piece in change.missing]
+        for piece in change.missing:
+            assert piece.name not in held_before or not bool(held_before[piece.name][piece.part].any())
+        assert read == 4 * sum(int(_marks(piece.shape, piece).sum()) for piece in change.missing) < everything
+        for (name, ours), theirs in zip(model.named_parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(ours, theirs), name
+        monkeypatch.undo()
+
+
+def test_a_held_model_of_another_checkpoint_is_refused(written: dict[str, Path]) -> None:
+    mixtral, qwen = (Checkpoint.open(written[family]) for family in oracle.FAMILIES)
+    held = ShardedLm(qwen.config, num_slots=1)
+    with pytest.raises(ValueError, match=r"the held model's config LmConfig\(.*n_heads=4.* is not the checkpoint's"):
+        load_shard(ShardedLm(mixtral.config, num_slots=1), mixtral, held=held)

@@ -169,8 +169,8 @@ def _ours() -> set[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--world-size", "3"), "--world-size 3 cannot split the model: it must divide its 4 attention heads and 4 "
-         "experts, and divide its 4 KV heads or be a multiple of them (world sizes that can: 1, 2, 4)"),
+        (("--world-size", "5"), "--world-size 5 cannot split the model: each rank holds one of its 4 attention "
+         "heads at least (world sizes that can: 1 ..= 4)"),
         (("--prompt-ids", "1,2,256"), "prompt 1: prompt[2]=256 is outside the vocabulary (0 ..= 255)"),
         (("--prompt", "a", "--prompt-ids", ""), "prompt 2 is empty: a prompt needs at least one token"),
         (("--prompt", ""), "prompt 1 is empty: a prompt needs at least one token"),

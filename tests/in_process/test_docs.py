@@ -90,7 +90,19 @@ DOCS_PATH = re.compile(r"\bdocs/[\w-]+\.md(?:#[\w-]+)?")
 # of the package, written from the package's root or from the module's own folder, and must resolve so.
 BARE_PRIVATE = re.compile(r"``(_(?!_)[A-Za-z]\w*(?:\.[A-Za-z_]\w*)*)``")
 # Where a package that a module imports is not installed (torch on most interpreters), its names are not checked.
-OPTIONAL = {"torch", "numpy", "safetensors", "tokenizers", "transformers"}
+OPTIONAL = {
+    "torch",
+    "numpy",
+    "safetensors",
+    "tokenizers",
+    "transformers",
+    "fastapi",
+    "uvicorn",
+    "prometheus_client",
+    "jinja2",
+    "starlette",
+    "pydantic",
+}
 # Dotted names that are not names of the code: a logger's, and one whose message says it is gone.
 LOGGER = re.compile(rf"getLogger\(f?\"{PACKAGE}[\w.]*")
 GONE = {f"{PACKAGE}.torch.TorchEp"}

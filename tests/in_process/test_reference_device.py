@@ -90,6 +90,28 @@ def test_a_decode_step_never_waits_for_the_device_and_launches_few_ops(
         assert (count.launches["mm"], count.launches["bmm"]) == (1 + 4 * layers, layers)
 
 
+@pytest.mark.parametrize("batch", [1, 16])
+def test_an_uneven_shard_decodes_with_no_op_more_than_one_rank(batch: int) -> None:
+    """8 heads of 2 KV heads and 4 experts over 3 ranks (heads 3 + 3 + 2, experts 2 + 1 + 1): the middle rank's
+    heads, padded to whole groups, keep the step's ops (it launches what the last rank, unpadded, does), and no
+    rank waits or launches an op more than one rank does (one expert a rank saves a copy; at batch 1 one rank
+    gathers its picked experts, a rank of 3 holding 1 or 2 runs them densely)."""
+    config = LmConfig(d_model=64, n_heads=8, n_kv_heads=2, head_dim=16, n_experts=4, d_expert=32, max_seq_len=32)
+    inputs = decode_inputs(batch)
+    counts = []
+    for rank, world_size in [(0, 1), (0, 3), (1, 3), (2, 3)]:
+        model = ShardedLm(config, num_slots=16, rank=rank, world_size=world_size, all_reduce=lambda tensor: None,
+                          expert_routing="device")  # fmt: skip
+        _, count = count_ops(lambda: model.decode(*inputs))  # noqa: B023  (called at once)
+        assert count.waits == {} and count.launched <= MAX_LAUNCHES
+        counts.append(count.launches)
+    assert config.shard(1, 3).pad_before == 1 and config.shard(2, 3).pad_before == 0
+    assert counts[2] == counts[3]
+    if batch == 16:
+        for launches in counts[1:]:
+            assert all(launched <= counts[0][op] for op, launched in launches.items()), (launches, counts[0])
+
+
 def test_a_prefill_chunk_and_the_training_path_never_wait(shipped: Checkpoint) -> None:
     model = model_on(shipped)
     model.prefill(3, torch.arange(10), 0)

@@ -158,6 +158,7 @@ REFERENCE_SURFACE = [
     "Shard",
     "ShardedLm",
     "TimeSpent",
+    "TokenLogprobs",
     "Tokenizer",
     "WAITING_OPS",
     "check_decode",
@@ -169,6 +170,7 @@ REFERENCE_SURFACE = [
     "kv_digest",
     "run_summary",
     "summary_lines",
+    "token_logprobs",
 ]
 
 
@@ -182,6 +184,7 @@ CHECKPOINT_SURFACE = [
     "CheckpointError",
     "Family",
     "Piece",
+    "Reshard",
     "TensorEntry",
     "Tokenizer",
     "byte_tokenizer",
@@ -189,6 +192,7 @@ CHECKPOINT_SURFACE = [
     "load_shard",
     "load_state",
     "pieces",
+    "reshard",
     "save_checkpoint",
 ]
 

@@ -70,11 +70,11 @@ def test_the_demo_serves_license_text_on_two_ranks_and_every_rank_agrees(tmp_pat
 
 def test_a_bad_argument_ends_the_program_with_one_line_and_exit_2() -> None:
     """The refusals themselves are checked in this process (``tests/in_process/test_demo.py``)."""
-    result = demo("--world-size", "3")
+    result = demo("--world-size", "5")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines() == [
-        "error: --world-size 3 cannot split the model: it must divide its 4 attention heads and 4 experts, and "
-        "divide its 4 KV heads or be a multiple of them (world sizes that can: 1, 2, 4)"
+        "error: --world-size 5 cannot split the model: each rank holds one of its 4 attention heads at least "
+        "(world sizes that can: 1 ..= 4)"
     ]
 
 

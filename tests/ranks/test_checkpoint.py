@@ -1,4 +1,4 @@
-"""Checkpoints in the Hugging Face layout served by 2 and 4 ranks in real processes: the tokens of
+"""Checkpoints in the Hugging Face layout served by 2, 3 and 4 ranks in real processes: the tokens of
 ``transformers`` for both families, over shared memory and over torch; a bfloat16 checkpoint in several files;
 a sampled run the same at every world size; and each rank's memory, its shard and not the checkpoint.
 """
@@ -57,12 +57,14 @@ def served(
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch"])
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("family", oracle.FAMILIES)
 def test_the_ranks_give_the_tokens_of_transformers(
     written: dict[str, tuple[Path, list[list[int]]]], tmp_path: Path, family: str, world_size: int, transport: str
 ) -> None:
-    """4 ranks hold one KV head each of the 2: each KV head replicated on the 2 ranks whose query heads read it."""
+    """4 ranks hold one KV head each of the 2: each KV head replicated on the 2 ranks whose query heads read it.
+    3 ranks split unevenly: Mixtral's 8 heads as 3 + 3 + 2 (the middle rank's straddle both KV heads: it holds
+    both and pads its heads) and 4 experts as 2 + 1 + 1; Qwen3-MoE's 4 heads as 2 + 1 + 1 and 8 experts as 3 + 3 + 2."""
     directory, expected = written[family]
     assert served(tmp_path, directory, world_size, transport) == expected
 

@@ -61,6 +61,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ("args", "transport"),
     [
         (("--world-size", "1"), "SoloTransport"),
+        (("--world-size", "3"), "ShmTransport"),  # 4 heads and 4 experts as 2 + 1 + 1
         (("--world-size", "4", "--transport", "torch", "--protocol", "v2"), "TorchTransport"),
     ],
 )

@@ -13,16 +13,16 @@ weights come from a checkpoint in the Hugging Face layout ([`checkpoint`][metral
 with a byte tokenizer) was trained by ``scripts/train_reference.py`` on this project's
 two license texts, so it continues ``"Licensed under the"`` with license English.
 
-Sharding over ``world_size`` ranks (the Megatron / vLLM / gpt-fast scheme,
-[`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard]):
+Sharding over any ``world_size`` from 1 to ``n_heads`` ranks (the Megatron / vLLM / gpt-fast scheme, split as
+evenly as it can be: [`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard]):
 
-* attention: each rank holds ``n_heads / world_size`` query heads and the KV heads
-  they read (each KV head replicated on several ranks when there are fewer KV heads
-  than ranks), their rows of the fused query/key/value projection (column parallel),
+* attention: each rank holds ``n_heads / world_size`` query heads (8 over 3 ranks: 3, 3
+  and 2) and the KV heads they read (a KV head replicated on each rank whose query heads
+  read it), their rows of the fused query/key/value projection (column parallel),
   the matching columns of the output projection (row parallel), and their part of
   the KV cache; one all-reduce (sum) of the attention output per layer;
 * experts (expert parallelism): each rank holds ``n_experts / world_size`` whole
-  experts; the router is replicated, so every rank computes the same routing and
+  experts, as evenly; the router is replicated, so every rank computes the same routing and
   adds the weighted outputs of the picked experts it holds; one all-reduce per layer;
 * embedding, norms, router and LM head are replicated.  The residual stream is
   replicated, and every rank ends with the same logits.
@@ -37,7 +37,7 @@ matrix products do, so sharded logits equal the one-rank logits to rounding
 (within 1e-5 in float32 on the CPU), not bit for bit; the ranks of one group agree
 bit for bit, since the all-reduce hands each the same sums.  The tests hold the
 greedy tokens at 1, 2 and 4 ranks equal to ``transformers``' for the same
-checkpoint, in float32.  Any floating dtype works: float32, float64, bfloat16 and float16
+checkpoint, in float32 (and at 3, an uneven split).  Any floating dtype works: float32, float64, bfloat16 and float16
 (norms, rotations and routing weights are then computed in float32); in bfloat16 the tokens
 part from ``transformers``' (and from one world size to another) where the two largest
 logits tie within its rounding (docs/reference.md).
@@ -50,7 +50,8 @@ replayed from CUDA graphs), [`checkpoint`][metrale_model_engine.reference.checkp
 composed of its parts in ``rank``: a slot's state, the checks every rank makes of a command, the digests sync points
 compare, the command words and their wire layout, the head's and the worker's side of a command, the forwards, the
 all-reduce, the time spent), ``requests`` (a request, its completion, how its tokens are picked), ``scheduler``
-([`Server`][metrale_model_engine.reference.Server], continuous batching on the head) and ``summary``; ``server`` is
+([`Server`][metrale_model_engine.reference.Server], continuous batching on the head), ``batch`` (the requests in
+flight: the queue, and the slots they hold) and ``summary``; ``server`` is
 the scheduler's former name.  Everything a user writes is exported here, with
 [`count_ops`][metrale_model_engine.reference.count_ops] (what one call
 costs a device: its launches, and the ops that make the host wait for a GPU, on
@@ -87,7 +88,7 @@ from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
 from .rank.digest import kv_digest
 from .rank.slots import LmSlots, LmState
 from .rank.timing import TimeSpent
-from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling
+from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling, TokenLogprobs, token_logprobs
 from .scheduler import DecodeStep, ServedLm, Server
 from .serving import ReferenceLm
 from .summary import run_summary, summary_lines
@@ -120,6 +121,7 @@ __all__ = [
     "Shard",
     "ShardedLm",
     "TimeSpent",
+    "TokenLogprobs",
     "Tokenizer",
     "check_decode",
     "check_prefill",
@@ -130,6 +132,7 @@ __all__ = [
     "kv_digest",
     "run_summary",
     "summary_lines",
+    "token_logprobs",
 ]
 
 

@@ -1,14 +1,24 @@
 """The reference model's shape (``LmConfig``) and its sharding rule (``LmConfig.shard``), stated once.
 
-A world of ``world_size`` ranks splits the query heads, the KV heads and the
-experts evenly, the way Metrale (and Megatron, vLLM, gpt-fast) shards a model:
-rank ``r`` holds query heads ``r * h .. (r + 1) * h - 1`` (their rows of the query
-projection and columns of the output projection), the KV heads those query heads
-read (rows of the key and value projections, and their part of the KV cache), and
-experts ``r * e .. (r + 1) * e - 1``; embedding, norms, router and LM head are
-replicated.  With fewer KV heads than ranks, each KV head is held by the
-``world_size / n_kv_heads`` ranks whose query heads read it (replicated, as vLLM
-does), so 4 ranks serve a model of 2 KV heads.
+A world of ``world_size`` ranks splits the query heads and the experts as evenly
+as it can, the way Metrale (and Megatron, vLLM, gpt-fast) shards a model: of ``n``
+things over ``w`` ranks, the first ``n % w`` ranks hold ``n // w + 1`` and the
+others ``n // w``, in order (8 heads over 3 ranks: heads 0-2, 3-5 and 6-7).  A rank
+holds its query heads (their rows of the query projection and columns of the output
+projection), the KV heads those query heads read (rows of the key and value
+projections, and their part of the KV cache) and its experts whole; embedding,
+norms, router and LM head are replicated.  Under grouped-query attention a KV head
+whose query heads fall on two or more ranks is held by each of them (replicated, as
+vLLM does), so any world size up to the number of query heads serves; a rank may
+then hold no expert (more ranks than experts) and it adds nothing for them.
+
+Where a rank's query heads begin or end inside a KV group (8 heads of 2 KV heads over
+3 ranks: the middle rank's heads 3-5 read KV heads 0 and 1, one and two of them), its
+attention pads them with zero heads to groups of one size (``Shard.pad_before``,
+``Shard.pad_after``: zero rows of the query projection, zero columns of the output
+projection), so that every KV head serves the same number of query heads, as the
+attention kernels want: a decode step keeps its ops and shapes, and the padding
+adds nothing to the sums.
 """
 
 from __future__ import annotations
@@ -29,7 +39,16 @@ class Shard(NamedTuple):
     """KV heads ``first_kv_head .. first_kv_head + kv_heads - 1``: the ones its query heads read."""
     first_expert: int
     experts: int
-    """Experts ``first_expert .. first_expert + experts - 1``."""
+    """Experts ``first_expert .. first_expert + experts - 1`` (none when the world has more ranks than experts)."""
+    pad_before: int = 0
+    """Zero heads its attention computes before its query heads, so that each KV head serves as many (the module)."""
+    pad_after: int = 0
+    """Zero heads after its query heads."""
+
+    @property
+    def padded_heads(self) -> int:
+        """The query heads its attention computes, the padding included: ``kv_heads`` groups of one size."""
+        return self.pad_before + self.heads + self.pad_after
 
 
 _FLOAT_FIELDS: Final = ("rope_base", "norm_eps")
@@ -116,43 +135,58 @@ class LmConfig:
             raise ValueError(f"LmConfig.top_k={self.top_k} must not exceed n_experts={self.n_experts}")
 
     def world_sizes(self) -> list[int]:
-        """Every world size that can split this model (``check_world``), ascending."""
-        return [size for size in range(1, self.n_heads + 1) if _splits(self, size)]
+        """Every world size that can split this model (``check_world``), ascending: ``1 ..= n_heads``."""
+        return list(range(1, self.n_heads + 1))
 
     def shard(self, rank: int, world_size: int) -> Shard:
-        """The sharding rule: what rank ``rank`` of ``world_size`` holds (both checked: ``check_world``)."""
-        check_world(self, rank, world_size)
-        heads = self.n_heads // world_size
-        first_head = rank * heads
-        kv_heads = max(1, self.n_kv_heads // world_size)
-        first_kv_head = first_head // (self.n_heads // self.n_kv_heads)
-        experts = self.n_experts // world_size
-        return Shard(first_head, heads, first_kv_head, kv_heads, rank * experts, experts)
+        """The sharding rule: what rank ``rank`` of ``world_size`` holds (both checked: ``check_world``).
 
-    def kv_cache_bytes(self, num_slots: int, world_size: int, itemsize: int) -> int:
-        """Bytes of one rank's KV cache for ``num_slots`` slots: its KV heads' keys and values of ``itemsize`` bytes."""
-        kv_heads = self.shard(0, world_size).kv_heads
+        Query heads and experts split as evenly as they can (the first ranks one more); the
+        KV heads are those the query heads read; the padding makes groups of one size (see the module).
+        """
+        check_world(self, rank, world_size)
+        first_head, heads = _even_part(self.n_heads, world_size, rank)
+        first_expert, experts = _even_part(self.n_experts, world_size, rank)
+        group = self.n_heads // self.n_kv_heads  # query heads per KV head
+        first_kv_head, last_kv_head = first_head // group, (first_head + heads - 1) // group
+        kv_heads = last_kv_head - first_kv_head + 1
+        leading = min(heads, (first_kv_head + 1) * group - first_head)  # its heads in its first KV head's group
+        trailing = min(heads, first_head + heads - last_kv_head * group)  # and in its last one's
+        per_kv_head = max(leading, trailing) if kv_heads <= 2 else group  # whole groups between the two ends
+        return Shard(
+            first_head,
+            heads,
+            first_kv_head,
+            kv_heads,
+            first_expert,
+            experts,
+            pad_before=per_kv_head - leading,
+            pad_after=per_kv_head - trailing,
+        )
+
+    def kv_cache_bytes(self, num_slots: int, world_size: int, itemsize: int, *, rank: int = 0) -> int:
+        """Bytes of rank ``rank``'s KV cache for ``num_slots`` slots: its KV heads' keys and values of ``itemsize``
+        bytes (``rank`` and ``world_size`` checked: ``check_world``)."""
+        kv_heads = self.shard(rank, world_size).kv_heads
         return 2 * self.n_layers * num_slots * self.max_seq_len * kv_heads * self.head_dim * itemsize
 
 
-def _splits(config: LmConfig, world_size: int) -> bool:
-    kv = config.n_kv_heads
-    return (
-        not config.n_heads % world_size
-        and not config.n_experts % world_size
-        and (not kv % world_size or not world_size % kv)
-    )
+def _even_part(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``count`` things split over ``parts`` as evenly as they can be: ``(first, how many)``,
+    the first ``count % parts`` parts holding one more than the others."""
+    base, extra = divmod(count, parts)
+    return index * base + min(index, extra), base + (index < extra)
 
 
 def check_world(config: LmConfig, rank: int, world_size: int) -> None:
     """Check that ``world_size`` ranks can split ``config`` and that ``rank`` is one of them.
 
-    ``world_size`` must divide the query heads and the experts, and divide the KV
-    heads or be a multiple of them (each KV head then replicated on the ranks that read it).
+    Any world size from 1 to the number of query heads splits a model: each rank
+    holds one query head at least (see the module).
 
     Raises:
         TypeError: ``rank`` or ``world_size`` is not an int.
-        ValueError: ``world_size < 1``, it cannot split the model (the message lists
+        ValueError: ``world_size < 1``, more ranks than ``n_heads`` (the message gives
             the world sizes that can), or ``rank`` is not in ``0 ..= world_size - 1``.
     """
     for name, value in (("rank", rank), ("world_size", world_size)):
@@ -160,12 +194,10 @@ def check_world(config: LmConfig, rank: int, world_size: int) -> None:
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if not _splits(config, world_size):
-        sizes = ", ".join(map(str, config.world_sizes()))
+    if world_size > config.n_heads:
         raise ValueError(
-            f"world_size={world_size} cannot split the model: it must divide n_heads={config.n_heads} and "
-            f"n_experts={config.n_experts}, and divide n_kv_heads={config.n_kv_heads} or be a multiple of it "
-            f"(world sizes that can: {sizes})"
+            f"world_size={world_size} cannot split the model: each rank holds one of its n_heads={config.n_heads} "
+            f"query heads at least (world sizes that can: 1 ..= {config.n_heads})"
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")

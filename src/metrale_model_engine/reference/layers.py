@@ -12,8 +12,9 @@ decode step can be held by a CUDA graph (see ``graphs``).  Hence the fused
 weights: one matrix for the queries, keys and values of this rank's heads.
 
 Shapes: ``N`` tokens (the leading dims of the input, ``B`` rows or ``B x T``),
-``D`` the model width, ``h`` this rank's query heads, ``g`` its KV heads, ``d`` the
-head width, ``S`` ``max_seq_len``, ``W`` the positions a decode step attends over.
+``D`` the model width, ``h`` this rank's query heads (with their padding:
+``Shard.padded_heads``), ``g`` its KV heads, ``d`` the head width, ``S``
+``max_seq_len``, ``W`` the positions a decode step attends over.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class ShardedAttention(nn.Module):
     ``wqkv`` holds the rows of this rank's query heads, then of its KV heads' keys,
     then of their values (``[(h + 2g) * d, D]``, column parallel); ``wo`` the
     matching columns of the output projection (``[D, h * d]``, row parallel).  No
-    biases.  With ``config.qk_norm``, ``q_norm`` and ``k_norm`` (``[d]``, replicated)
+    biases.  The query heads are ``shard.padded_heads``: its own, between the zero
+    rows (and zero columns of ``wo``) of its padding, which add nothing to the
+    output.  With ``config.qk_norm``, ``q_norm`` and ``k_norm`` (``[d]``, replicated)
     are RMSNorm gains applied to each query and key head before the rotation (Qwen3).
     The KV cache of these KV heads is ``kv_cache`` ``[num_slots, S, 2, g, d]``
     (keys at ``[:, :, 0]``, values at ``[:, :, 1]``), non-persistent.
@@ -104,7 +107,7 @@ class ShardedAttention(nn.Module):
         self, config: LmConfig, shard: Shard, *, num_slots: int, dtype: torch.dtype, device: torch.device | None
     ) -> None:
         super().__init__()
-        self.heads: int = shard.heads
+        self.heads: int = shard.padded_heads
         self.kv_heads: int = shard.kv_heads
         self.head_dim: int = config.head_dim
         self.eps: float = config.norm_eps

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
@@ -104,28 +104,38 @@ class Sampler:
         return int(torch.searchsorted(cumulative, draw, right=True))  # never a token of probability 0
 
 
-FinishReason = Literal["stop", "length", "context", "error"]
+FinishReason = Literal["stop", "length", "context", "error", "cancelled"]
 """Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its slot's
-cache full (``"context"``), a failure (``"error"``)."""
+cache full (``"context"``), a failure (``"error"``), [`Server.cancel`][metrale_model_engine.reference.Server.cancel]
+(``"cancelled"``)."""
 
 
 @dataclass(frozen=True)
 class Request:
     """A prompt to continue by at most ``max_new_tokens`` tokens, picked as ``sampling`` says (greedy by default).
 
-    It ends early at an end-of-sequence id (the server's ``eos_token_ids``), or when
-    its slot's cache fills up.
+    It ends early at an end-of-sequence id (the server's ``eos_token_ids``), unless
+    ``ignore_eos``, or when its slot's cache fills up.  With ``logprobs`` (``0 ..=
+    20``), its completion keeps each token's log-probability and those of the
+    ``logprobs`` likeliest tokens ([`TokenLogprobs`][metrale_model_engine.reference.TokenLogprobs]).
 
     Raises:
-        TypeError: ``id``, a prompt token or ``max_new_tokens`` is not an int, or
-            ``sampling`` is not a [`Sampling`][metrale_model_engine.reference.Sampling].
-        ValueError: ``id`` is not a u32, the prompt is empty, or ``max_new_tokens < 1``.
+        TypeError: ``id``, a prompt token, ``max_new_tokens`` or ``logprobs`` is not an int,
+            ``sampling`` is not a [`Sampling`][metrale_model_engine.reference.Sampling], or
+            ``ignore_eos`` is not a bool.
+        ValueError: ``id`` is not a u32, the prompt is empty, ``max_new_tokens < 1``, or
+            ``logprobs`` is outside ``0 ..= 20``.
     """
 
     id: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     sampling: Sampling = GREEDY
+    logprobs: int | None = None
+    """How many of the likeliest tokens' log-probabilities to keep with each token; ``None``: none, not even
+    the token's own."""
+    ignore_eos: bool = False
+    """Whether an end-of-sequence id leaves the request running (it then ends by its length or context)."""
 
     def __post_init__(self) -> None:
         check_u32("id", self.id)
@@ -138,6 +148,36 @@ class Request:
         check_count(f"request {self.id}: max_new_tokens", self.max_new_tokens)
         if not isinstance(self.sampling, Sampling):
             raise TypeError(f"request {self.id}: sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if self.logprobs is not None:
+            if type(self.logprobs) is not int:
+                raise TypeError(f"request {self.id}: logprobs must be an int, got {type(self.logprobs).__name__}")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"request {self.id}: logprobs must be in 0 ..= {MAX_LOGPROBS}, got {self.logprobs}")
+        if type(self.ignore_eos) is not bool:
+            raise TypeError(f"request {self.id}: ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+
+MAX_LOGPROBS: Final = 20
+"""The most alternatives a request's ``logprobs`` may ask for."""
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability, and the ``top`` likeliest tokens' as ``(token, logprob)``, likeliest
+    first (of equal ones, the lower id first), all from the logits as the model gave them (before the
+    request's temperature, ``top_k`` or ``top_p``)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``logits`` (``[vocab]``), and the ``top`` likeliest tokens'."""
+    scores = torch.log_softmax(logits.detach().to("cpu", torch.float32), dim=-1)
+    best = torch.sort(scores, descending=True, stable=True)
+    pairs = zip(best.indices[:top].tolist(), best.values[:top].tolist(), strict=True)
+    return TokenLogprobs(token, float(scores[token]), tuple((int(t), float(p)) for t, p in pairs))
 
 
 def check_count(name: str, value: object) -> None:
@@ -160,9 +200,11 @@ class Completion:
     finish_reason: FinishReason | None = None
     """``"stop"``: it generated an end-of-sequence id (the last of ``tokens``); ``"length"``:
     ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
-    full; ``"error"``: failed (see [`error`][metrale_model_engine.reference.Completion.error]); ``None`` while it waits
-    or runs."""
+    full; ``"error"``: failed (see [`error`][metrale_model_engine.reference.Completion.error]); ``"cancelled"``:
+    ended by [`Server.cancel`][metrale_model_engine.reference.Server.cancel]; ``None`` while it waits or runs."""
     error: str | None = None
     """Why it failed, ``"Type: message"``, when ``finish_reason`` is ``"error"``."""
     seed: int | None = None
     """The seed its tokens were drawn with (its sampling's, or one drawn for it); ``None`` when greedy."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """One per token when the request asked for ``logprobs``, else empty."""

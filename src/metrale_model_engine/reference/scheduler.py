@@ -14,9 +14,10 @@ Each [`Server.step`][metrale_model_engine.reference.Server.step]:
 Each request picks its tokens by its own [`Sampling`][metrale_model_engine.reference.Sampling]: greedy by
 default (the largest logit; the lowest token on a tie), or drawn with its own
 seeded generator.  The head picks; its workers receive the token in the next
-decode command.  Requests may be submitted between any two steps; tokens are
+decode command.  Requests may be submitted, and cancelled (``cancel``), between any two steps; tokens are
 streamed through ``on_token`` as they are chosen.  The server only calls the model's head methods, so the same code
-serves a one-rank model and a multi-rank one: it never asks which it has.
+serves a one-rank model and a multi-rank one: it never asks which it has.  Which request holds which slot (steps 1
+and 4) is its ``Batch``'s to decide (``reference.batch``); what a step feeds and which tokens it picks, its own.
 
 A step that raises leaves every request either as it was before the call that
 raised (a chunk is taken off a request, a token given to it, only once its command
@@ -30,7 +31,6 @@ raised.  An ``on_token`` that raises fails its own request only.  After a
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,13 +39,14 @@ import torch
 
 from .. import EpLink, EpWorkerFailed
 from .._core.namespace import PublicDir, public_dir
-from ..batching import prefill_chunks
+from .batch import Batch, Running
 from .config import LmConfig
 from .rank.checks import check_prompt
 from .rank.runner import Chunk
-from .rank.slots import LmSlots, LmState
+from .rank.slots import LmSlots
 from .rank.timing import TimeSpent
-from .requests import Completion, FinishReason, Request, Sampler, check_count
+from .requests import Completion, Request, check_count, token_logprobs
+from .requests import FinishReason as FinishReason  # this module's name for it before ``batch`` (and ``server``'s)
 
 __all__ = ["DecodeStep", "ServedLm", "Server"]
 
@@ -114,19 +115,6 @@ Forward = Callable[[LmSlots, Sequence[int], Sequence[int]], torch.Tensor]
 """``forward(slots, seq_ids, tokens)``: a step's forward, decoding ``tokens`` in slots ``seq_ids``."""
 
 
-@dataclass
-class _Running:
-    completion: Completion
-    seq_id: int
-    chunks: deque[tuple[int, int]]
-    """The prompt's chunks still to feed, ``(start, length)``."""
-    sampler: Sampler
-    pending: int | None = None
-    """The last token chosen, which the next decode feeds."""
-    ended: FinishReason | None = None
-    """Why it ended, once it has: its slot is freed in the step's last phase."""
-
-
 class Server:
     """Serves ``Request`` objects on the head with continuous batching (see the module).
 
@@ -180,7 +168,8 @@ class Server:
         self.prefill_chunk: int = prefill_chunk
         self.on_token: Callable[[Request, int], None] | None = on_token
         self.sync_every: int | None = sync_every
-        self.slots: LmSlots = [None] * model.ep_link.num_slots
+        self._batch = Batch(model)  # the queue, the running requests and their slots
+        self.slots: LmSlots = self._batch.slots
         """The head's slot array."""
         self.steps: int = 0
         """Steps run so far."""
@@ -188,16 +177,12 @@ class Server:
         """The head's time in each batched decode so far."""
         self.completions: dict[int, Completion] = {}
         """Every request submitted, by id, finished or not."""
-        self._waiting: deque[Completion] = deque()
-        self._running: list[_Running] = []
         self._shut_down = False
-        self._allocated_at: dict[int, int] = {}  # by slot: the link's command count when it was last allocated
-        self._to_reset: set[int] = set()  # slots whose failed command left the workers' state unknown
 
     @property
     def busy(self) -> bool:
         """Whether a request is waiting or running."""
-        return bool(self._waiting or self._running)
+        return self._batch.busy
 
     def submit(self, request: Request) -> Completion:
         """Queue ``request``; it is admitted at the next step with a free slot.  Returns its (growing) completion.
@@ -216,7 +201,7 @@ class Server:
         check_prompt(request.prompt, self.model.config, where=f"request {request.id}: ")
         completion = Completion(request, submitted_step=self.steps)
         self.completions[request.id] = completion
-        self._waiting.append(completion)
+        self._batch.waiting.append(completion)
         return completion
 
     def run(self, requests: Iterable[Request] = ()) -> dict[int, Completion]:
@@ -244,25 +229,43 @@ class Server:
         self._check_open()
         self.steps += 1
         try:
-            self._reset()
-            self._admit()
+            self._batch.reset()
+            self._batch.admit(self.steps, self.prefill_chunk)
             if self.fuse:
                 self._fused()
             else:
                 self._prefill()
-                decoding = self._decoding()
+                decoding = self._batch.decoding()
                 if decoding:
                     self._pick(decoding, self._timed(decoding, self.model.decode))
-            self._release()
+            self._batch.release(self.steps)
         except EpWorkerFailed as reported:
-            self._fail_reported(reported)
+            self._batch.fail_reported(reported, self.steps)
             raise
         if self.sync_every is not None and self.steps % self.sync_every == 0:
             try:
                 self.model.ep_link.sync(self.slots)
             except EpWorkerFailed as reported:
-                self._fail_reported(reported)
+                self._batch.fail_reported(reported, self.steps)
                 raise
+
+    def cancel(self, request_id: int) -> Completion:
+        """End request ``request_id`` now, between steps: its ``finish_reason`` becomes ``"cancelled"``.
+
+        A waiting request leaves the queue (no command); a running one's slot is freed on every
+        rank at once (its own free command, sent by this call).  A finished one is left as it is.
+        Returns its completion.
+
+        Raises:
+            KeyError: no request of that id is in ``completions``.
+            RuntimeError: the server was shut down.
+            EpSendError, EpWorkerFailed, RunStopped: as the free's send; the request is left as it was.
+        """
+        self._check_open()
+        completion = self.completions[request_id]
+        if completion.finish_reason is None:
+            self._batch.cancel(completion, self.steps)
+        return completion
 
     def shutdown(self) -> None:
         """Shut the workers down, after a last sync point that compares every rank's slots; then take nothing more.
@@ -278,46 +281,19 @@ class Server:
         if self._shut_down:
             raise RuntimeError("the server was shut down (shutdown()): it takes no more requests or steps")
 
-    def _admit(self) -> None:
-        """Admit waiting requests, oldest first, into free slots: each taken off the queue once its slot is had."""
-        free = [seq_id for seq_id, state in enumerate(self.slots) if state is None]
-        while self._waiting and free:
-            self.model.alloc(self.slots, free[0])
-            self._allocated_at[free[0]] = self.model.ep_link.commands
-            completion = self._waiting.popleft()
-            completion.admitted_step = self.steps
-            request = completion.request
-            sampler = Sampler(request.sampling)
-            completion.seed = None if request.sampling.greedy else sampler.seed
-            chunks = deque(prefill_chunks(len(request.prompt), self.prefill_chunk))
-            self._running.append(_Running(completion, free.pop(0), chunks, sampler))
-
     def _prefill(self) -> None:
         """One chunk for every request still prefilling; a chunk is taken off only once its prefill ran."""
-        for running in self._running:
-            if running.chunks and running.ended is None:
-                start, length = running.chunks[0]
-                logits = self.model.prefill(
-                    self.slots, running.seq_id, running.completion.request.prompt, start, length
-                )
-                running.chunks.popleft()
-                if not running.chunks:
-                    self._choose(running, running.sampler(logits))
-
-    def _release(self) -> None:
-        """Free the slot of every request that ended, and say why it ended."""
-        for running in [running for running in self._running if self._ends(running)]:
-            reason = running.ended or self._limit(running)
-            self.model.free(self.slots, running.seq_id)
-            completion = running.completion
-            completion.finish_reason = reason
-            completion.finished_step = self.steps
-            self._running.remove(running)
+        for running in self._batch.prefilling():
+            start, length = running.chunks[0]
+            logits = self.model.prefill(self.slots, running.seq_id, running.completion.request.prompt, start, length)
+            running.chunks.popleft()
+            if not running.chunks:
+                self._choose(running, running.sampler(logits), logits)
 
     def _fused(self) -> None:
         """One rank: every prefilling request's next chunk and every decoding request's token, in one forward."""
-        prefilling = [running for running in self._running if running.chunks and running.ended is None]
-        decoding = self._decoding()
+        prefilling = self._batch.prefilling()
+        decoding = self._batch.decoding()
         if not prefilling and not decoding:
             return
         chunks = [(r.seq_id, r.completion.request.prompt, *r.chunks[0]) for r in prefilling]
@@ -329,15 +305,10 @@ class Server:
         for running, row in zip(prefilling, logits[len(decoding) :], strict=True):
             running.chunks.popleft()
             if not running.chunks:
-                self._choose(running, running.sampler(row))
+                self._choose(running, running.sampler(row), row)
         self._pick(decoding, logits[: len(decoding)])
 
-    def _decoding(self) -> list[_Running]:
-        """The requests with a token to feed, by slot (a fused step reads consecutive slots' caches in place)."""
-        decoding = [running for running in self._running if running.pending is not None and not self._ends(running)]
-        return sorted(decoding, key=lambda running: running.seq_id)
-
-    def _timed(self, decoding: list[_Running], forward: Forward) -> torch.Tensor:
+    def _timed(self, decoding: list[Running], forward: Forward) -> torch.Tensor:
         """``forward(slots, seq_ids, tokens)`` of the decoding requests' tokens, its time kept as a
         [`DecodeStep`][metrale_model_engine.reference.DecodeStep] when it decodes any."""
         model = self.model
@@ -353,69 +324,27 @@ class Server:
             self.decode_steps.append(DecodeStep(len(seq_ids), total, protocol, collectives))
         return logits
 
-    def _pick(self, decoding: list[_Running], logits: torch.Tensor) -> None:
+    def _pick(self, decoding: list[Running], logits: torch.Tensor) -> None:
         """Each decoding request's next token, from its row of ``logits``."""
         if all(running.sampler.sampling.greedy for running in decoding):  # one argmax, one read of the batch
             chosen = torch.argmax(logits, dim=-1).tolist()
         else:
             chosen = [running.sampler(row) for running, row in zip(decoding, logits, strict=True)]
-        for running, token in zip(decoding, chosen, strict=True):
-            self._choose(running, token)
+        for running, token, row in zip(decoding, chosen, logits, strict=True):
+            self._choose(running, token, row)
 
-    def _choose(self, running: _Running, token: int) -> None:
+    def _choose(self, running: Running, token: int, logits: torch.Tensor) -> None:
+        """Give ``running`` its next ``token``, chosen from ``logits`` (its row)."""
+        request = running.completion.request
+        if request.logprobs is not None:
+            running.completion.logprobs.append(token_logprobs(logits, token, request.logprobs))
         running.completion.tokens.append(token)
         running.pending = token
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not request.ignore_eos:
             running.ended = "stop"
         if self.on_token is None:
             return
         try:
             self.on_token(running.completion.request, token)
         except Exception as error:  # noqa: BLE001  (the callback's failure is its request's, no one else's)
-            self._fail(running, error)
-
-    def _fail(self, running: _Running, error: BaseException) -> None:
-        """End ``running`` as failed; its slot is freed in the step's last phase."""
-        running.ended = "error"
-        message = str(error)
-        running.completion.error = f"{type(error).__name__}: {message}" if message else type(error).__name__
-
-    def _fail_reported(self, reported: EpWorkerFailed) -> None:
-        """Fail the requests whose commands failed on a worker; their slots are reset at the next step.
-
-        A report of a command older than its slot's last allocation is about a
-        request that is gone, and a state the allocation reset: it is left alone.
-        """
-        for failure in reported.failures:
-            seq_id = failure.seq_id
-            if not 0 <= seq_id < len(self.slots) or failure.command < self._allocated_at.get(seq_id, 0):
-                continue
-            for running in [running for running in self._running if running.seq_id == seq_id]:
-                self._fail(running, reported)
-                running.completion.finish_reason = "error"
-                running.completion.finished_step = self.steps
-                self._running.remove(running)
-            self._to_reset.add(seq_id)
-
-    def _reset(self) -> None:
-        """Reset the slots of failed commands on every rank: a new sequence, then none (two ordinary commands)."""
-        for seq_id in sorted(self._to_reset):
-            self.model.alloc(self.slots, seq_id)
-            self._allocated_at[seq_id] = self.model.ep_link.commands
-            self.model.free(self.slots, seq_id)
-            self._to_reset.discard(seq_id)
-
-    def _ends(self, running: _Running) -> bool:
-        """Whether the request has ended: failed, all its tokens, or no room in its slot for the next one."""
-        return running.ended is not None or self._limit(running) is not None
-
-    def _limit(self, running: _Running) -> FinishReason | None:
-        """``"length"`` when the request has its tokens, ``"context"`` when its slot is full, else ``None``."""
-        completion = running.completion
-        if len(completion.tokens) >= completion.request.max_new_tokens:
-            return "length"
-        state = self.slots[running.seq_id]
-        assert isinstance(state, LmState)
-        if running.pending is not None and state.length >= self.model.config.max_seq_len:
-            return "context"
-        return None
+            running.fail(error)

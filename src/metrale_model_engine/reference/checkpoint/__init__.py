@@ -13,7 +13,8 @@ refused by name); [`load_shard`][metrale_model_engine.reference.checkpoint.load_
 Its modules, one job each: ``files`` (the layout and the safetensors headers),
 ``fields`` (``config.json``'s fields, each accounted for), ``family`` (what
 the families share), ``mixtral`` and ``qwen3_moe`` (one family each),
-``plan`` (which slice goes where), ``loader`` ([`Checkpoint`][metrale_model_engine.reference.checkpoint.Checkpoint],
+``plan`` (which slice goes where, and what a rank whose shard changes holds already),
+``loader`` ([`Checkpoint`][metrale_model_engine.reference.checkpoint.Checkpoint],
 [`load_shard`][metrale_model_engine.reference.checkpoint.load_shard]), ``tokenizer`` and ``write``
 ([`save_checkpoint`][metrale_model_engine.reference.checkpoint.save_checkpoint]).
 """
@@ -25,7 +26,7 @@ from .family import Family
 from .files import CheckpointError, TensorEntry
 from .loader import DTYPES, FAMILIES, SHIPPED_MODEL, Checkpoint, load_shard
 from .mixtral import MIXTRAL
-from .plan import Piece, export_state, load_state, pieces
+from .plan import Piece, Reshard, export_state, load_state, pieces, reshard
 from .qwen3_moe import QWEN3_MOE
 from .tokenizer import Tokenizer, byte_tokenizer
 from .write import save_checkpoint
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "Family",
     "Piece",
+    "Reshard",
     "TensorEntry",
     "Tokenizer",
     "byte_tokenizer",
@@ -47,6 +49,7 @@ __all__ = [
     "load_shard",
     "load_state",
     "pieces",
+    "reshard",
     "save_checkpoint",
 ]
 

@@ -25,7 +25,7 @@ from .family import Family
 from .fields import ConfigFields
 from .files import CheckpointError, TensorEntry, read_json, tensor_table
 from .mixtral import MIXTRAL
-from .plan import Piece, fill, pieces
+from .plan import Piece, copy_held, fill, pieces, reshard
 from .qwen3_moe import QWEN3_MOE
 
 SHIPPED_MODEL: Final[Path] = Path(__file__).parents[1] / "tiny_moe"
@@ -99,10 +99,12 @@ class Checkpoint:
         return cls(path, family, config, dtype, tensors, eos_ids, tokenizer if tokenizer.is_file() else None)
 
     def shard_bytes(self, rank: int, world_size: int, dtype: torch.dtype) -> int:
-        """The bytes of rank ``rank``'s weights in ``dtype``, when ``world_size`` ranks share the model."""
-        shard = self.config.shard(rank, world_size)
-        elements = sum(_elements(piece) for piece in pieces(self.config, self.family, shard))
-        return elements * dtype.itemsize
+        """The bytes of rank ``rank``'s weights in ``dtype``, when ``world_size`` ranks share the model (the zero
+        heads of its padding included: their rows of the query projection and columns of the output projection)."""
+        config, shard = self.config, self.config.shard(rank, world_size)
+        elements = sum(_elements(piece) for piece in pieces(config, self.family, shard))
+        padding = (shard.pad_before + shard.pad_after) * config.head_dim * config.d_model * 2 * config.n_layers
+        return (elements + padding) * dtype.itemsize
 
     def weight_bytes(self) -> int:
         """The bytes of the checkpoint's weights as stored."""
@@ -110,24 +112,41 @@ class Checkpoint:
         return sum(math.prod(entry.shape) * sizes.get(entry.dtype, 0) for entry in self.tensors.values())
 
 
-def load_shard(model: ShardedLm, checkpoint: Checkpoint) -> None:
+def load_shard(model: ShardedLm, checkpoint: Checkpoint, *, held: ShardedLm | None = None) -> int:
     """Read ``model``'s shard of ``checkpoint`` (its rank's slices alone) into its parameters, in their dtype.
 
     The files are mapped (``safetensors``' ``safe_open``) one layer at a time, so
     at its peak a rank holds its shard and the pages of one layer's slices.
 
+    Args:
+        model: the rank's model; its parameters are filled (the zero heads of its padding left as they are).
+        checkpoint: the checkpoint opened.
+        held: this rank's model of another shard of the same checkpoint (its world changed: a rank
+            lost, say): the slices it holds are copied from it, and only the others read from the files
+            ([`reshard`][metrale_model_engine.reference.checkpoint.reshard]).  ``None``: every slice read.
+
+    Returns:
+        The bytes read from the files (in their stored dtype).
+
     Raises:
-        ValueError: ``model``'s config is not the checkpoint's.
+        ValueError: ``model``'s config, or ``held``'s, is not the checkpoint's.
         OSError: a file cannot be read.
     """
-    if model.config != checkpoint.config:
-        raise ValueError(f"the model's config {model.config} is not the checkpoint's, {checkpoint.config}")
+    for name, lm in (("model", model), ("held model", held)):
+        if lm is not None and lm.config != checkpoint.config:
+            raise ValueError(f"the {name}'s config {lm.config} is not the checkpoint's, {checkpoint.config}")
+    missing = None
+    if held is not None:
+        change = reshard(checkpoint.config, checkpoint.family, held.shard, model.shard)
+        copy_held(model, held, change.held)
+        missing = change.missing
     opened: dict[Path, Any] = {}
     layer: str | None = None
+    read_bytes = 0
     with ExitStack() as files:
 
         def read(piece: Piece) -> torch.Tensor:
-            nonlocal layer
+            nonlocal layer, read_bytes
             if _layer_of(piece) != layer:  # a new layer: the last one's pages go
                 files.close()
                 opened.clear()
@@ -136,9 +155,11 @@ def load_shard(model: ShardedLm, checkpoint: Checkpoint) -> None:
             if file not in opened:
                 opened[file] = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             part: torch.Tensor = opened[file].get_slice(piece.name)[piece.part]
+            read_bytes += part.numel() * part.element_size()
             return part
 
-        fill(model, checkpoint.family, read)
+        fill(model, checkpoint.family, read, missing)
+    return read_bytes
 
 
 def _layer_of(piece: Piece) -> str:

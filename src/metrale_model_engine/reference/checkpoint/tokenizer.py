@@ -42,9 +42,10 @@ class Tokenizer:
         size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         return size
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, special tokens added as the tokenizer's post-processor says."""
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``, special tokens added as the tokenizer's post-processor says (unless
+        ``add_special_tokens`` is false: a chat template's text holds its own)."""
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -1,0 +1,198 @@
+"""Starting a served model's ranks, for the demo and the HTTP server alike: what every rank is asked to do,
+checked before any rank starts; the ranks run here (one), under torchrun, or as local processes; one exit status.
+
+Exit status: what the ranks' function says (0, or 1 after its one ``error:`` line); 2 with one
+``error: ...`` line when the run could not start (torch missing, a bad argument, a checkpoint
+that cannot be served, a link that could not be set up); 130 with the one line ``interrupted``
+on Ctrl-C, once every rank has gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from ._core.errors import EpSetupError
+from ._core.protocol import ProtocolVersion
+from ._demo_choices import check_memory, cuda_devices, device_and_backend, open_checkpoint, under_torchrun_env
+from ._host.launch import INTERRUPTED, stop_resource_tracker
+
+if TYPE_CHECKING:
+    from .reference import Checkpoint, ReferenceLm
+
+W = TypeVar("W")
+"""What every rank is asked to do: picklable, for spawned ranks."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the start chose, before any rank exists: the work is made from it."""
+
+    args: argparse.Namespace
+    checkpoint: Checkpoint
+    """Opened and checked against the world size."""
+    protocol: ProtocolVersion
+    device: str
+    world_size: int
+    local_ranks: int
+    """The ranks on this host."""
+
+    def check_memory(self) -> None:
+        """On the CPU, that this host holds its ranks' weights and caches (``--dtype``, ``--slots``).
+
+        Raises:
+            ValueError: it does not; the message is the line to print.
+        """
+        if self.device == "cpu":
+            from .reference.checkpoint import DTYPES
+
+            dtype = self.checkpoint.dtype if self.args.dtype is None else DTYPES[self.args.dtype]
+            check_memory(self.checkpoint, dtype, self.args.slots, self.world_size, self.local_ranks)
+
+
+MakeWork = Callable[[Start], W]
+"""``make_work(start)``: the work, or a ``ValueError`` whose message is the line to print."""
+
+
+def ranks_line(
+    model: ReferenceLm, name: str, pids: Sequence[int], *, slots: int, prefill_chunk: int, cuda_graphs: bool
+) -> str:
+    """The head's first line: the model, where it runs, the ranks and their pids."""
+    link = model.ep_link
+    checkpoint = model.checkpoint
+    ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
+    graphs = ", CUDA graphs" if cuda_graphs else ""
+    return (
+        f"[head] {checkpoint.family.architecture} from {name} ({sum(p.numel() for p in model.lm.parameters()):,} "
+        f"parameters on this rank, {str(model.lm.embed.dtype).removeprefix('torch.')}, on {model.lm.embed.device}"
+        f"{graphs}), {ranks}, protocol {link.protocol.value}; {slots} slots of {model.config.max_seq_len} "
+        f"positions, prefill chunks of {prefill_chunk}; pids {' '.join(map(str, pids))}"
+    )
+
+
+def run(
+    parse: Callable[[], argparse.Namespace],
+    make_work: MakeWork[W],
+    target: Callable[[int, int, W], None],
+) -> int:
+    """Parse the arguments, check the work, run ``target(rank, world_size, work)`` on every rank: the exit status."""
+    try:
+        with _interrupts_end_it_at_once():  # the start: reading the arguments imports torch, for seconds
+            args = parse()
+            started = _start(args, make_work)
+        if isinstance(started, int):
+            return started
+        work, backend = started
+        return _launch(args.world_size, target, work, backend)
+    except KeyboardInterrupt:  # Ctrl-C, from its first moment (torch imports for seconds): one line
+        return interrupted()
+    finally:  # its ranks have ended (run_group waits for them); the helper their start made goes too
+        stop_resource_tracker()
+
+
+def _start(args: argparse.Namespace, make_work: MakeWork[W]) -> tuple[W, str] | int:
+    """What every rank is asked to do, and the backend; or the exit status of a run that cannot start."""
+    try:
+        from . import torch  # noqa: F401  (first: without torch, its ImportError says what to install)
+
+        protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
+        torchrun = under_torchrun_env()
+        world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if torchrun else world_size
+        checkpoint = open_checkpoint(args.model, args.max_seq_len, world_size)
+        device, backend = device_and_backend(args, local_ranks, cuda_devices(), checkpoint.config.world_sizes())
+        work = make_work(Start(args, checkpoint, protocol, device, world_size, local_ranks))
+    except (ImportError, ValueError, OSError) as error:
+        return _cannot_start(error)
+    return work, backend
+
+
+def _launch(world_size: int, target: Callable[[int, int, W], None], work: W, backend: str) -> int:
+    try:
+        if under_torchrun_env():
+            return _under_torchrun(backend, target, work)
+        if world_size == 1:
+            return _exit_code(lambda: target(0, 1, work))
+        from .torch import run_group
+
+        codes = run_group(target, world_size, work, backend=backend)
+    except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
+        return _cannot_start(error)
+    if INTERRUPTED in codes:  # a rank was interrupted (a signal to the ranks alone)
+        return interrupted()
+    if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
+        print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
+    return 1 if any(codes) else 0
+
+
+@contextmanager
+def _interrupts_end_it_at_once() -> Iterator[None]:
+    """While the block runs (the start, before any rank exists), Ctrl-C ends the process at once.
+
+    The start imports torch (seconds), whose import can swallow the
+    ``KeyboardInterrupt`` raised inside it (seen: the demo then ran to its end as
+    if no Ctrl-C had come).  Nothing is held yet: the one line, and exit 130.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _leave_at_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _leave_at_once(signum: int, frame: object) -> None:
+    interrupted()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
+
+
+def interrupted() -> int:
+    """Say that the run was interrupted, in one line (under torchrun, from rank 0 alone), and return 130.
+
+    A second Ctrl-C is ignored from here on: the program is leaving, with no traceback.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("interrupted", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _cannot_start(error: Exception) -> int:
+    """Say why the run could not start, in one line (under torchrun, from rank 0 alone), and return 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+def _exit_code(run: Callable[[], None]) -> int:
+    try:
+        run()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except KeyboardInterrupt:
+        return interrupted()
+    return 0
+
+
+def _under_torchrun(backend: str | None, target: Callable[[int, int, W], None], work: W) -> int:
+    import torch.distributed as dist
+
+    from .torch import init_group_from_env
+
+    init_group_from_env(backend=backend)
+    try:
+        return _exit_code(lambda: target(dist.get_rank(), dist.get_world_size(), work))
+    finally:
+        dist.destroy_process_group()

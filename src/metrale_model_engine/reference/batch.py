@@ -1,0 +1,170 @@
+"""The requests in flight on the head: the queue, the running requests, and the slots they hold.
+
+A [`Server`][metrale_model_engine.reference.Server] keeps its requests in a ``Batch``: the waiting ones in a queue,
+oldest first, and the running ones each in a slot of the head's slot array, with the prompt's chunks still to feed
+and the token the next decode feeds.  The batch admits waiting requests into free slots, frees the slots of the
+requests that ended or were cancelled, and resets on every rank the slots whose failed command left a worker's
+state unknown.  Each of these is an ordinary command of the model (``alloc``, ``free``), and a request moves only
+once its command succeeded.  Which request holds which slot, and when a request may have one, is decided here
+alone; the server decides what each step feeds the running requests and which tokens they get.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from .. import EpLink, EpWorkerFailed
+from ..batching import prefill_chunks
+from .config import LmConfig
+from .rank.slots import LmSlots, LmState
+from .requests import Completion, FinishReason, Sampler
+
+
+class SlotModel(Protocol):
+    """What a ``Batch`` asks of its model: the link (its slot and command counts), the context (``config``), and a
+    slot's new or ended sequence on every rank (``alloc``, ``free``)."""
+
+    @property
+    def ep_link(self) -> EpLink: ...
+
+    @property
+    def config(self) -> LmConfig: ...
+
+    def alloc(self, slots: LmSlots, seq_id: int) -> None: ...
+
+    def free(self, slots: LmSlots, seq_id: int) -> None: ...
+
+
+@dataclass
+class Running:
+    """A request in its slot."""
+
+    completion: Completion
+    seq_id: int
+    chunks: deque[tuple[int, int]]
+    """The prompt's chunks still to feed, ``(start, length)``."""
+    sampler: Sampler
+    pending: int | None = None
+    """The last token chosen, which the next decode feeds."""
+    ended: FinishReason | None = None
+    """Why it ended, once it has: its slot is freed at the step's release."""
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether a chunk of its prompt is still to feed (and it has not ended)."""
+        return bool(self.chunks) and self.ended is None
+
+    def fail(self, error: BaseException) -> None:
+        """End it as failed by ``error`` (``"error"``, ``"Type: message"``); its slot is freed at the step's release."""
+        self.ended = "error"
+        message = str(error)
+        self.completion.error = f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+class Batch:
+    """The requests in flight on the head of ``model``, and the head's slot array (see the module)."""
+
+    def __init__(self, model: SlotModel) -> None:
+        self.model: SlotModel = model
+        self.slots: LmSlots = [None] * model.ep_link.num_slots
+        """The head's slot array."""
+        self.waiting: deque[Completion] = deque()
+        """The requests waiting for a slot, oldest first."""
+        self.running: list[Running] = []
+        """The requests holding a slot, by admission."""
+        self._allocated_at: dict[int, int] = {}  # by slot: the link's command count when it was last allocated
+        self._to_reset: set[int] = set()  # slots whose failed command left the workers' state unknown
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def admit(self, step: int, prefill_chunk: int) -> None:
+        """Admit waiting requests, oldest first, into free slots (one ``alloc`` each), their prompts cut into chunks
+        of at most ``prefill_chunk`` tokens: each taken off the queue once its slot is had."""
+        free = [seq_id for seq_id, state in enumerate(self.slots) if state is None]
+        while self.waiting and free:
+            self.model.alloc(self.slots, free[0])
+            self._allocated_at[free[0]] = self.model.ep_link.commands
+            completion = self.waiting.popleft()
+            completion.admitted_step = step
+            request = completion.request
+            sampler = Sampler(request.sampling)
+            completion.seed = None if request.sampling.greedy else sampler.seed
+            chunks = deque(prefill_chunks(len(request.prompt), prefill_chunk))
+            self.running.append(Running(completion, free.pop(0), chunks, sampler))
+
+    def prefilling(self) -> list[Running]:
+        """The requests with a chunk of their prompt still to feed, by admission."""
+        return [running for running in self.running if running.prefilling]
+
+    def decoding(self) -> list[Running]:
+        """The requests with a token to feed, by slot (a fused step reads consecutive slots' caches in place)."""
+        decoding = [running for running in self.running if running.pending is not None and not self._ends(running)]
+        return sorted(decoding, key=lambda running: running.seq_id)
+
+    def release(self, step: int) -> None:
+        """Free the slot of every request that ended, and say why it ended."""
+        for running in [running for running in self.running if self._ends(running)]:
+            reason = running.ended or self._limit(running)
+            self.model.free(self.slots, running.seq_id)
+            self._finish(running, reason, step)
+
+    def cancel(self, completion: Completion, step: int) -> None:
+        """End ``completion``'s request at ``step`` as ``"cancelled"``: taken off the queue if it waits (no command),
+        its slot freed on every rank if it runs (one ``free``; if that raises, the request is left as it was)."""
+        for running in [running for running in self.running if running.completion is completion]:
+            self.model.free(self.slots, running.seq_id)
+            self._finish(running, "cancelled", step)
+        if completion in self.waiting:
+            self.waiting.remove(completion)
+            completion.finish_reason = "cancelled"
+            completion.finished_step = step
+
+    def fail_reported(self, reported: EpWorkerFailed, step: int) -> None:
+        """Fail the requests whose commands failed on a worker; their slots are reset at the next ``reset``.
+
+        A report of a command older than its slot's last allocation is about a
+        request that is gone, and a state the allocation reset: it is left alone.
+        """
+        for failure in reported.failures:
+            seq_id = failure.seq_id
+            if not 0 <= seq_id < len(self.slots) or failure.command < self._allocated_at.get(seq_id, 0):
+                continue
+            for running in [running for running in self.running if running.seq_id == seq_id]:
+                running.fail(reported)
+                self._finish(running, "error", step)
+            self._to_reset.add(seq_id)
+
+    def reset(self) -> None:
+        """Reset the slots of failed commands on every rank: a new sequence, then none (two ordinary commands)."""
+        for seq_id in sorted(self._to_reset):
+            self.model.alloc(self.slots, seq_id)
+            self._allocated_at[seq_id] = self.model.ep_link.commands
+            self.model.free(self.slots, seq_id)
+            self._to_reset.discard(seq_id)
+
+    def _finish(self, running: Running, reason: FinishReason | None, step: int) -> None:
+        """Take ``running`` out of the batch (its slot already freed), ended for ``reason`` at ``step``."""
+        completion = running.completion
+        completion.finish_reason = reason
+        completion.finished_step = step
+        self.running.remove(running)
+
+    def _ends(self, running: Running) -> bool:
+        """Whether the request has ended: failed, all its tokens, or no room in its slot for the next one."""
+        return running.ended is not None or self._limit(running) is not None
+
+    def _limit(self, running: Running) -> FinishReason | None:
+        """``"length"`` when the request has its tokens, ``"context"`` when its slot is full, else ``None``."""
+        completion = running.completion
+        if len(completion.tokens) >= completion.request.max_new_tokens:
+            return "length"
+        state = self.slots[running.seq_id]
+        assert isinstance(state, LmState)
+        if running.pending is not None and state.length >= self.model.config.max_seq_len:
+            return "context"
+        return None
