@@ -28,8 +28,7 @@ import importlib.util
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +36,7 @@ import pytest
 
 from metrale_model_engine._host.launch import start_ranks_from_a_server
 
-from helpers.serial import Room
+from helpers.serial import Alone, Room
 
 if TYPE_CHECKING:
     from _pytest.terminal import TerminalReporter
@@ -59,7 +58,7 @@ ROOM = pytest.StashKey[Room]()
 
 
 @pytest.fixture
-def alone(request: pytest.FixtureRequest) -> Callable[[], AbstractContextManager[None]]:
+def alone(request: pytest.FixtureRequest) -> Alone:
     """``with alone():``, in a parallel run: the block runs once every other test running has ended, and no other
     starts meanwhile; the rest of the test runs beside the others.  For a time bound measured after a start that
     need not be alone (a program's, a server's); a test whose whole run is timed is marked ``serial`` instead."""

@@ -16,8 +16,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+
+Alone = Callable[[], AbstractContextManager[None]]
+"""The ``alone`` fixture's type (``tests/conftest.py``): ``with alone():`` runs its block alone in a parallel run."""
 
 
 class Room:

@@ -8,8 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from metrale_model_engine.demo import PROMPTS
 from metrale_model_engine.torch import free_port
 
 from helpers.bounded import finish
+from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
 
@@ -221,9 +220,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(
-    tmp_path: Path, alone: Callable[[], AbstractContextManager[None]]
-) -> None:
+def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp_path: Path, alone: Alone) -> None:
     script = tmp_path / "slow_to_leave.py"
     script.write_text(SLOW_TO_LEAVE)
     process = subprocess.Popen(

@@ -11,8 +11,6 @@ import datetime
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import pytest
 
@@ -21,6 +19,8 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 from torch._C._distributed_c10d import TCPStore
 
 from metrale_model_engine.torch import HEAD_LOST_EXIT_CODE, free_port
+
+from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
 
@@ -39,7 +39,7 @@ time.sleep(60)
 
 
 def test_a_worker_that_loses_the_store_ends_its_process_with_the_reason(
-    alone: Callable[[], AbstractContextManager[None]],
+    alone: Alone,
 ) -> None:
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from helpers.demo_env import leave_torchrun
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
 from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 from helpers.rank_results import load
+from helpers.serial import Alone
 from helpers.shm_programs import SLOTS, drive_random
 
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
@@ -164,7 +163,7 @@ def test_every_process_of_the_heads_host_killed_the_other_hosts_workers_exit_wit
 
 @pytest.mark.parametrize("where", ["command", "sync", "forward"])
 def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
-    tmp_path: Path, where: str, alone: Callable[[], AbstractContextManager[None]]
+    tmp_path: Path, where: str, alone: Alone
 ) -> None:
     with SimulatedHosts(2) as simulated:
         argv = ["-m", "helpers.host_programs", "cable_cut", str(tmp_path), where]
