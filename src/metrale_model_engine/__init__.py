@@ -10,7 +10,8 @@ runs [`run_worker`][metrale_model_engine.run_worker].
 
 Where the rest lives: [`metrale_model_engine.shm`][metrale_model_engine.shm] (the shared-memory
 transport), [`metrale_model_engine.torch`][metrale_model_engine.torch] (torch.distributed: transport, group
-setup, transport choice; extra ``torch``), [`metrale_model_engine.testing`][metrale_model_engine.testing]
+setup, transport choice; extra ``torch``), [`metrale_model_engine.reform`][metrale_model_engine.reform] (a run
+that goes on past a lost worker), [`metrale_model_engine.testing`][metrale_model_engine.testing]
 (recording and replay without processes), [`metrale_model_engine.transport`][metrale_model_engine.transport]
 (the transport protocol and its errors), [`metrale_model_engine.wire`][metrale_model_engine.wire] (the
 wire format, for peer implementers).  Importing this package never imports torch.

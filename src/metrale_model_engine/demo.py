@@ -33,12 +33,22 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn, TextIO
+
+
+def _interrupted_while_importing(signum: int, frame: object) -> None:
+    print("interrupted", file=sys.stderr)
+    os._exit(130)  # nothing started yet: nothing to wait for
+
+
+if __name__ == "__main__":  # Ctrl-C while the imports below run, before run() takes it over: the one line, 130
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 from ._core.errors import EpSetupError
 from ._core.namespace import PublicDir, public_dir
@@ -68,7 +78,7 @@ LATE_PROMPTS: Final = 2
 LATE_STEP: Final = 6
 _ENDED: Final = {
     "stop": " (end of sequence)",
-    "context": " (cut short: its slot's cache is full)",
+    "context": " (cut short: its context is full)",
     "error": " (failed)",
 }
 """What a request's line adds when it did not end with its ``--max-new-tokens``."""
@@ -108,6 +118,10 @@ class Work:
     late: int = 0
     sampling: Sampling | None = None
     """How every request picks its tokens; ``None``: greedy."""
+    kv_memory: int | float | None = None
+    """Each rank's KV cache (``ReferenceLm``'s ``kv_memory``); ``None``: every slot's whole context."""
+    block_size: int = 16
+    prefix_caching: bool = True
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -169,6 +183,8 @@ def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> N
             check_kv_values=work.check_kv,
             device=device,
             cuda_graphs=work.cuda_graphs,
+            kv_memory=work.kv_memory,
+            block_size=work.block_size,
         )
         pids = model.ep_link.gather_u32(os.getpid())
     except EpSetupError:
@@ -226,7 +242,9 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         ended = _ENDED.get(completion.finish_reason or "", "")
         _say(f"[request {request.id}{late}] {shown(request.prompt)} -> {shown(completion.tokens)}{ended}")
 
-    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
+    server = Server(
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
+    )
     sampling = work.sampling or GREEDY
     requests = [Request(i, prompt, work.max_new_tokens, sampling) for i, prompt in enumerate(work.prompts)]
     split = len(requests) - work.late
@@ -278,7 +296,7 @@ def _work(start: Start) -> Work:
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     given = [(PROMPT_TEXT, text) for text in PROMPTS] if args.prompts is None else args.prompts
     prompts = prompt_ids(given, checkpoint, tokenizer)
-    start.check_memory()
+    kv_memory = start.kv_memory()
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return Work(
         start.protocol,
@@ -298,10 +316,14 @@ def _work(start: Start) -> Work:
         prompts=tuple(prompts),
         late=LATE_PROMPTS if args.prompts is None else 0,
         sampling=None if sampling.greedy and args.seed is None else sampling,
+        kv_memory=kv_memory,
+        block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
     )
 
 
 __dir__: PublicDir = public_dir(globals(), __all__)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, run() answers Ctrl-C
     raise SystemExit(main())

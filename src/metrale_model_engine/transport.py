@@ -21,10 +21,14 @@ calls of the other role refuse.  A head transport that can tell which workers we
 gives [`NamesSilentRanks`][metrale_model_engine.transport.NamesSilentRanks], and the link's errors name them; one that
 plays its whole group in one process (the doubles of [`metrale_model_engine.testing`][metrale_model_engine.testing])
 gives [`PretendGroup`][metrale_model_engine.transport.PretendGroup], and a model's collectives over it have one
-participant.
+participant.  A transport whose ranks can form a new one once some are lost (a re-form of the link) leaves a
+[`Regroup`][metrale_model_engine.transport.Regroup] channel behind, by
+[`Reformable`][metrale_model_engine.transport.Reformable] (``ShmTransport``), or its launcher gives the link one
+(``open_link``).
 """
 
 from ._core.namespace import PublicDir, public_dir
+from ._core.reform import Reformable, Regroup
 from ._core.transport import (
     EpTransport,
     HeadEnd,
@@ -47,6 +51,8 @@ __all__ = [
     "NamesSilentRanks",
     "PeerLost",
     "PretendGroup",
+    "Reformable",
+    "Regroup",
     "SoloTransport",
     "TransportClosed",
     "TransportCorrupt",

@@ -96,6 +96,10 @@ PRIVATE_ATTRIBUTES: dict[str, tuple[str, str]] = {
     "torch's timeout of a group's backend": ("_launch.choice", "_timeout"),
     "torch's op overloads, which a dispatch mode is handed": ("_tensors.op_count", "_ops"),
     "os._exit: a process's exit without its cleanup": ("*", "_exit"),
+    "torch's timeout of the default group, set past a re-formed group's rendezvous": (
+        "_torch.regroup",
+        "_set_pg_timeout",
+    ),
 }
 """Allowed reads of a private attribute of another object: a short name for each, with (the
 module, below the package, or ``*`` for any; the attribute).  Only other libraries' names:

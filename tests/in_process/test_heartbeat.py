@@ -118,6 +118,7 @@ def test_a_worker_whose_beat_cannot_connect_is_not_taken_for_silent(
     reader.stop()
 
 
+@pytest.mark.serial  # beats 0.08 s inside their bound
 def test_while_the_head_waits_workers_silent_past_the_bound_are_lost_and_one_that_beats_again_is_not(
     store: TCPStore,
 ) -> None:
@@ -140,6 +141,28 @@ def test_while_the_head_waits_workers_silent_past_the_bound_are_lost_and_one_tha
     assert list(watch.lost()) == [2]
     assert seconds >= 10 * PERIOD and found < 10 * PERIOD + 5.0  # slack: a reading a beat late on a loaded machine
     watch.stop()
+
+
+@pytest.mark.serial  # a live worker's beats must keep their period
+def test_the_first_worker_past_the_bound_is_named_with_every_worker_silent_by_then(store: TCPStore) -> None:
+    """A host's two ranks fall silent a reading apart: one stop names both, and not the rank still beating."""
+    period = 0.1
+    live = Heartbeat.start("g", store, 3, period, None)
+    watch = HeadWatch.start("g", store, [1, 2, 3], period, 10 * period)
+    assert live is not None and watch is not None
+    with watch.blocking():
+        for beat in range(12):  # the test beats for ranks 1 and 2; rank 2 stops two beats after rank 1
+            for rank in (1, 2) if beat < 8 else (2,) if beat < 10 else ():
+                store.add(f"metrale_model_engine/heartbeat/g/{rank}", 1)
+            time.sleep(period)
+        deadline = time.monotonic() + 30 * period
+        while not watch.lost() and time.monotonic() < deadline:
+            time.sleep(period / 2)
+    lost = watch.lost()
+    assert sorted(lost) == [1, 2], lost
+    assert lost[1] >= 10 * period and lost[2] >= 4 * period, lost
+    watch.stop()
+    live.stop()
 
 
 def test_the_watch_shuts_down_gloos_connections_and_no_other(store: TCPStore) -> None:

@@ -55,7 +55,7 @@ def test_protocol_from_constructor_else_environment(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_setup_of_another_length_is_refused() -> None:
-    with pytest.raises(EpSetupError, match=r"rank 0: rank 1 sent a setup of 4 words, not 7: every rank must run"):
+    with pytest.raises(EpSetupError, match=r"rank 0: rank 1 sent a setup of 4 words, not 8: every rank must run"):
         EpLink(FakeTransport(0, 2, peers=[[3, 1, 1, 4]]), num_slots=4, protocol=ProtocolVersion.V1)
 
 
@@ -70,7 +70,7 @@ def test_a_setup_of_another_length_is_refused() -> None:
 )
 def test_setup_mismatch_is_refused(peer: list[int], fragment: str) -> None:
     with pytest.raises(EpSetupError, match=fragment):
-        EpLink(FakeTransport(0, 2, peers=[[*peer, 0, 0, 0]]), num_slots=4, protocol=ProtocolVersion.V1)
+        EpLink(FakeTransport(0, 2, peers=[[*peer, 0, 0, 0, 0]]), num_slots=4, protocol=ProtocolVersion.V1)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -393,7 +393,7 @@ def a_dead_pid() -> int:
 
 
 def setup_words(pid: int, host: tuple[int, int]) -> list[int]:
-    return [WIRE_VERSION, 1, 1, 4, pid, *host]
+    return [WIRE_VERSION, 1, 1, 4, 0, pid, *host]
 
 
 def test_check_workers_names_the_workers_of_this_host_that_exited() -> None:

@@ -66,12 +66,14 @@ class Forward:
         role: the rank's role, for what differs between the head and a worker.
     """
 
-    __slots__ = ("_block", "_parts", "_role")
+    __slots__ = ("_block", "_parts", "_role", "declared")
 
     def __init__(self, parts: LinkParts, role: Role) -> None:
         self._parts = parts
         self._role = role
         self._block = CollectiveBlock(parts, role)
+        self.declared: Container[int] | None = None
+        """The model's ``ep_collective_commands``, once handed over (``declare``)."""
 
     def block(self) -> CollectiveBlock:
         """``EpLink.collective``: the block, once the run is known not to have stopped."""
@@ -114,7 +116,8 @@ class Forward:
         assert_ranks_agree(transport, settings, values)
 
     def declare(self, commands: Container[int]) -> None:
-        """``declare_collective_commands``: the role's business."""
+        """``declare_collective_commands``: the role's business (kept, for the link's next epoch)."""
+        self.declared = commands
         self._role.declare(commands)
 
 

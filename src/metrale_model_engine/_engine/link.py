@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Container, MutableSequence
 from typing import Any
@@ -15,6 +16,7 @@ from .._core.tokens import ArrayInterface, TokenArray
 from .._core.transport import EpTransport
 from .forward import Forward, ForwardCollectives
 from .reader import RunCommand
+from .reform.side import ReformSide
 from .roles import role_for
 from .run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
 from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
@@ -64,10 +66,22 @@ class EpLink(ForwardCollectives):
         EpLinkError: the setup exchange itself failed (a rank died, a timeout).
     """
 
-    # The parts: settings (read-only), the stream's count, the link's one state (whose stop closes the link), its
-    # forward's scope; the role, chosen once: the head's parts or the worker's (the other role's are stand-ins that
-    # raise EpRoleError), and what differs between them.  _sender and _reader are the role's, held for the hot paths.
-    __slots__ = ("__weakref__", "_reader", "_role", "_scope", "_sender", "_settings", "_state", "_stream", "_transport")
+    # The parts of an epoch: settings (read-only), the stream's count, the link's one state (whose stop closes the
+    # link), its forward's scope; the role, chosen once: the head's parts or the worker's (the other role's are
+    # stand-ins that raise EpRoleError), and what differs between them.  _sender and _reader are the role's, held for
+    # the hot paths.  What outlives an epoch, for a re-form over the ranks left after a loss: _side.
+    __slots__ = (
+        "__weakref__",
+        "_reader",
+        "_role",
+        "_scope",
+        "_sender",
+        "_settings",
+        "_side",
+        "_state",
+        "_stream",
+        "_transport",
+    )
 
     def __init__(
         self,
@@ -81,15 +95,24 @@ class EpLink(ForwardCollectives):
         options = {"protocol": protocol, "seq_id_on_wire": seq_id_on_wire, "command_timeout": command_timeout}
         settings = LinkSettings.checked(transport.rank, transport.world_size, num_slots=num_slots, **options)
         local_workers = agree_on_setup(transport, settings)
+        self._side = ReformSide(local_workers)
+        self._build(transport, settings)
+
+    def _build(self, transport: EpTransport, settings: LinkSettings) -> None:
+        """The parts of an epoch over ``transport``, whose setup agreement passed."""
         self._settings = settings
         self._transport = transport
         stream, state = CommandStream(), LinkState(settings.who, _closes(self))  # a stop closes the link
         scope = ForwardScope(settings.world_size > 1)
         parts = LinkParts(transport, settings, stream, state, scope)
         self._stream, self._state, self._scope = stream, state, scope
-        role = self._role = role_for(parts, local_workers)
+        role = self._role = role_for(parts, self._side.local)
         self._sender, self._reader = role.sender, role.reader
-        self._forward = Forward(parts, role)
+        before, self._forward = getattr(self, "_forward", None), Forward(parts, role)
+        if before is not None and before.declared is not None:  # an epoch after the first: as the model declared
+            self._forward.declare(before.declared)
+        if self._side.opted_in:
+            role.stop_on_loss()
 
     # -- what every rank can ask -------------------------------------------
 
@@ -102,6 +125,11 @@ class EpLink(ForwardCollectives):
     def world_size(self) -> int:
         """Number of ranks, head included; the protocol is live (``is_ep()``) when above 1."""
         return self._settings.world_size
+
+    @property
+    def epoch(self) -> int:
+        """How many times this link re-formed over the ranks left after a loss (0: as built); every rank agrees."""
+        return self._settings.epoch
 
     @property
     def num_slots(self) -> int:
@@ -327,8 +355,18 @@ class EpLink(ForwardCollectives):
 
         A head that has not shut its workers down tells them first (best effort,
         within a second; once the run stopped, without waiting), so that every
-        worker's next receive raises [`EpReceiveError`][metrale_model_engine.EpReceiveError] at once.
+        worker's next receive raises [`EpReceiveError`][metrale_model_engine.EpReceiveError] at once.  A link
+        whose model re-forms ([`LinkedEp.ep_reforms`][metrale_model_engine.LinkedEp.ep_reforms]) lets go of its
+        re-form channel too (the run's stop closes the link but keeps that): the head tells the workers that wait
+        for a re-form that none comes.
         """
+        try:
+            self._shut()
+        finally:
+            self._side.release(self._settings.rank == 0)
+
+    def _shut(self) -> None:
+        """Close this epoch: its role's parts and its transport (a stop does, keeping what a re-form needs)."""
         state = self._state
         if state.closed:
             return
@@ -361,16 +399,49 @@ class EpLink(ForwardCollectives):
 
 
 def _closes(link: EpLink) -> Callable[[], None]:
-    """What closes ``link`` once its run stopped, holding it weakly: its state refers to it, not back, so a link
-    dropped without ``close`` is freed (and its transport let go) at once, as before any stop."""
+    """What closes ``link``'s epoch once its run stopped, holding it weakly: its state refers to it, not back, so a
+    link dropped without ``close`` is freed (and its transport let go) at once, as before any stop."""
     held = weakref.ref(link)
 
     def close() -> None:
         alive = held()
         if alive is not None:
-            alive.close()
+            alive._side.stopped()
+            alive._shut()
 
     return close
+
+
+def side_of(link: EpLink) -> ReformSide:
+    """What ``link`` keeps across its epochs, for its re-forms."""
+    return link._side
+
+
+def opt_in(link: EpLink) -> None:
+    """``link``'s model re-forms (``LinkedEp.ep_reforms``): keep a channel; the head stops the run on a lost worker."""
+    link._side.opt_in(link._transport)
+    link._role.stop_on_loss()
+
+
+def shut_epoch(link: EpLink) -> None:
+    """Close ``link``'s epoch (its transport), keeping what a re-form needs; noted as when it stopped here."""
+    link._side.stopped()
+    link._shut()
+
+
+def renew(link: EpLink, transport: EpTransport, epoch: int, timeout: float) -> None:
+    """``link``'s next epoch over ``transport`` (its setup agreement at ``epoch``, within ``timeout``), this epoch's
+    parts replaced; its state digest kept.  The epoch before must be closed.
+
+    Raises:
+        EpSetupError, EpLinkError: as the setup agreement (the link stays as it was).
+    """
+    settings = dataclasses.replace(link._settings, rank=transport.rank, world_size=transport.world_size, epoch=epoch)
+    link._side.local = agree_on_setup(transport, settings, timeout)
+    digest = link._role.state_digest
+    link._build(transport, settings)
+    link._role.state_digest = digest
+    link._side.stopped_at = 0.0
 
 
 def command_in_flight(link: EpLink) -> tuple[int, int]:

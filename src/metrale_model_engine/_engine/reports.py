@@ -10,7 +10,7 @@ from .._core.checks import check_seconds
 from .._core.codec import WireError
 from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, error_text
 from .._core.transport import NamesLostRanks, NamesSilentRanks
-from .._host.liveness import ProcessWatch
+from .._host.liveness import ProcessWatch, exit_status, process_state
 from .answers import read_answers
 from .run_state import LinkParts
 
@@ -38,12 +38,13 @@ class WorkerReports:
         pids: the pid of every worker on the head's host, by rank.
     """
 
-    __slots__ = ("_ranks", "_seen", "_settings", "_state", "_stream", "_transport", "_watch")
+    __slots__ = ("_pids", "_ranks", "_seen", "_settings", "_state", "_stream", "_transport", "_watch")
 
     def __init__(self, parts: LinkParts, pids: Mapping[int, int]) -> None:
         self._transport, self._settings, self._stream, self._state, _ = parts
         self._seen = [0] * self._settings.world_size  # by rank: failures the head has read
         self._watch: ProcessWatch | None = ProcessWatch()
+        self._pids = dict(pids)
         self._ranks = {pid: rank for rank, pid in pids.items()}
         for pid in pids.values():
             self._watch.add(pid)
@@ -84,9 +85,15 @@ class WorkerReports:
         """
         failures = self.poll()
         if any(failure.stopped for failure in failures):
-            raise self.stop(self.why(failures, []), failures, (), note=_NOT_SENT)
+            raise self.stopped_by(failures, note=_NOT_SENT)
         if failures:
             raise EpWorkerFailed(failures, _NOT_SENT)
+
+    def stopped_by(self, failures: list[WorkerFailure], *, note: str = "", where: str = "") -> RunStopped:
+        """Reports that stop the run arrived (``failures``): stop it, naming the ranks that exited too (a moment
+        more for them when the reports are all witnesses'); return the ``RunStopped`` to raise."""
+        failures, exited = self.stopped_workers(DEATH_GRACE, failures)
+        return self.stop(self.why(failures, exited), failures, exited, note=note, where=where)
 
     def check(self, timeout: object) -> None:
         """``EpLink.check_workers``: raise why workers stopped, looking up to ``timeout`` seconds."""
@@ -98,14 +105,27 @@ class WorkerReports:
         if failures:
             raise EpWorkerFailed(failures)
 
-    def stopped_workers(self, limit: float) -> tuple[list[WorkerFailure], list[int]]:
-        """The reports not read yet and the worker ranks that exited; looks up to ``limit`` seconds for either."""
+    def stopped_workers(
+        self, limit: float, found: Sequence[WorkerFailure] = ()
+    ) -> tuple[list[WorkerFailure], list[int]]:
+        """The reports not read yet (after ``found``, read already) and the worker ranks that exited; looks up to
+        ``limit`` seconds for either.
+
+        Reports of witnesses alone (workers whose collective failed: they saw another
+        rank's failure) do not end the look at once: it goes on up to ``DEATH_GRACE``
+        more (within ``limit``) for the rank behind them, whose exit may show a moment
+        after its sockets closed (its other threads still ending).
+        """
         deadline = time.monotonic() + limit
+        failures = list(found)
         while self._settings.world_size > 1:
             exited = self.exited()  # first: a report written before the exit is in by now
-            failures = self.poll()
-            if failures or exited or time.monotonic() >= deadline:
+            failures += self.poll()
+            now = time.monotonic()
+            if exited or any(not failure.witness for failure in failures) or now >= deadline:
                 return failures, exited
+            if failures:
+                deadline = min(deadline, now + DEATH_GRACE)
             time.sleep(_CHECK_PAUSE)
         return [], []
 
@@ -116,26 +136,46 @@ class WorkerReports:
         return self._state.stop(RunStopped(f"head: the run stopped{where}: {why}{note}", failures, ranks))
 
     def why(self, failures: Sequence[WorkerFailure], exited: Sequence[int]) -> str:
-        """The reason a run stopped, as the head knows it: first-hand reports, the ranks that exited, witnesses.
+        """Why a run stopped, as the head knows it: first-hand reports, the ranks that exited (and how), witnesses.
 
         A witness (a worker whose collective failed) may only have seen another rank's
-        failure: its report comes last, and when nothing else is known (no first-hand
-        report, no rank that exited but the witnesses, which leave after they report),
-        the ranks that said nothing are named.
+        failure: its report comes last.  Where a first-hand report or a rank that
+        exited explains the stop, a witness that lives on is said to have witnessed it,
+        not to have failed its command; it is named as failing when it is all that is
+        known, or when its rank exited (its last word).  When nothing else is
+        known (no first-hand report, no rank that exited but the witnesses, which leave
+        after they report), the ranks that said nothing are named.
         """
         first_hand = [str(failure) for failure in failures if not failure.witness]
         reasons = list(first_hand)
         if exited:
             reasons.append(
-                f"worker rank(s) {list(exited)} exited (died or left the run) after command {self._stream.commands}"
+                f"worker rank(s) {list(exited)} exited (died or left the run) after command "
+                f"{self._stream.commands}{self.ended(exited)}"
             )
         witnesses = [failure for failure in failures if failure.witness]
-        reasons += [str(failure) for failure in witnesses]
+        reasons += [str(failure) for failure in witnesses if failure.rank in exited]
+        alive = [failure for failure in witnesses if failure.rank not in exited]
+        caused = any(rank not in {failure.rank for failure in witnesses} for rank in exited)
+        if first_hand or caused:
+            reasons += [f"worker rank {failure.rank} only witnessed it ({failure.error})" for failure in alive]
+        else:
+            reasons += [str(failure) for failure in alive]
         seen = {failure.rank for failure in witnesses}
         silent = [rank for rank in range(1, self._settings.world_size) if rank not in seen and rank not in exited]
-        if witnesses and not first_hand and all(rank in seen for rank in exited) and silent:
+        if witnesses and not first_hand and not caused and silent:
             reasons.append(f"rank(s) {silent} said nothing (they stall, skipped their forward, or left)")
         return "; ".join(reasons)
+
+    def ended(self, ranks: Sequence[int]) -> str:
+        """How the worker ``ranks`` of the head's host that exited ended, as a clause (``" (rank 3 was killed by
+        SIGKILL)"``); empty where none can be told (not of this host, or reaped by its parent already)."""
+        told = [f"rank {rank} {how}" for rank in ranks if (how := self.how(rank))]
+        return f" ({'; '.join(told)})" if told else ""
+
+    def how(self, rank: int) -> str:
+        """How worker ``rank`` of the head's host ended (``"was killed by SIGKILL"``); ``""`` where unknown."""
+        return exit_status(self._pids.get(rank, 0))
 
     def silent(self) -> list[int]:
         """The worker ranks whose transport says they went silent (see ``NamesSilentRanks``); waits a moment."""
@@ -167,10 +207,17 @@ class WorkerReports:
         return clause, sorted(lost)
 
     def exited(self) -> list[int]:
-        """The worker ranks of the head's host whose process has exited."""
+        """The worker ranks of the head's host whose process has exited.
+
+        By their pidfds, and by their state: a process killed with many threads is a
+        zombie (its main thread gone, its sockets closed) a moment before its pidfd
+        tells, while its other threads end.
+        """
         if self._watch is None:
             return []
-        return sorted(self._ranks[pid] for pid in self._watch.dead())
+        dead = set(self._watch.dead())
+        dead.update(pid for pid in self._ranks if pid not in dead and process_state(pid) == "Z")
+        return sorted(self._ranks[pid] for pid in dead)
 
     def halted(self) -> list[int]:
         """The worker ranks of the head's host whose process is stopped (a signal, a debugger)."""

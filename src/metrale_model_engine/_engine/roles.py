@@ -88,6 +88,10 @@ class Role(ABC):
     def close(self) -> None:
         """What the link's close does before it closes the transport."""
 
+    @abstractmethod
+    def stop_on_loss(self) -> None:
+        """The model re-forms its link: a worker lost wherever the head finds it stops the run (a send included)."""
+
 
 class HeadRole(Role):
     """Rank 0: it sends, runs sync points and reads the workers' reports, and its forward runs in ``collective()``.
@@ -171,6 +175,9 @@ class HeadRole(Role):
         finally:
             self.reports.close()
 
+    def stop_on_loss(self) -> None:
+        self.sender.stops_on_loss = True
+
 
 class WorkerRole(Role):
     """A worker rank: it steps through the commands and answers; a failure of a collective command refuses it.
@@ -221,6 +228,9 @@ class WorkerRole(Role):
 
     def close(self) -> None:
         """Nothing: the transport's close tells the head, as the worker's leaving does."""
+
+    def stop_on_loss(self) -> None:
+        """Nothing: a worker sends nothing."""
 
 
 def role_for(parts: LinkParts, pids: Mapping[int, int]) -> Role:

@@ -51,6 +51,7 @@ class HeadSender:
         "_settings",
         "_state",
         "_stream",
+        "stops_on_loss",
     )
 
     def __init__(self, parts: LinkParts, reports: WorkerReports) -> None:
@@ -60,6 +61,8 @@ class HeadSender:
         self._reports = reports
         self._owed: Container[int] = frozenset()
         self._declared = False
+        self.stops_on_loss = False
+        """A send that fails because workers are gone (exited, silent) stops the run (its model re-forms the link)."""
 
     def owed_words(self, words: Container[int], *, declared: bool) -> None:
         """The command words whose forward the head owes (they run collectives): ``declared`` by the model's
@@ -192,6 +195,9 @@ class HeadSender:
         why = reports.why(failures, exited) or reports.silence()
         if any(failure.stopped for failure in failures):
             return reports.stop(why, failures, exited, note="; the send failed")
+        gone = exited or (reports.silent() if self.stops_on_loss else [])
+        if self.stops_on_loss and gone:  # a lost worker: the run stops, and the link re-forms without it
+            return reports.stop(why, failures, gone, note=f"; the send failed: {error}")
         return EpSendError(f"head: broadcast to the workers failed: {error}" + (f"; {why}" if why else ""))
 
 

@@ -29,6 +29,8 @@ class LinkSettings:
     protocol: ProtocolVersion
     seq_id_on_wire: bool
     command_timeout: float | None
+    epoch: int = 0
+    """How many times the link re-formed over the ranks left (0: as it was built); every rank agrees on it."""
 
     @classmethod
     def checked(
@@ -70,15 +72,20 @@ _FIELDS: tuple[tuple[str, Callable[[int], str]], ...] = (
     ("protocol", "v{}".format),
     ("seq_id_on_wire option", lambda flag: str(bool(flag))),
     ("slot count", str),
+    ("epoch", str),
 )
-"""The words every rank must agree on, in the order they are sent, and how a message shows each."""
+"""The words every rank must agree on, in the order they are sent, and how a message shows each; then each
+rank's pid and host fingerprint."""
+_PID: Final = len(_FIELDS)
 
 
-def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, int]:
-    """Run the setup exchange over ``transport`` (collective); raise unless every rank agrees.
+def agree_on_setup(transport: EpTransport, settings: LinkSettings, timeout: float | None = None) -> dict[int, int]:
+    """Run the setup exchange over ``transport`` (collective, within ``timeout``: default the transport's setup
+    limit); raise unless every rank agrees.
 
-    Each rank sends its wire version, protocol, ``seq_id_on_wire``, slot count, pid
-    and host fingerprint.
+    Each rank sends its wire version, protocol, ``seq_id_on_wire``, slot count, epoch,
+    pid and host fingerprint.  A rank of another epoch than the head's missed a
+    re-form of the link: it is refused by name.
 
     Returns:
         The pid of every worker on this rank's host, by rank.
@@ -88,10 +95,10 @@ def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, 
         EpLinkError: the exchange itself failed (a rank died, a timeout).
     """
     rank = settings.rank
-    mine = [WIRE_VERSION, settings.protocol.code, int(settings.seq_id_on_wire), settings.num_slots, os.getpid()]
-    mine += host_fingerprint()
+    mine = [WIRE_VERSION, settings.protocol.code, int(settings.seq_id_on_wire), settings.num_slots, settings.epoch]
+    mine += [os.getpid(), *host_fingerprint()]
     try:
-        everyone = transport.gather(mine)
+        everyone = transport.gather(mine, timeout)
     except Exception as error:
         raise EpLinkError(f"rank {rank}: the setup exchange failed: {error}") from error
     for peer, words in enumerate(everyone):
@@ -101,11 +108,24 @@ def agree_on_setup(transport: EpTransport, settings: LinkSettings) -> dict[int, 
                 "every rank must run the same version of this library"
             )
     for field, (name, shown) in enumerate(_FIELDS):
-        problem = disagreement(rank, name, [words[field] for words in everyone], shown)
+        column = [words[field] for words in everyone]
+        problem = disagreement(rank, name, column, shown)
         if problem is not None:
-            raise EpSetupError(problem)
+            raise EpSetupError(problem + _older(column) if name == "epoch" else problem)
     return {
-        peer: words[4]
+        peer: words[_PID]
         for peer, words in enumerate(everyone)
-        if peer and words[5:] == mine[5:] and words[4] not in (0, mine[4])
+        if peer and words[_PID + 1 :] == mine[_PID + 1 :] and words[_PID] not in (0, mine[_PID])
     }
+
+
+def _older(epochs: list[int]) -> str:
+    """What a disagreement on the epoch adds: the ranks whose setup is of an older epoch than the head's."""
+    older = [peer for peer, epoch in enumerate(epochs) if epoch < epochs[0]]
+    newer = [peer for peer, epoch in enumerate(epochs) if epoch > epochs[0]]
+    said = ""
+    if older:
+        said += f"; rank(s) {older} are of an epoch older than the head's: they missed a re-form of the link"
+    if newer:
+        said += f"; rank(s) {newer} are of an epoch later than the head's: the link re-formed without the head"
+    return said

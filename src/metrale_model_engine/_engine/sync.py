@@ -62,7 +62,7 @@ class SyncPoints:
                     raise self._failed_waiting(reports, number, rank, error, failures) from error
                 failures += reports.seen(found)
                 if any(failure.stopped for failure in found):  # that worker left: no acknowledgement will come
-                    raise reports.stop(reports.why(failures, []), failures, ())
+                    raise reports.stopped_by(failures)
                 acks.update((rank, ack) for ack in answered if ack.number == number)
         stream = self._stream
         differ = differences(HeadFigures(number, stream.commands, stream.crc, mine, self._agreed), acks)
@@ -82,14 +82,20 @@ class SyncPoints:
 
         A worker that does not answer in time (or at all) leaves the head unable to
         know what it ran: the run cannot go on.  Workers the transport found lost
-        are named as such; else the rank that did not answer, whether it exited,
-        and the workers whose heartbeat stopped.
+        are named as such; then the workers of the head's host that exited (the rank
+        that did not answer may have left its wait as the run stopped); else the rank
+        that did not answer, whether it exited, and the workers whose heartbeat stopped.
         """
         where = f" at sync point {number}"
         lost, ranks = reports.lost()
         if lost:
             return reports.stop(lost, failures, ranks, where=where)
-        exited = " (it exited: died or left the run)" if rank in reports.exited() else ""
+        gone = reports.exited()
+        if rank not in gone and gone:  # another worker exited: the cause, and the end of this one's wait
+            why = f"{reports.why((), gone)}; worker rank {rank} did not answer: {error}"
+            return reports.stop(why, failures, [*gone, rank], where=where)
+        how = reports.how(rank)
+        exited = f" (it exited: died or left the run{'; it ' + how if how else ''})" if gone else ""
         silent = "" if exited else reports.silence()
         why = f"worker rank {rank} did not answer{exited}: {error}" + (f"; {silent}" if silent else "")
         return reports.stop(why, failures, [rank], where=where)

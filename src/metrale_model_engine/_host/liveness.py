@@ -6,6 +6,8 @@ import errno
 import hashlib
 import os
 import select
+import signal
+from collections.abc import Mapping
 
 
 class ProcessWatch:
@@ -84,11 +86,49 @@ def process_exists(pid: int) -> bool:
 
 def process_state(pid: int) -> str:
     """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), ``""`` if unknown."""
+    fields = _stat(pid)
+    return fields[0] if fields else ""
+
+
+def ended_processes(pids: Mapping[int, int]) -> dict[int, str]:
+    """Of ``pids`` (each under a key, a rank say), the processes that ended, each with how (``exit_status``; else
+    ``"exited"``).  A zombie has ended; a pid whose process is gone too (its parent reaped it)."""
+    ended = {}
+    for key, pid in pids.items():
+        state = process_state(pid)
+        if state in ("Z", "X") or (not state and not process_exists(pid)):
+            ended[key] = exit_status(pid) or "exited"
+    return ended
+
+
+def exit_status(pid: int) -> str:
+    """How process ``pid`` ended, while its parent has not reaped it: ``"was killed by SIGKILL"``, ``"exited with
+    status 1"``; ``""`` when that cannot be told (it lives, or was reaped: then its pid means nothing any more).
+
+    Read from the zombie's ``/proc/<pid>/stat`` (its last field is the status ``waitpid`` would give its parent),
+    so a sibling can tell it too; Linux only, elsewhere ``""``.
+    """
+    fields = _stat(pid)
+    if len(fields) < 50 or fields[0] != "Z":
+        return ""
+    status = int(fields[49])
+    number = status & 0x7F
+    if not number:
+        return f"exited with status {status >> 8}"
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    return f"was killed by {name}"
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (the state first); empty if unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0]
+            return file.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
 
 
 def host_fingerprint() -> tuple[int, int]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Final, Literal
 
 import torch
@@ -15,14 +17,16 @@ import torch.distributed as dist
 from .._core.checks import check_choice, disagreement
 from .._core.errors import EpLinkError, EpSetupError, ring_setup_failed
 from .._core.protocol import ProtocolVersion
+from .._core.transport import EpTransport
 from .._core.words import U32_TYPECODE
-from .._engine.link import EpLink
+from .._engine.link import EpLink, side_of
 from .._engine.settings import DEFAULT_COMMAND_TIMEOUT
 from .._host.liveness import host_fingerprint
 from .._shm.transport import RING_SETUP_ERRORS, ShmTransport, setup_reason, shm_supported
 from .._shm.waiting import DEFAULT_MAX_SPIN_TIME, DEFAULT_SPIN_TIME
-from .._torch.heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, checked_liveness
+from .._torch.heartbeat import DEFAULT_HEAD_LOST_AFTER, DEFAULT_HEARTBEAT, checked_liveness, tcp_store
 from .._torch.hosts import HostsTransport
+from .._torch.regroup import GroupRegroup, beats_of
 from .._torch.transport import TorchTransport, watch_liveness
 from .groups import DEFAULT_IDLE_TIMEOUT
 
@@ -34,6 +38,8 @@ TransportKind = Literal["auto", "shm", "torch"]
 TRANSPORT_KINDS: Final[tuple[TransportKind, ...]] = ("auto", "shm", "torch")
 _NAME_WORDS: Final[int] = 16
 """u32 words that carry the ring's name from the head in the rendezvous (64 bytes)."""
+_LINKS = itertools.count()
+"""Links this process opened over the default group: each one's keys in the store (every rank counts alike)."""
 
 
 def open_transport(
@@ -149,18 +155,25 @@ def open_link(
     both); if the link's setup fails, the transport is closed before the error
     propagates.  Arguments as [`open_transport`][metrale_model_engine.torch.open_transport] and
     [`EpLink`][metrale_model_engine.EpLink].
+
+    A link over the default group (``group=None``) whose model re-forms
+    ([`LinkedEp.ep_reforms`][metrale_model_engine.LinkedEp.ep_reforms]) forms again over the ranks left after a
+    loss through the group's store: a new default group of them, renumbered, and over it
+    the transport ``kind`` chooses (see [`reform_link`][metrale_model_engine.reform.reform_link]).
     """
-    transport = open_transport(
+    make = partial(
+        open_transport,
         kind,
-        group,
         device=device,
         spin_time=spin_time,
         max_spin_time=max_spin_time,
         heartbeat=heartbeat,
         head_lost_after=head_lost_after,
     )
+    number = next(_LINKS)
+    transport = make(group)
     try:
-        return EpLink(
+        link = EpLink(
             transport,
             num_slots=num_slots,
             protocol=protocol,
@@ -170,6 +183,39 @@ def open_link(
     except BaseException:
         transport.close()
         raise
+    regroup = _group_regroup(transport, group, partial(make, None), f"metrale_model_engine/reform/{number}", heartbeat)
+    if regroup is not None:
+        side_of(link).offer(regroup)
+    return link
+
+
+def _group_regroup(
+    transport: EpTransport,
+    group: dist.ProcessGroup | None,
+    make: Callable[[], EpTransport],
+    keys: str,
+    period: float | None,
+) -> GroupRegroup | None:
+    """How ``transport``'s ranks form the next epoch of a link through the default group's store; ``None`` over
+    another group, or a store that is not a ``TCPStore``."""
+    world = dist.group.WORLD
+    store = None if world is None or group not in (None, world) else tcp_store(world.get_group_store())
+    if world is None or store is None:
+        return None
+    backend = dist.get_backend(world)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    bound = getattr(world, "bound_device_id", None)
+    return GroupRegroup(
+        store,
+        keys,
+        transport.rank,
+        period,
+        beats_of(transport, period),
+        make,
+        backend,
+        bound,
+        _timeout_of(world, device),
+    )
 
 
 def _host_words() -> list[int]:

@@ -18,12 +18,15 @@ from .._core.transport import GATHER_WORDS, PeerLost, TransportClosed, Transport
 from .._core.words import u32_values
 from .._host.liveness import ProcessWatch
 from . import futex
-from .segment import BELL_AT, HEAD_PID_AT, Segment
+from .segment import BELL_AT, HEAD_OPEN, HEAD_PID_AT, HEAD_STATE_AT, Segment
 from .waiting import DEFAULT_SPIN_TIME, wait_until
 
 
 class SetupGather:
     """The gathers of one rank of a ring, counted by generation.
+
+    ``members``: pids to watch from the first gather on, before they attach (a ring
+    formed again over the ranks left of a group).
 
     Raises from ``gather`` (plain errors): ``TypeError`` or ``ValueError`` for a word
     that is not a u32 (as [`check_u32`][metrale_model_engine.check_u32] says, naming ``words[i]``),
@@ -33,13 +36,15 @@ class SetupGather:
     [`TransportClosed`][metrale_model_engine.transport.TransportClosed] once ``closed`` is set.
     """
 
-    __slots__ = ("_generation", "_rank", "_segment", "_setup_timeout", "closed")
+    __slots__ = ("_attempted", "_generation", "_members", "_rank", "_segment", "_setup_timeout", "closed")
 
-    def __init__(self, segment: Segment, rank: int, setup_timeout: float) -> None:
+    def __init__(self, segment: Segment, rank: int, setup_timeout: float, members: Sequence[int] = ()) -> None:
         self._segment = segment
         self._rank = rank
         self._setup_timeout = setup_timeout
+        self._members = tuple(members)  # pids watched before they attach: a ring formed again over known ranks
         self._generation = 0
+        self._attempted = 0  # the generation of the latest gather begun
         self.closed = False
         """Set when the transport closes: a gather in progress then raises."""
 
@@ -50,7 +55,7 @@ class SetupGather:
         values = u32_values("words", words)
         segment = self._segment
         layout, u32 = segment.layout, segment.u32
-        generation = self._generation + 1
+        generation = self._attempted = self._generation + 1
         mine = layout.gather_at(self._rank) // 4
         u32[mine + 2] = len(values)
         for index, value in enumerate(values):
@@ -76,14 +81,24 @@ class SetupGather:
             raise ValueError(differ)
         return everyone
 
+    def unanswered(self) -> list[int]:
+        """The ranks that have not answered this rank's latest gather (all of them once it passed: none)."""
+        segment = self._segment
+        lines = [segment.layout.gather_at(rank) // 4 for rank in range(segment.layout.world_size)]
+        return [rank for rank, line in enumerate(lines) if segment.u32[line] < self._attempted]
+
     def _wait_for_ranks(self, ready: Callable[[], bool], doing: str, timeout: float, limit: str) -> None:
         segment, layout = self._segment, self._segment.layout
         pid_words = [HEAD_PID_AT // 4] + [layout.pid_at(r) // 4 for r in range(layout.readers)]
         watch = ProcessWatch()
+        for pid in self._members:
+            watch.add(pid)
 
         def check() -> None:
             if self.closed:
                 raise TransportClosed("this ShmTransport was closed")
+            if self._rank and segment.u32[HEAD_STATE_AT // 4] != HEAD_OPEN:
+                raise PeerLost(f"rank {self._rank}: the head left the ring before every rank could {doing}")
             for word in pid_words:
                 if segment.u32[word]:
                     watch.add(segment.u32[word])

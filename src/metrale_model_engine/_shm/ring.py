@@ -353,14 +353,17 @@ class RingReader:
     def _wait_for_record(
         self, at: int, record: int, deadline: float | None, timeout: float | None, offset: int, message: int
     ) -> None:
-        """Wait until the record at position ``at`` is published; ``offset`` of ``message`` bytes arrived so far."""
-        u64, stamp = self._u64, record >> 3
+        """Wait until the record at position ``at`` is published; ``offset`` of ``message`` bytes arrived so far.
+
+        A head that closes the ring or breaks it wakes the wait, which then raises at once (``check_head``).
+        """
+        u64, u32, stamp, state = self._u64, self._segment.u32, record >> 3, HEAD_STATE_AT // 4
 
         def published() -> bool:
             found = u64[stamp]
             if found and found != at + 1:
                 raise TransportCorrupt(f"the ring is corrupt: the record at position {at} has stamp {found - 1}")
-            return found != 0
+            return found != 0 or u32[state] != HEAD_OPEN
 
         def check() -> None:
             self.check_head(offset, message)
@@ -377,6 +380,8 @@ class RingReader:
             )
         except TimeoutError:
             raise TransportTimeout(f"timed out: no message from the head within {timeout} s") from None
+        if not u64[stamp]:  # the head closed or broke the ring, with nothing more published
+            self.check_head(offset, message)
 
     def check_head(self, offset: int = 0, message: int = 0) -> None:
         """Raise ``PeerLost`` if the head broke, closed or died (its ``offset`` of ``message`` bytes in)."""

@@ -15,6 +15,9 @@ line 2 (parked)           one byte per reader: it sleeps on a record's stamp
 line 3 (gone)             one byte per reader: 0 while it serves, else why it left
 line 4 (answered)         one byte per reader: the low byte of its answers published
 line 5 (head waits)       one byte: the head sleeps waiting for an answer
+line 6 (re-form)          the head's word to the ranks once some are lost: epoch u32, state u32
+                          (0 none, 1 formed, 2 ended), members u64 (one bit per rank), the
+                          name of the next epoch's ring
 reader lines              one line per reader: consumed position u64 (the head's futex
                           word when the ring is full), pid u32
 gather lines              one line per rank: generation, acknowledgement, count, GATHER_WORDS words
@@ -53,8 +56,9 @@ NAME_PREFIX: Final[str] = "metrale-ep-"
 LINE: Final[int] = 64
 """Bytes per cache line: every field group starts on its own."""
 MAGIC: Final[int] = 0x3153_4D48_5350_454D  # b"MEPSHMS1", little-endian
-LAYOUT_VERSION: Final[int] = 3
-"""2: every record carries its offset in its message; 3: each worker has an answer ring back to the head."""
+LAYOUT_VERSION: Final[int] = 4
+"""2: every record carries its offset in its message; 3: each worker has an answer ring back to the head; 4: the
+re-form line, where the head tells the ranks of a ring that lost some which ring the rest form next."""
 MAX_WORLD_SIZE: Final[int] = LINE
 """Ranks in one segment at most: the parked and gone lines hold one byte per reader."""
 assert GATHER_WORDS <= LINE // 4 - 3, "a rank's gather line holds a generation, an acknowledgement, a count, the words"
@@ -78,7 +82,10 @@ PARKED_AT: Final[int] = 2 * LINE
 GONE_AT: Final[int] = 3 * LINE
 ANSWERED_AT: Final[int] = 4 * LINE
 HEAD_WAITS_AT: Final[int] = 5 * LINE
-_READERS_AT: Final[int] = 6 * LINE
+REFORM_AT: Final[int] = 6 * LINE
+"""The re-form line: epoch u32, state u32, members u64, then the next ring's name (``REFORM_NAME_BYTES``)."""
+REFORM_NAME_BYTES: Final[int] = LINE - 16
+_READERS_AT: Final[int] = 7 * LINE
 ANSWER_SLOTS: Final[int] = 16
 """Answers a worker can have waiting for the head before it waits for room."""
 ANSWER_SLOT_BYTES: Final[int] = ANSWER_BYTES + 8
@@ -141,9 +148,10 @@ class Segment:
 
     Not thread-safe.  ``close`` releases the views and the mapping; the
     segment itself lives until its name is unlinked and every rank has closed it.
+    Several holders in one process share it with ``share``: the last one's close unmaps.
     """
 
-    __slots__ = ("_file", "address", "bytes", "layout", "name", "u32", "u64")
+    __slots__ = ("_file", "_holders", "address", "bytes", "layout", "name", "u32", "u64")
 
     name: str
     layout: Layout
@@ -166,14 +174,21 @@ class Segment:
         anchor = ctypes.c_char.from_buffer(file)
         self.address = ctypes.addressof(anchor)  # the anchor may go; the address stays valid
         del anchor
+        self._holders = 1
+
+    def share(self) -> Segment:
+        """This segment for one more holder, whose ``close`` counts as its own."""
+        self._holders += 1
+        return self
 
     @property
     def path(self) -> str:
         return segment_path(self.name)
 
     def close(self) -> None:
-        """Release the views and unmap.  Idempotent."""
-        if self._file.closed:
+        """Let go of this holder's share; the last one's releases the views and unmaps (later calls do nothing)."""
+        self._holders -= 1
+        if self._file.closed or self._holders > 0:
             return
         self.u64.release()
         self.u32.release()

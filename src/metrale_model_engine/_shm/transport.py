@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TypedDict
 
 from typing_extensions import Buffer, Self
 
@@ -15,6 +15,7 @@ from .._host.liveness import ProcessWatch, process_exists
 from . import futex
 from .answers import ANSWERED_WORD, AnswerReader, AnswerWriter
 from .gather import SetupGather
+from .regroup import RingRegroup
 from .ring import RingReader, RingWriter
 from .segment import (
     GONE_CLOSED,
@@ -73,21 +74,32 @@ class ShmTransport:
         "_peers",
         "_reader",
         "_segment",
+        "_spins",
         "_unlinked",
         "_writer",
         "rank",
         "world_size",
     )
 
-    def __init__(self, segment: Segment, rank: int, *, spin_time: float, max_spin_time: float, setup_timeout: float):
+    def __init__(
+        self,
+        segment: Segment,
+        rank: int,
+        *,
+        spin_time: float,
+        max_spin_time: float,
+        setup_timeout: float,
+        members: Sequence[int] = (),
+    ):
         self._segment = segment
+        self._spins = (spin_time, max_spin_time)
         self.rank: Final = rank
         self.world_size: Final = segment.layout.world_size
         self._owner = os.getpid()
         self._peers = ProcessWatch()
         self._closed = False
         self._unlinked = rank != 0
-        self._gather = SetupGather(segment, rank, setup_timeout)
+        self._gather = SetupGather(segment, rank, setup_timeout, members)
         self._writer = RingWriter(segment, self._peers, spin_time) if rank == 0 else None
         budget = SpinBudget(spin_time, max_spin_time)
         self._reader = RingReader(segment, rank - 1, self._peers, budget) if rank else None
@@ -288,6 +300,30 @@ class ShmTransport:
                 self._unlinked = True
         return everyone
 
+    def unanswered(self) -> list[int]:
+        """The ranks that have not answered this rank's latest [`gather`][metrale_model_engine.shm.ShmTransport.gather]
+        (none once it passed): after a gather that failed, which ranks were missing."""
+        return self._gather.unanswered()
+
+    def regroup(self) -> RingRegroup:
+        """The channel through which this ring's ranks form a new ring once some are lost (a re-form of the link).
+
+        It shares this ring's segment, which stays mapped until both are closed; see
+        [`EpLink`][metrale_model_engine.EpLink]'s re-form and ``_shm.regroup``.
+        """
+        spin_time, max_spin_time = self._spins
+
+        def make(segment: Segment, timeout: float, members: Sequence[int]) -> ShmTransport:
+            spins = {"spin_time": spin_time, "max_spin_time": max_spin_time}
+            return ShmTransport(segment, 0, setup_timeout=timeout, members=members, **spins)
+
+        def attach(name: str, rank: int, timeout: float) -> ShmTransport:
+            return ShmTransport.attach(
+                name, rank, spin_time=spin_time, max_spin_time=max_spin_time, setup_timeout=timeout
+            )
+
+        return RingRegroup(self._segment.share(), self.rank, make, attach)
+
     # -- the way back ----------------------------------------------------------
 
     def answer(self, answer: Buffer, timeout: float | None) -> None:
@@ -340,13 +376,18 @@ def _release(name: str, head_pid: int | None) -> None:
         unlink_segment(name)
 
 
-def _check_options(spin_time: object, max_spin_time: object, setup_timeout: object) -> dict[str, float]:
-    spins = {
-        "spin_time": check_seconds("spin_time", spin_time, allow_zero=True),
-        "max_spin_time": check_seconds("max_spin_time", max_spin_time, allow_zero=True),
-        "setup_timeout": check_seconds("setup_timeout", setup_timeout),
-    }
-    return {name: value for name, value in spins.items() if value is not None}
+class _Options(TypedDict):
+    spin_time: float
+    max_spin_time: float
+    setup_timeout: float
+
+
+def _check_options(spin_time: object, max_spin_time: object, setup_timeout: object) -> _Options:
+    spin = check_seconds("spin_time", spin_time, allow_zero=True)
+    max_spin = check_seconds("max_spin_time", max_spin_time, allow_zero=True)
+    setup = check_seconds("setup_timeout", setup_timeout)
+    assert spin is not None and max_spin is not None and setup is not None  # None is refused
+    return {"spin_time": spin, "max_spin_time": max_spin, "setup_timeout": setup}
 
 
 def _require_platform() -> None:

@@ -60,6 +60,11 @@ class Collectives:
     ``ep_collective_commands``; the head's forward outside ``link.collective()``)
     and counts it, so that a declared forward that ran none is refused as well.
 
+    It follows its link through a re-form ([`reform_link`][metrale_model_engine.reform.reform_link]): over the default
+    group (``group=None``), its first all-reduce of a new epoch runs over the ranks left
+    (a one-rank epoch: nothing); one built over a group of its own is refused there (build
+    a new one in ``ep_reformed``).
+
     With one rank it does nothing and needs no process group.  Over a link on a
     pretend group ([`PretendGroup`][metrale_model_engine.transport.PretendGroup]: the
     doubles of [`metrale_model_engine.testing`][metrale_model_engine.testing], a scheduler's tests) it has one
@@ -79,7 +84,7 @@ class Collectives:
         RuntimeError: several ranks, and torch.distributed is not initialised.
     """
 
-    __slots__ = ("_blocking", "_group", "_link", "_options", "_solo")
+    __slots__ = ("_blocking", "_epoch", "_group", "_link", "_options", "_solo")
 
     def __init__(
         self,
@@ -96,6 +101,17 @@ class Collectives:
         # The world group is looked up at each call, not held: a gloo group still referenced when
         # the interpreter tears down can abort the process (see metrale_model_engine.torch).
         self._group = group
+        self._follow()
+
+    def _follow(self) -> None:
+        """Take the link's epoch: its transport's waits, and whether its ranks are one (checked against the group)."""
+        link, group = self._link, self._group
+        if group is not None and getattr(self, "_epoch", link.epoch) != link.epoch:
+            raise ValueError(
+                f"this Collectives runs over a group of its own, which the link's re-form (epoch {link.epoch}) does "
+                "not carry over: build a new Collectives(link, group) over the ranks left, in ep_reformed"
+            )
+        self._epoch = link.epoch
         self._solo = link.world_size == 1 or isinstance(link.transport, PretendGroup)
         self._blocking = waits_of(link.transport)
         if self._solo:
@@ -126,6 +142,8 @@ class Collectives:
                 command was sent; or the run had stopped already.
         """
         self._link.check_collective("an all-reduce")
+        if self._epoch != self._link.epoch:  # the link re-formed over the ranks left
+            self._follow()
         if self._solo:
             return
         try:  # the group in no local variable: a traceback kept by the caller must not keep it alive

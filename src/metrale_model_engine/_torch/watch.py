@@ -45,7 +45,8 @@ class HeadWatch:
         ranks: the worker ranks.
         period: seconds between two beats, and two readings.
         lost_after: seconds of silence, while the head waits, after which workers
-            are lost (``None``: never).
+            are lost (``None``: never); the first one past it names, with it, every
+            worker silent for four beats by then.
     """
 
     __slots__ = (
@@ -155,12 +156,12 @@ class HeadWatch:
                 continue
             if self._blocked and self._lost_after is not None and not self._lost:
                 now = time.monotonic()
-                lost = {
-                    rank: now - moved
-                    for rank, (value, moved) in self._seen.items()
-                    if value != _LEFT and now - moved >= self._lost_after
-                }
-                if lost:
+                silence = {rank: now - moved for rank, (value, moved) in self._seen.items() if value != _LEFT}
+                if any(seconds >= self._lost_after for seconds in silence.values()):
+                    # with the first past the bound, every rank already silent (a host's ranks fall silent
+                    # together, their last beats a reading apart): one stop names them all
+                    window = min(SILENT_AFTER_BEATS * self._period, self._lost_after)
+                    lost = {rank: seconds for rank, seconds in silence.items() if seconds >= window}
                     self._lost = lost
                     _LOGGER.warning("head: worker rank(s) %s are lost: their heartbeats stopped", sorted(lost))
                     self._end_the_run(lost)

@@ -8,11 +8,12 @@ from typing import Any, ClassVar, NoReturn, cast
 from typing_extensions import Self
 
 from .._core.protocol import ProtocolVersion
+from .._core.reform import Reform
 from .._core.state import S
 from .._core.tokens import TokenArray, token_count
 from .._core.words import check_u32
 from .._engine.forward import declare_collective_commands
-from .._engine.link import EpLink
+from .._engine.link import EpLink, opt_in
 from .model_ep import ModelEp
 
 
@@ -46,8 +47,14 @@ class LinkedEp(ModelEp[S]):
     [`RunStopped`][metrale_model_engine.RunStopped]), where it would otherwise leave the
     other ranks waiting in the collective.
 
-    It adds nothing else to the model's class: the trait's six methods, the hook,
-    [`ep_collective_commands`][metrale_model_engine.LinkedEp.ep_collective_commands], the ``ep_link`` attribute, and
+    A model that survives a lost worker rank opts in with
+    [`ep_reforms`][metrale_model_engine.LinkedEp.ep_reforms] and takes up its new place in
+    [`ep_reformed`][metrale_model_engine.LinkedEp.ep_reformed]: the head then calls
+    [`reform_link`][metrale_model_engine.reform.reform_link] on a ``RunStopped``, and the workers left go on.
+
+    It adds nothing else to the model's class: the trait's six methods, the two hooks,
+    [`ep_collective_commands`][metrale_model_engine.LinkedEp.ep_collective_commands],
+    [`ep_reforms`][metrale_model_engine.LinkedEp.ep_reforms], the ``ep_link`` attribute, and
     ``with model:`` (which closes the link on the way out).  As the model assigns
     ``self.ep_link``, the link is handed its ``ep_collective_commands``: the head then
     refuses a command of one of them whose forward it never entered (see
@@ -70,11 +77,29 @@ class LinkedEp(ModelEp[S]):
     u32 words, as a class attribute.
     """
 
+    ep_reforms: ClassVar[bool] = False
+    """Whether the model's link forms again over the ranks left once worker ranks are lost; default ``False``.
+
+    ``True`` (a class attribute): a worker rank lost (its process exited or was
+    killed, or its host fell silent past ``head_lost_after``) stops the run wherever
+    the head finds it, a send included ([`RunStopped`][metrale_model_engine.RunStopped],
+    naming it and how); the head's [`reform_link`][metrale_model_engine.reform.reform_link]
+    then forms the link again over itself and the workers left, with no process
+    restarted: a new epoch, the ranks renumbered in their order (the head stays 0), a
+    new transport; every rank's [`ep_reformed`][metrale_model_engine.LinkedEp.ep_reformed]
+    takes up its new place before the next command, and each worker's
+    [`run_worker`][metrale_model_engine.run_worker] goes on.  Losses repeat down to the
+    head alone (the single-GPU model).  ``False``: a lost worker ends the run on every
+    rank, as without re-forms.
+    """
+
     def __setattr__(self, name: str, value: Any) -> None:  # Any: torch.nn.Module's, beside it, takes its own
-        """Set the attribute; a link assigned to ``ep_link`` is handed ``ep_collective_commands``."""
+        """Set the attribute; a link assigned to ``ep_link`` is handed ``ep_collective_commands`` and ``ep_reforms``."""
         super().__setattr__(name, value)
         if name == "ep_link" and isinstance(value, EpLink):
             declare_collective_commands(value, self.ep_collective_commands)
+            if self.ep_reforms:
+                opt_in(value)
 
     def ep_worker_step(self, slots: MutableSequence[S | None]) -> bool:
         """Worker: receive one header and run its command through ``ep_run_command`` (as ``EpLink.step``)."""
@@ -126,6 +151,26 @@ class LinkedEp(ModelEp[S]):
         Default: every command is unknown (``ValueError``).
         """
         raise ValueError(f"unknown command word {cmd} (seq_id={seq_id}) for {type(self).__name__}")
+
+    def ep_reformed(self, reform: Reform, slots: MutableSequence[S | None]) -> None:
+        """Every rank, once its link re-formed ([`ep_reforms`][metrale_model_engine.LinkedEp.ep_reforms]): take up the
+        new place, rank ``reform.rank`` of ``reform.world_size`` (override it).
+
+        Called before anything of the new epoch runs: on a worker by
+        [`run_worker`][metrale_model_engine.run_worker], on the head by
+        [`reform_link`][metrale_model_engine.reform.reform_link] before it returns.  ``self.ep_link``
+        is the same link, in its new epoch (``rank``, ``world_size`` and ``epoch`` are
+        the new ones); ``reform`` also says which ranks were lost (``lost``) and, on the
+        head, which commands workers reported failing (``failures``).  Reshard what
+        depends on the rank and the world size here, over the new ranks (the model's
+        own process groups too: ``Collectives`` over the default group follows by
+        itself).  ``slots`` are as the last epoch left them: a command that ran on some
+        ranks and not on others is the model's (or its scheduler's) to redo.  On a
+        worker an exception ends it (the head loses it at its next command); on the
+        head the link is closed and ``reform_link`` raises ``RunStopped``.
+
+        Default: nothing (a model whose state does not depend on its place).
+        """
 
     def __enter__(self) -> Self:
         return self

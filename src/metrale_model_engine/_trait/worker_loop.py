@@ -6,8 +6,11 @@ import logging
 from collections.abc import MutableSequence
 from dataclasses import dataclass
 
-from .._core.errors import EpCommandFailed, EpReceiveError, RunStopped
+from .._core.errors import EpCommandFailed, EpCommandRefused, EpReceiveError, RunStopped, error_text
+from .._core.reform import DEFAULT_REFORM_TIMEOUT
 from .._core.state import S
+from .._engine.reform.worker import leave, rejoin
+from .linked_ep import LinkedEp
 from .model_ep import ModelEp
 
 _LOGGER = logging.getLogger("metrale_model_engine.worker")
@@ -22,6 +25,8 @@ class WorkerSummary:
 
     commands_run: int
     commands_failed: int
+    reforms: int = 0
+    """Re-forms of the link this worker went on through (``LinkedEp.ep_reforms``)."""
 
 
 def run_worker(
@@ -29,6 +34,7 @@ def run_worker(
     slots: MutableSequence[S | None],
     *,
     logger: logging.Logger | None = None,
+    reform_timeout: float = DEFAULT_REFORM_TIMEOUT,
 ) -> WorkerSummary:
     """Run ``model.ep_worker_step(slots)`` until it returns ``False`` (shutdown).
 
@@ -40,13 +46,23 @@ def run_worker(
     (the link is gone) or anything else a step raised.  ``KeyboardInterrupt`` and
     ``SystemExit`` pass through untouched.
 
+    A model that re-forms ([`LinkedEp.ep_reforms`][metrale_model_engine.LinkedEp.ep_reforms]) goes on instead
+    through a ``RunStopped`` or ``EpReceiveError`` whose cause is a lost worker: the
+    link rejoins the epoch the head forms next (waiting ``reform_timeout`` seconds at
+    most), ``model.ep_reformed(reform, slots)`` takes up the new place, and the loop goes
+    on; when none comes (the head ended the run, is gone, or left this rank out), the
+    error is re-raised as without re-forms.  A worker that refuses a command
+    ([`EpCommandRefused`][metrale_model_engine.EpCommandRefused]) leaves the run, as ever,
+    and says so, so that the head does not wait for it.
+
     Args:
         model: the worker's model; its ``is_ep()`` must be ``True``.
         slots: the worker's slot array, passed to every step.
         logger: where to log; default ``logging.getLogger("metrale_model_engine.worker")``.
+        reform_timeout: seconds a worker of a model that re-forms waits for the next epoch.
 
     Returns:
-        The counts of commands run and failed.
+        The counts of commands run and failed, and of re-forms gone through.
 
     Raises:
         ValueError: ``model.is_ep()`` is ``False``: its default ``ep_worker_step``
@@ -64,22 +80,42 @@ def run_worker(
             "is False: its ep_worker_step would never receive a shutdown"
         )
     log = _LOGGER if logger is None else logger
-    run = failed = 0
+    reforming = model if isinstance(model, LinkedEp) and model.ep_reforms else None
+    run = failed = reforms = 0
     while True:
         try:
             if not model.ep_worker_step(slots):
-                return WorkerSummary(commands_run=run, commands_failed=failed)
+                return WorkerSummary(commands_run=run, commands_failed=failed, reforms=reforms)
         except EpCommandFailed as error:
             failed += 1
             log.error("command failed, worker stays up: %s", error, exc_info=error)
             continue
-        except RunStopped:
+        except EpCommandRefused as error:
             log.exception("the run stopped, leaving the loop after %d commands", run + failed)
+            if reforming is not None:
+                leave(reforming.ep_link, error_text(error))
             raise
-        except EpReceiveError:
-            log.exception("worker receive failed, leaving the loop after %d commands", run + failed)
-            raise
+        except (RunStopped, EpReceiveError) as error:
+            if reforming is None or not _went_on(reforming, slots, error, reform_timeout, log):
+                what = "the run stopped" if isinstance(error, RunStopped) else "worker receive failed"
+                log.exception("%s, leaving the loop after %d commands", what, run + failed)
+                raise
+            reforms += 1
+            continue
         except Exception:
             log.exception("worker step failed, leaving the loop after %d commands", run + failed)
             raise
         run += 1
+
+
+def _went_on(
+    model: LinkedEp[S], slots: MutableSequence[S | None], error: Exception, timeout: float, log: logging.Logger
+) -> bool:
+    """Whether ``model``'s link re-formed after ``error`` (its model then took up its new place)."""
+    log.warning("%s; the link re-forms", error)
+    reform = rejoin(model.ep_link, timeout, log)
+    if reform is None:
+        return False
+    log.info("worker: %s; now rank %d", reform, reform.rank)
+    model.ep_reformed(reform, slots)
+    return True

@@ -1,9 +1,11 @@
 """What a monitoring system reads at ``GET /metrics``: Prometheus text through ``prometheus_client``.
 
-Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``;
-counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
-``metrale_requests_cancelled_total``; histograms ``metrale_time_to_first_token_seconds`` (from a
-request's arrival) and ``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state``
+Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``,
+``metrale_kv_blocks_used``; counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
+``metrale_requests_cancelled_total``, ``metrale_preemptions_total``, ``metrale_prefix_cache_queries_total``,
+``metrale_prefix_cache_hits_total``; histograms
+``metrale_time_to_first_token_seconds`` (from a request's arrival) and
+``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state``
 (``serving``, ``draining``, ``stopped``).  Each app has its own registry.
 """
 
@@ -28,10 +30,27 @@ class Metrics:
         self.slots_used: Gauge = Gauge(
             "metrale_slots_used", "Slots holding a sequence, on every rank.", registry=registry
         )
-        self.prompt_tokens: Counter = Counter("metrale_prompt_tokens", "Prompt tokens admitted.", registry=registry)
-        self.generation_tokens: Counter = Counter("metrale_generation_tokens", "Tokens generated.", registry=registry)
-        self.cancelled: Counter = Counter(
-            "metrale_requests_cancelled", "Requests cancelled (a client gone, or a stop string).", registry=registry
+        self.kv_blocks_used: Gauge = Gauge(
+            "metrale_kv_blocks_used", "Blocks of the KV cache that a sequence holds, on every rank.", registry=registry
+        )
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, registry=registry)
+
+        self.prompt_tokens: Counter = counter("metrale_prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens: Counter = counter("metrale_generation_tokens", "Tokens generated.")
+        self.cancelled: Counter = counter(
+            "metrale_requests_cancelled", "Requests cancelled (a client gone, or a stop string)."
+        )
+        self.preemptions: Counter = counter(
+            "metrale_preemptions",
+            "Requests preempted for the KV blocks others needed (each resumes, its tokens computed again).",
+        )
+        self.prefix_queries: Counter = counter(
+            "metrale_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits: Counter = counter(
+            "metrale_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again)."
         )
         self.time_to_first_token: Histogram = Histogram(
             "metrale_time_to_first_token_seconds",

@@ -1,0 +1,87 @@
+"""Re-forms as a user's program meets them: ``examples/reform_model.py``, and ranks on simulated hosts.
+
+The example starts its ranks afresh (``spawn``): its launcher keeps a dead rank
+unreaped while the head runs, so the head says how it ended (``was killed by
+SIGKILL``), which the ranks forked from the test suite's start server cannot show
+(it reaps at once).  Across two simulated hosts
+(root only: :mod:`helpers.hosts`), a host's leader dies, then the whole other host:
+the head goes on with its own host's rank, the leaders chosen again in between.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
+
+from helpers import reform_host_programs as host_programs
+from helpers import reform_sessions as sessions
+from helpers.bounded import finish
+from helpers.hosts import SimulatedHosts, exit_codes, unavailable
+from helpers.rank_results import load
+
+pytestmark = pytest.mark.torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_BOUND = 120.0
+"""Seconds a program may take before the test fails (fresh interpreters import torch: several seconds)."""
+EXAMPLE = ROOT / "examples" / "reform_model.py"
+
+
+@pytest.mark.parametrize("transport", ["auto", "torch"])
+def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_ended(transport: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--transport", transport],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    code, stdout, stderr = finish(process, RUN_BOUND)
+    assert code == 0, (stdout, stderr)
+    assert sorted(stdout.splitlines()) == [
+        "head: 6 of 6 outputs as the MLP alone, 3 rank(s) now",
+        "worker 1 of 4: now rank 1 of 3, 6 commands, 1 re-form(s)",
+        "worker 2 of 4: now rank 2 of 3, 6 commands, 1 re-form(s)",
+    ], stdout
+    # Ranks started afresh: the launcher keeps the dead rank unreaped while the head runs, so its end is told.
+    assert "worker rank(s) [3] exited (died or left the run) after command 3 (rank 3 was killed by SIGKILL)" in stderr
+    (stop,) = [line for line in stderr.splitlines() if line.startswith("head: the run stopped")]
+    # The witnesses, whose all-reduce failed with rank 3, are neither blamed nor said to have said nothing.
+    assert " failed command" not in stop and "said nothing" not in stop, stop
+    assert "head: the link re-formed at epoch 1: 3 rank(s) of 4 in " in stderr
+    assert " ms (worker rank 3 was killed by SIGKILL)" in stderr
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_a_leader_killed_then_the_other_host_whole_and_the_head_goes_on_with_its_own_host(tmp_path: Path) -> None:
+    with SimulatedHosts(2) as simulated:
+        argv = ["-m", "helpers.reform_host_programs", str(tmp_path)]
+        head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
+        deadline = time.monotonic() + RUN_BOUND
+        while not (tmp_path / "host-please.pkl").exists():
+            assert time.monotonic() < deadline and head_host.poll() is None, "the head never asked"
+            time.sleep(0.02)
+        simulated.kill_all(other)
+        (tmp_path / "host-gone").touch()
+        code, stdout, stderr = finish(head_host, RUN_BOUND)
+        finish(other, RUN_BOUND)
+    assert code == 0, stderr
+    assert exit_codes(stdout) == {0: 0, 1: 0}, stdout
+    results: dict[int, Any] = load(tmp_path, 4)
+    head, own = results[0], results[1]
+    assert head["outs"] == [sessions.expected(step) for step in range(1, host_programs.STEPS + 1)]
+    assert head["transports"] == ["HostsTransport", "HostsTransport", "ShmTransport"]
+    first, second = head["reforms"]
+    assert (first["epoch"], first["world_size"], first["ranks"]) == (1, 3, (0, 1, 3))
+    assert [rank for rank, _ in first["lost"]] == [2]  # the other host's leader: rank 3 leads it now (rank 2 of 3)
+    assert (second["world_size"], second["ranks"]) == (2, (0, 1))
+    ((rank, how),) = second["lost"]
+    assert rank == 2 and how.startswith("fell silent: no heartbeat for "), second  # the whole host, killed
+    assert own["reforms"] == [(1, 1, 3), (second["epoch"], 1, 2)] and own["transport"] == "ShmTransport"
