@@ -10,6 +10,8 @@ a fixed seed, greedy, streamed through the official ``openai`` async client, all
 at a Poisson rate (``--rate``).  Every side is warm (the same 8 short requests first), serves the same
 requests at the same concurrency (``--slots``, default the 64 requests: every request is admitted at once),
 and runs in a fresh process with ``--threads`` torch threads (``OMP_NUM_THREADS`` for ``transformers serve``).
+Ours runs with ``--no-prefix-caching``: its rounds send the same prompts to the same process again, which
+with the cache on would prefill only in the first round.
 
 Per side and arrival: generated tokens per second (every request's tokens over the wall time from the first
 request to the last token), time to first token and time between tokens (median and p99), and the CPU seconds
@@ -333,8 +335,9 @@ def main() -> None:
         requests = load.build(config["vocab_size"])
         model = str(directory)  # transformers serve names the model by the path it was given; ours is told so
         slots = args.slots or load.requests
+        # no prefix caching: every round sends the same prompts again
         options = ["--model", str(directory), "--world-size", "1", "--threads", str(args.threads), "--slots",
-                   str(slots), "--prefill-chunk", "64", "--max-waiting", str(load.requests),
+                   str(slots), "--prefill-chunk", "64", "--max-waiting", str(load.requests), "--no-prefix-caching",
                    "--served-model-name", model, *args.ours_arg]  # fmt: skip
         logs = Path(temporary) / "logs"
         logs.mkdir()
