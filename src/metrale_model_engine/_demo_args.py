@@ -114,6 +114,9 @@ def model_options(parser: argparse.ArgumentParser, *, slots: int, world_size: in
     add("--transport", choices=["auto", "shm", "torch"], default="auto",
         help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
              "a host (auto, the default)")  # fmt: skip
+    add("--on-lost-rank", choices=["recover", "stop"], default="recover",
+        help="a worker rank lost (killed, exited, its host silent): the ranks left re-form and carry every request "
+             "on (recover, the default), or the run stops (stop)")  # fmt: skip
     add("--check-kv", action="store_true",
         help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote")  # fmt: skip
 

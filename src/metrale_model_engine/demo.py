@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NoReturn, TextIO
+from typing import TYPE_CHECKING, Final, Literal, NoReturn, TextIO
 
 from ._core.errors import EpSetupError
 from ._core.namespace import PublicDir, public_dir
@@ -108,6 +108,8 @@ class Work:
     late: int = 0
     sampling: Sampling | None = None
     """How every request picks its tokens; ``None``: greedy."""
+    on_lost_rank: Literal["recover", "stop"] = "recover"
+    """What a lost worker rank does (``Server``'s ``on_lost_rank``)."""
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -124,15 +126,16 @@ def _fail(line: str) -> NoReturn:
 
 
 class _OneLine(logging.Handler):
-    """The worker loop's log, one line per record (the error, never a traceback)."""
+    """A log of a rank, one line per record (the error, never a traceback), after ``who``: ``[worker N]``,
+    ``[head]``."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, who: str) -> None:
         super().__init__(logging.INFO)
-        self._rank = rank
+        self._who = who
 
     def emit(self, record: logging.LogRecord) -> None:
         error = f": {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else ""
-        _say(f"[worker {self._rank}] {record.getMessage()}{error}", sys.stderr)
+        _say(f"{self._who} {record.getMessage()}{error}", sys.stderr)
 
 
 Head = Callable[["ReferenceLm", Work, Sequence[int]], None]
@@ -186,7 +189,7 @@ def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> N
         from . import run_worker
 
         logger = logging.getLogger(f"metrale_model_engine.demo.worker{rank}")
-        logger.addHandler(_OneLine(rank))
+        logger.addHandler(_OneLine(f"[worker {rank}]"))
         logger.propagate = False
         try:
             served = run_worker(model, slots, logger=logger)
@@ -226,7 +229,10 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         ended = _ENDED.get(completion.finish_reason or "", "")
         _say(f"[request {request.id}{late}] {shown(request.prompt)} -> {shown(completion.tokens)}{ended}")
 
-    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
+    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, on_lost_rank=work.on_lost_rank)
+    said = logging.getLogger("metrale_model_engine.reference")  # a recovery's one line
+    said.addHandler(_OneLine("[head]"))
+    said.propagate = False
     sampling = work.sampling or GREEDY
     requests = [Request(i, prompt, work.max_new_tokens, sampling) for i, prompt in enumerate(work.prompts)]
     split = len(requests) - work.late
@@ -298,6 +304,7 @@ def _work(start: Start) -> Work:
         prompts=tuple(prompts),
         late=LATE_PROMPTS if args.prompts is None else 0,
         sampling=None if sampling.greedy and args.seed is None else sampling,
+        on_lost_rank=args.on_lost_rank,
     )
 
 

@@ -151,6 +151,7 @@ REFERENCE_SURFACE = [
     "LmSlots",
     "LmState",
     "OpCount",
+    "Recovery",
     "ReferenceLm",
     "Request",
     "SHIPPED_MODEL",

@@ -89,7 +89,7 @@ def test_a_bad_checkpoint_ends_the_program_with_one_line_and_exit_2(tmp_path: Pa
 
 def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "200"],
+        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "200", "--on-lost-rank", "stop"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -194,7 +194,7 @@ def test_ctrl_c_during_the_start_up_ends_the_demo_at_once_with_one_line_and_leav
 
 
 def test_a_worker_killed_the_demo_exits_only_once_every_process_it_started_has_ended() -> None:
-    found = outlived("kill-worker", 0.0, "--max-new-tokens", "200", "--transport", "torch")
+    found = outlived("kill-worker", 0.0, "--max-new-tokens", "200", "--transport", "torch", "--on-lost-rank", "stop")
     assert found["code"] == 1 and len(found["stderr"]) == 1, found  # type: ignore[arg-type]
     assert found["left"] == {} and found["shm"] == [], found
 

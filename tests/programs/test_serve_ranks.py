@@ -136,7 +136,9 @@ def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_ser
     Seen here (2 cores, load average 8 to 10): the error events 20-80 ms after the kill, the process's exit 0.30-0.41 s
     after it.  The bounds below are loose, for a busy machine; the test prints the times it saw.
     """
-    server = RemoteServer("--model", str(checkpoint), "--world-size", "2", "--slots", "4", "--transport", "shm")
+    server = RemoteServer(
+        "--model", str(checkpoint), "--world-size", "2", "--slots", "4", "--transport", "shm", "--on-lost-rank", "stop"
+    )  # fmt: skip
     try:
         killed: list[float] = []
 

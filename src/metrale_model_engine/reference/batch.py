@@ -12,13 +12,14 @@ alone; the server decides what each step feeds the running requests and which to
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .. import EpLink, EpWorkerFailed
+from .. import EpLink, EpWorkerFailed, WorkerFailure
 from ..batching import prefill_chunks
 from .config import LmConfig
-from .rank.slots import LmSlots, LmState
+from .rank.slots import LmSlots
 from .requests import Completion, FinishReason, Sampler
 
 
@@ -46,6 +47,8 @@ class Running:
     chunks: deque[tuple[int, int]]
     """The prompt's chunks still to feed, ``(start, length)``."""
     sampler: Sampler
+    prompt: tuple[int, ...] = ()
+    """What its prefill feeds: the request's prompt, and after a recovery every token it generated too."""
     pending: int | None = None
     """The last token chosen, which the next decode feeds."""
     ended: FinishReason | None = None
@@ -76,6 +79,7 @@ class Batch:
         """The requests holding a slot, by admission."""
         self._allocated_at: dict[int, int] = {}  # by slot: the link's command count when it was last allocated
         self._to_reset: set[int] = set()  # slots whose failed command left the workers' state unknown
+        self._paused: dict[int, Sampler] = {}  # by request id: a re-queued request's sampler, for its return
 
     @property
     def busy(self) -> bool:
@@ -90,12 +94,14 @@ class Batch:
             self.model.alloc(self.slots, free[0])
             self._allocated_at[free[0]] = self.model.ep_link.commands
             completion = self.waiting.popleft()
-            completion.admitted_step = step
+            if completion.admitted_step is None:
+                completion.admitted_step = step
             request = completion.request
-            sampler = Sampler(request.sampling)
+            prompt = (*request.prompt, *completion.tokens)
+            sampler = self._paused.pop(request.id, None) or Sampler(request.sampling)
             completion.seed = None if request.sampling.greedy else sampler.seed
-            chunks = deque(prefill_chunks(len(request.prompt), prefill_chunk))
-            self.running.append(Running(completion, free.pop(0), chunks, sampler))
+            chunks = deque(prefill_chunks(len(prompt), prefill_chunk))
+            self.running.append(Running(completion, free.pop(0), chunks, sampler, prompt))
 
     def prefilling(self) -> list[Running]:
         """The requests with a chunk of their prompt still to feed, by admission."""
@@ -105,6 +111,34 @@ class Batch:
         """The requests with a token to feed, by slot (a fused step reads consecutive slots' caches in place)."""
         decoding = [running for running in self.running if running.pending is not None and not self._ends(running)]
         return sorted(decoding, key=lambda running: running.seq_id)
+
+    def requeue(self, running: Running) -> None:
+        """Put ``running`` back at the front of the queue with every token it has and its sampler (its generator's
+        state), its slot left as it is: recompute, where the workers' slots are gone already (a re-form)."""
+        self.running.remove(running)
+        self._paused[running.completion.request.id] = running.sampler
+        self.waiting.appendleft(running.completion)
+
+    def carry_on(self, failures: Sequence[WorkerFailure], step: int) -> tuple[list[Completion], list[Completion]]:
+        """After the link re-formed (every rank's slots are empty): fail the requests whose commands ``failures``
+        names (reported failing by a worker before the loss), end those that had ended, and put every other
+        running request back at the front of the queue, in admission order, to be computed again
+        (``requeue``).  Returns the requests re-queued and those failed."""
+        failed: list[Completion] = []
+        for running in self.running[:]:
+            since = self._allocated_at.get(running.seq_id, 0)
+            named = [failure for failure in failures if failure.seq_id == running.seq_id and failure.command >= since]
+            if named:
+                running.ended, running.completion.error = "error", "; ".join(map(str, named))
+                failed.append(running.completion)
+            if self._ends(running):
+                self._finish(running, running.ended or self._limit(running), step)
+        requeued = [running.completion for running in self.running]
+        for running in reversed(self.running[:]):
+            self.requeue(running)
+        self._allocated_at.clear()
+        self._to_reset.clear()
+        return requeued, failed
 
     def release(self, step: int) -> None:
         """Free the slot of every request that ended, and say why it ended."""
@@ -121,6 +155,7 @@ class Batch:
             self._finish(running, "cancelled", step)
         if completion in self.waiting:
             self.waiting.remove(completion)
+            self._paused.pop(completion.request.id, None)
             completion.finish_reason = "cancelled"
             completion.finished_step = step
 
@@ -163,8 +198,8 @@ class Batch:
         completion = running.completion
         if len(completion.tokens) >= completion.request.max_new_tokens:
             return "length"
-        state = self.slots[running.seq_id]
-        assert isinstance(state, LmState)
-        if running.pending is not None and state.length >= self.model.config.max_seq_len:
+        state = self.slots[running.seq_id]  # None once a re-form emptied the slots: the tokens it had fed then
+        fed = len(completion.request.prompt) + len(completion.tokens) - 1 if state is None else state.length
+        if running.pending is not None and fed >= self.model.config.max_seq_len:
             return "context"
         return None

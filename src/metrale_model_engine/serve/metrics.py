@@ -2,9 +2,10 @@
 
 Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``;
 counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
-``metrale_requests_cancelled_total``; histograms ``metrale_time_to_first_token_seconds`` (from a
-request's arrival) and ``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state``
-(``serving``, ``draining``, ``stopped``).  Each app has its own registry.
+``metrale_requests_cancelled_total``, ``metrale_recoveries_total`` (recoveries from lost worker ranks);
+histograms ``metrale_time_to_first_token_seconds`` (from a request's arrival) and
+``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state`` (``serving``, ``draining``, ``stopped``).
+Each app has its own registry.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class Metrics:
         self.generation_tokens: Counter = Counter("metrale_generation_tokens", "Tokens generated.", registry=registry)
         self.cancelled: Counter = Counter(
             "metrale_requests_cancelled", "Requests cancelled (a client gone, or a stop string).", registry=registry
+        )
+        self.recoveries: Counter = Counter(
+            "metrale_recoveries",
+            "Recoveries from lost worker ranks: the ranks left re-formed and carried every request on.",
+            registry=registry,
         )
         self.time_to_first_token: Histogram = Histogram(
             "metrale_time_to_first_token_seconds",

@@ -119,7 +119,7 @@ def _make_work(start: Start) -> ServeWork:
     work = Work(
         start.protocol, args.transport, args.slots, 1, args.prefill_chunk, args.sync_every, None, args.check_kv,
         device=start.device, cuda_graphs=args.cuda_graphs, threads=args.threads or default_threads(start.local_ranks),
-        model=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len,
+        model=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, on_lost_rank=args.on_lost_rank,
     )  # fmt: skip
     name = args.served_model_name or checkpoint.directory.resolve().name
     http = HttpOptions(args.host, args.port, name, args.max_waiting, args.chat_template, args.drain_timeout)
@@ -168,10 +168,10 @@ def leave_now(code: int) -> NoReturn:
 
 
 def make_server(model: ReferenceLm, work: Work) -> Server:
-    """The scheduler rank 0 serves with: ``work``'s prefill chunks and sync points."""
+    """The scheduler rank 0 serves with: ``work``'s prefill chunks, sync points and ``on_lost_rank``."""
     from ..reference import Server
 
-    return Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every)
+    return Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, on_lost_rank=work.on_lost_rank)
 
 
 async def _serve(

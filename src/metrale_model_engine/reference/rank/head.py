@@ -30,7 +30,6 @@ class HeadCommands:
         self._runner = runner
         self._forwards = forwards
         self._spent = spent
-        self._sends = link.world_size > 1  # one rank is the single-GPU model: no command to send
 
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
         """Give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed)."""
@@ -64,7 +63,7 @@ class HeadCommands:
 
     def _send(self, send: Callable[..., None], *args: object) -> None:
         """``send(link, *args)``, one command to the workers, its time counted as protocol (one rank: nothing)."""
-        if self._sends:
+        if self._link.world_size > 1:  # one rank is the single-GPU model (at the start, or all that is left)
             started = time.perf_counter()
             send(self._link, *args)
             self._spent.protocol_s += time.perf_counter() - started
