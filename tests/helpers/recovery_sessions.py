@@ -144,8 +144,8 @@ def serve(rank: int, world_size: int, kind: str, plan: Plan, out: str) -> None:
     torch.set_num_threads(1)
     link = open_link(kind, num_slots=SLOTS, command_timeout=TIMEOUT, head_lost_after=5.0)
     point, at = plan.get(rank, ("", 0))
-    victim = point in ("prefill", "decode", "all-reduce", "refuses")
-    model = Victim(link, point, at, out) if victim else ReferenceLm(link)
+    dies_itself = point in ("prefill", "decode", "all-reduce", "refuses")
+    model = Victim(link, point, at, out) if dies_itself else ReferenceLm(link)
     pids = model.ep_link.gather_u32(os.getpid())
     try:
         if rank:
