@@ -96,7 +96,8 @@ class BenchLm(ReferenceLm):
 
 
 class PeerLm(ReferenceLm):
-    """The reference model whose head sends each forward as one pickled call (allocs and frees ride along)."""
+    """The reference model whose head sends each forward as one pickled call (allocs and frees ride along, and
+    the block-table entries the forward's sequences gain, decided by the head's ``kv_blocks``)."""
 
     def __init__(self, link: EpLink, send: Send | None) -> None:
         super().__init__(link)
@@ -109,16 +110,23 @@ class PeerLm(ReferenceLm):
 
     def free(self, slots: LmSlots, seq_id: int) -> None:
         slots[seq_id] = None
+        self.kv_blocks.release(seq_id)
         self._pending.append(("free", seq_id))
 
     def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
         state = check_prefill(slots, seq_id, prompt, start, length, self.config)
-        self.send_call(("prefill", seq_id, list(prompt), start, length))
+        blocks = self.kv_blocks.table(seq_id, self.kv_blocks.blocks_for(start + length))[len(state.blocks) :]
+        self.send_call(("prefill", seq_id, list(prompt), start, length, blocks))
+        state.blocks.extend(blocks)
         return self.forward_prefill(state, prompt, start, length)
 
     def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         states = check_decode(slots, seq_ids, tokens, self.config)
-        self.send_call(("decode", list(seq_ids), list(tokens)))
+        grown = {s.seq_id: self.kv_blocks.table(s.seq_id, s.length // self.pool.block_size + 1)[len(s.blocks) :]
+                 for s in states}  # fmt: skip
+        self.send_call(("decode", list(seq_ids), list(tokens), grown))
+        for state in states:
+            state.blocks.extend(grown[state.seq_id])
         return self.forward_decode(states, tokens)
 
     def send_call(self, call: tuple[object, ...]) -> None:
@@ -140,12 +148,16 @@ class PeerLm(ReferenceLm):
                 elif kind == "free":
                     slots[call[1]] = None
                 elif kind == "prefill":
-                    _, seq_id, prompt, start, length = call
-                    self.forward_prefill(check_prefill(slots, seq_id, prompt, start, length, self.config),
-                                         prompt, start, length)  # fmt: skip
+                    _, seq_id, prompt, start, length, blocks = call
+                    state = check_prefill(slots, seq_id, prompt, start, length, self.config)
+                    state.blocks.extend(blocks)
+                    self.forward_prefill(state, prompt, start, length)
                 else:
-                    _, seq_ids, tokens = call
-                    self.forward_decode(check_decode(slots, seq_ids, tokens, self.config), tokens)
+                    _, seq_ids, tokens, grown = call
+                    states = check_decode(slots, seq_ids, tokens, self.config)
+                    for state in states:
+                        state.blocks.extend(grown[state.seq_id])
+                    self.forward_decode(states, tokens)
 
 
 def object_list_send(group: dist.ProcessGroup) -> Send:

@@ -118,16 +118,19 @@ echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
     "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)
 else
-    # Without torch: the core (every module that imports neither torch, at the top or one indent in, as
-    # under TYPE_CHECKING, nor a module that does), its tests and the torch-free example; modules that need
-    # torch are followed silently (their own run is the one with torch).
+    # Without torch: the core (every module that imports neither torch nor another optional package, at the
+    # top or one indent in, as under TYPE_CHECKING, nor a module that does), its tests and the torch-free
+    # example; the rest is followed silently (its own run is the one with torch).  The reference model and
+    # the HTTP server (reference/, serve/) need torch whole.
+    optional='torch|numpy|safetensors|tokenizers|transformers|openai|httpx|fastapi|starlette|uvicorn|prometheus_client|jinja2'
     torch_free=()
     while IFS= read -r file; do
-        grep -qE "^(    )?(import torch|from torch)|^from \.+(_torch|_launch|_tensors|torch)(\.[a-z_]+)? import" \
+        grep -qE "^(    )?(import|from) ($optional)\b|^from \.+(_torch|_launch|_tensors|torch)(\.[a-z_]+)? import" \
             "$file" || torch_free+=("$file")
-    done < <(find src/metrale_model_engine -name '*.py' -not -path '*/reference/*' | sort)
+    done < <(find src/metrale_model_engine -name '*.py' -not -path '*/reference/*' -not -path '*/serve/*' | sort)
     while IFS= read -r file; do
-        grep -qE "^(import torch|from metrale_model_engine.torch|    import torch)|importorskip\(\"torch\"" "$file" || torch_free+=("$file")
+        grep -qE "^(    )?(import|from) ($optional)\b|^from metrale_model_engine.torch|importorskip\(\"torch\"" "$file" ||
+            torch_free+=("$file")
     done < <(find tests examples -name '*.py' | sort)
     "$venv/bin/python" -m mypy --strict --follow-imports=silent "${torch_free[@]}"
 fi

@@ -134,7 +134,7 @@ def train(
     """
     with deterministic_torch():
         generator = torch.Generator().manual_seed(settings.seed)
-        model = ShardedLm(config, num_slots=1)
+        model = ShardedLm(config, num_blocks=1)
         init_weights(model, generator)
         optimizer = _optimizer(model, settings)
         losses: list[float] = []
@@ -170,13 +170,14 @@ def corpus_loss(model: ShardedLm, corpus: torch.Tensor, seq_len: int) -> float:
 
 
 def greedy_continuation(model: ShardedLm, prompt: str, steps: int) -> str:
-    """``steps`` greedy bytes after ``prompt``, decoded (slot 0 of ``model``'s cache)."""
+    """``steps`` greedy bytes after ``prompt``, decoded (the sequence's positions in ``model``'s first blocks)."""
     prompt_tokens = list(prompt.encode())
-    logits = model.prefill(0, torch.tensor(prompt_tokens), 0)
+    table = torch.arange(model.blocks_per_sequence)
+    logits = model.prefill(table, torch.tensor(prompt_tokens), 0)
     generated: list[int] = []
     for position in range(len(prompt_tokens), len(prompt_tokens) + steps):
         generated.append(int(logits.argmax()))
-        logits = model.decode(torch.tensor([0]), torch.tensor(generated[-1:]), torch.tensor([position]))[0]
+        logits = model.decode(table[None], torch.tensor(generated[-1:]), torch.tensor([position]))[0]
     return bytes(generated).decode(errors="replace")
 
 
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with deterministic_torch():
         saved = Checkpoint.open(args.out)
-        model = ShardedLm(saved.config, num_slots=1)
+        model = ShardedLm(saved.config, num_blocks=-(-saved.config.max_seq_len // 16))
         load_shard(model, saved)
         print(f"wrote {args.out} ({(args.out / 'model.safetensors').stat().st_size} bytes of weights)")
         print(f"loss over the whole corpus with the saved weights: {corpus_loss(model, corpus, settings.seq_len):.4f}")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from ._core.protocol import ProtocolVersion
 from ._core.words import U32_MAX
@@ -43,6 +44,33 @@ def number(text: str, least: float, most: float, *, open_below: bool = False) ->
         low = "(" if open_below else "["
         raise argparse.ArgumentTypeError(f"must be in {low}{least:g}, {most:g}], got {text}")
     return value
+
+
+_UNITS: Final = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def kv_memory(text: str) -> int | float:
+    """``--kv-memory``: bytes (``67108864``, ``64MiB``, ``1.5GiB``: KiB, MiB, GiB, TiB) as an int, or a fraction in
+    ``(0, 1]`` of the memory free after the weights (``0.8``, ``1.0``) as a float."""
+    accepted = "bytes (67108864, 64MiB, 2GiB) or a fraction of the free memory in (0, 1] (0.8)"
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"must be {accepted}, got {text!r}")
+    number = match.group(1)
+    if "." in number and not unit:
+        fraction = float(number)
+        if not 0 < fraction <= 1:
+            raise argparse.ArgumentTypeError(
+                f"a fraction of the free memory must be in (0, 1], got {text!r} (or bytes: 67108864, 64MiB, 2GiB)"
+            )
+        return fraction
+    size = int(float(number) * _UNITS[unit]) if "." in number else int(number) * _UNITS[unit]
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 1 byte, got {text!r} (or a fraction of the free memory in (0, 1]: 0.8)"
+        )
+    return size
 
 
 def _world_size(text: str) -> int:
@@ -114,6 +142,15 @@ def model_options(parser: argparse.ArgumentParser, *, slots: int, world_size: in
     add("--transport", choices=["auto", "shm", "torch"], default="auto",
         help="what carries the commands: shared memory (shm), the backend (torch), or shm when all ranks share "
              "a host (auto, the default)")  # fmt: skip
+    add("--kv-memory", type=kv_memory, default=None, metavar="SIZE",
+        help="each rank's KV cache, a pool of blocks every request draws on: bytes (67108864, 64MiB, 2GiB) or a "
+             "fraction of the memory free after the weights (0.8) (default: 0.9 on cuda; on cpu, every slot's "
+             "whole context)")  # fmt: skip
+    add("--block-size", type=lambda t: whole(t, 1), default=16, metavar="N",
+        help="positions of a block of the KV cache (default 16)")  # fmt: skip
+    add("--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="compute every prompt whole, even where its first blocks are cached (prefix caching is on by "
+             "default)")  # fmt: skip
     add("--on-lost-rank", choices=["recover", "stop"], default="recover",
         help="a worker rank lost (killed, exited, its host silent): the ranks left re-form and carry every request "
              "on (recover, the default), or the run stops (stop)")  # fmt: skip

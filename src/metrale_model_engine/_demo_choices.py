@@ -99,12 +99,38 @@ def open_checkpoint(model: Path | None, max_seq_len: int | None, world_size: int
     return checkpoint
 
 
-def check_memory(checkpoint: Checkpoint, dtype: torch.dtype, slots: int, world_size: int, local_ranks: int) -> None:
-    """Refuse (``ValueError``) a run whose local ranks' weights and KV caches would not fit this machine's memory."""
+CUDA_KV_MEMORY: Final = 0.9
+"""``--kv-memory``'s default on CUDA: this fraction of each device's memory free after the weights."""
+
+
+def kv_memory(
+    checkpoint: Checkpoint, dtype: torch.dtype, given: int | float | None, device: str, world_size: int,
+    local_ranks: int,
+) -> int | float | None:  # fmt: skip
+    """Each rank's KV memory from ``--kv-memory`` (``given``): on CUDA a fraction stays one (of each rank's own
+    device; ``CUDA_KV_MEMORY`` by default); on the CPU, where the host's ranks share its memory, a fraction becomes
+    each local rank's part of the memory free after their weights, in bytes."""
+    if device == "cuda":
+        return CUDA_KV_MEMORY if given is None else given
+    if not isinstance(given, float):
+        return given
+    import torch
+
+    from .reference.rank.pool import free_memory
+
+    weights = sum(checkpoint.shard_bytes(rank, world_size, dtype) for rank in range(local_ranks))
+    return max(1, int(given * max(0, free_memory(torch.device("cpu")) - weights) / local_ranks))
+
+
+def check_memory(
+    checkpoint: Checkpoint, dtype: torch.dtype, slots: int, world_size: int, local_ranks: int, kv_bytes: int | None
+) -> None:
+    """Refuse (``ValueError``) a run whose local ranks' weights and KV caches would not fit this machine's memory;
+    ``kv_bytes``: each rank's KV cache (``None``: every slot's whole context)."""
     config = checkpoint.config
     per_rank = [
         checkpoint.shard_bytes(rank, world_size, dtype)
-        + config.kv_cache_bytes(slots, world_size, dtype.itemsize, rank=rank)
+        + (config.kv_cache_bytes(slots, world_size, dtype.itemsize, rank=rank) if kv_bytes is None else kv_bytes)
         for rank in range(local_ranks)
     ]
     needed = sum(per_rank)
@@ -113,10 +139,13 @@ def check_memory(checkpoint: Checkpoint, dtype: torch.dtype, slots: int, world_s
     except (ValueError, OSError, AttributeError):  # a platform that does not say
         return
     if needed > memory:
+        given, less = f"--kv-memory of {kv_bytes} bytes a rank", "a smaller --kv-memory needs less"
+        if kv_bytes is None:
+            given = f"--slots {slots}, --max-seq-len {config.max_seq_len}"
+            less = "a --kv-memory, fewer --slots or a shorter --max-seq-len needs less"
         raise ValueError(
-            f"--slots {slots}, --max-seq-len {config.max_seq_len}: the weights and KV caches of {local_ranks} "
-            f"rank(s) would take {needed / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of "
-            "memory (fewer --slots or a shorter --max-seq-len need less)"
+            f"{given}: the weights and KV caches of {local_ranks} rank(s) would take {needed / 2**30:,.1f} GiB, more "
+            f"than this machine's {memory / 2**30:,.1f} GiB of memory ({less})"
         )
 
 

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 from ._core.errors import EpSetupError
 from ._core.protocol import ProtocolVersion
-from ._demo_choices import check_memory, cuda_devices, device_and_backend, open_checkpoint, under_torchrun_env
+from ._demo_choices import (
+    check_memory,
+    cuda_devices,
+    device_and_backend,
+    kv_memory,
+    open_checkpoint,
+    under_torchrun_env,
+)
 from ._host.launch import INTERRUPTED, stop_resource_tracker
 
 if TYPE_CHECKING:
@@ -44,17 +51,24 @@ class Start:
     local_ranks: int
     """The ranks on this host."""
 
-    def check_memory(self) -> None:
-        """On the CPU, that this host holds its ranks' weights and caches (``--dtype``, ``--slots``).
+    def kv_memory(self) -> int | float | None:
+        """Each rank's KV memory (``--kv-memory``, or its default: ``kv_memory``), once this host is checked, on
+        the CPU, to hold its ranks' weights and KV caches (``--dtype``, ``--slots``).
 
         Raises:
             ValueError: it does not; the message is the line to print.
+            OSError: the host's free memory cannot be read, for a fraction of it.
         """
-        if self.device == "cpu":
-            from .reference.checkpoint import DTYPES
+        from .reference.checkpoint import DTYPES
 
-            dtype = self.checkpoint.dtype if self.args.dtype is None else DTYPES[self.args.dtype]
-            check_memory(self.checkpoint, dtype, self.args.slots, self.world_size, self.local_ranks)
+        dtype = self.checkpoint.dtype if self.args.dtype is None else DTYPES[self.args.dtype]
+        per_rank = kv_memory(
+            self.checkpoint, dtype, self.args.kv_memory, self.device, self.world_size, self.local_ranks
+        )
+        if self.device == "cpu":
+            kv_bytes = per_rank if isinstance(per_rank, int) else None
+            check_memory(self.checkpoint, dtype, self.args.slots, self.world_size, self.local_ranks, kv_bytes)
+        return per_rank
 
 
 MakeWork = Callable[[Start], W]
@@ -64,16 +78,19 @@ MakeWork = Callable[[Start], W]
 def ranks_line(
     model: ReferenceLm, name: str, pids: Sequence[int], *, slots: int, prefill_chunk: int, cuda_graphs: bool
 ) -> str:
-    """The head's first line: the model, where it runs, the ranks and their pids."""
+    """The head's first line: the model, where it runs, the ranks and their pids, the slots and the KV cache."""
     link = model.ep_link
     checkpoint = model.checkpoint
     ranks = f"{link.world_size} ranks over {type(link.transport).__name__}" if model.is_ep() else "1 rank"
     graphs = ", CUDA graphs" if cuda_graphs else ""
+    pool = model.pool
+    cache = sum(block.attn.kv_cache.nbytes for block in model.lm.blocks())
     return (
         f"[head] {checkpoint.family.architecture} from {name} ({sum(p.numel() for p in model.lm.parameters()):,} "
         f"parameters on this rank, {str(model.lm.embed.dtype).removeprefix('torch.')}, on {model.lm.embed.device}"
-        f"{graphs}), {ranks}, protocol {link.protocol.value}; {slots} slots of {model.config.max_seq_len} "
-        f"positions, prefill chunks of {prefill_chunk}; pids {' '.join(map(str, pids))}"
+        f"{graphs}), {ranks}, protocol {link.protocol.value}; {slots} slots of up to {model.config.max_seq_len} "
+        f"positions, a KV cache of {pool.num_blocks:,} blocks of {pool.block_size} ({cache / 2**20:,.1f} MiB on "
+        f"this rank), prefill chunks of {prefill_chunk}; pids {' '.join(map(str, pids))}"
     )
 
 

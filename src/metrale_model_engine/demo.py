@@ -68,7 +68,7 @@ LATE_PROMPTS: Final = 2
 LATE_STEP: Final = 6
 _ENDED: Final = {
     "stop": " (end of sequence)",
-    "context": " (cut short: its slot's cache is full)",
+    "context": " (cut short: its context is full)",
     "error": " (failed)",
 }
 """What a request's line adds when it did not end with its ``--max-new-tokens``."""
@@ -108,6 +108,10 @@ class Work:
     late: int = 0
     sampling: Sampling | None = None
     """How every request picks its tokens; ``None``: greedy."""
+    kv_memory: int | float | None = None
+    """Each rank's KV cache (``ReferenceLm``'s ``kv_memory``); ``None``: every slot's whole context."""
+    block_size: int = 16
+    prefix_caching: bool = True
     on_lost_rank: Literal["recover", "stop"] = "recover"
     """What a lost worker rank does (``Server``'s ``on_lost_rank``)."""
 
@@ -172,6 +176,8 @@ def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> N
             check_kv_values=work.check_kv,
             device=device,
             cuda_graphs=work.cuda_graphs,
+            kv_memory=work.kv_memory,
+            block_size=work.block_size,
         )
         pids = model.ep_link.gather_u32(os.getpid())
     except EpSetupError:
@@ -229,7 +235,10 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         ended = _ENDED.get(completion.finish_reason or "", "")
         _say(f"[request {request.id}{late}] {shown(request.prompt)} -> {shown(completion.tokens)}{ended}")
 
-    server = Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, on_lost_rank=work.on_lost_rank)
+    server = Server(
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching,
+        on_lost_rank=work.on_lost_rank,
+    )  # fmt: skip
     said = logging.getLogger("metrale_model_engine.reference")  # a recovery's one line
     said.addHandler(_OneLine("[head]"))
     said.propagate = False
@@ -284,7 +293,7 @@ def _work(start: Start) -> Work:
     tokenizer = None if checkpoint.tokenizer_file is None else Tokenizer.from_file(checkpoint.tokenizer_file)
     given = [(PROMPT_TEXT, text) for text in PROMPTS] if args.prompts is None else args.prompts
     prompts = prompt_ids(given, checkpoint, tokenizer)
-    start.check_memory()
+    kv_memory = start.kv_memory()
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return Work(
         start.protocol,
@@ -304,6 +313,9 @@ def _work(start: Start) -> Work:
         prompts=tuple(prompts),
         late=LATE_PROMPTS if args.prompts is None else 0,
         sampling=None if sampling.greedy and args.seed is None else sampling,
+        kv_memory=kv_memory,
+        block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
         on_lost_rank=args.on_lost_rank,
     )
 

@@ -1,8 +1,8 @@
 """Rank programs for checkpoints in the Hugging Face layout; each runs in a process of ``torch.run_group``.
 
-:func:`serve_prompts` serves the oracle's prompts from a checkpoint and the head
-saves the tokens; :func:`load_and_measure` saves what loading a rank's shard cost
-its memory.
+:func:`serve_prompts` serves the oracle's prompts from a checkpoint, in a cache too small
+for them all at once, and the head saves the tokens and the preemptions;
+:func:`load_and_measure` saves what loading a rank's shard cost its memory.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from metrale_model_engine.reference import (
     Server,
     ShardedLm,
 )
+from metrale_model_engine.reference.rank.pool import block_bytes
 from metrale_model_engine.torch import open_link
 from metrale_model_engine.transport import SoloTransport
 
@@ -31,29 +32,43 @@ from helpers.rank_results import save
 from helpers.usage import memory
 
 SLOTS = 3
+BLOCK_SIZE = 4
+TIGHT_BLOCKS = 10
+"""A cache of 10 blocks of 4 positions: the oracle's longest request fits it alone (31 positions, 8 blocks), but its
+first three, which run together, grow to 15 + 22 + 11 positions (13 blocks): a decode step preempts the newest."""
 QUIET = logging.getLogger("tests.checkpoints.quiet")
 QUIET.setLevel(logging.CRITICAL)
 
 
-def served_tokens(model: ReferenceLm, sampling: Sampling | None = None) -> list[list[int]]:
-    """The head's tokens for the oracle's prompts, every one of their new tokens (no end-of-sequence stop)."""
+def served_tokens(model: ReferenceLm, sampling: Sampling | None = None) -> tuple[list[list[int]], int]:
+    """The head's tokens for the oracle's prompts, every one of their new tokens (no end-of-sequence stop), and how
+    many requests were preempted."""
     server = Server(model, prefill_chunk=5, sync_every=4, eos_token_ids=())
     requests = [Request(i, prompt, NEW_TOKENS, sampling or Sampling()) for i, prompt in enumerate(PROMPTS)]
     done = server.run(requests)
     server.shutdown()  # a sync point: every rank's KV bookkeeping is the head's
-    return [done[i].tokens for i in range(len(PROMPTS))]
+    return [done[i].tokens for i in range(len(PROMPTS))], server.preemptions
+
+
+def tight_kv_memory(directory: str | Path, rank: int, world_size: int) -> int:
+    """The bytes of :data:`TIGHT_BLOCKS` float32 blocks of :data:`BLOCK_SIZE` positions on ``rank``."""
+    config = Checkpoint.open(directory).config
+    return TIGHT_BLOCKS * block_bytes(config, config.shard(rank, world_size), BLOCK_SIZE, 4)
 
 
 def serve_prompts(
     rank: int, world_size: int, directory: str, transport: str, out: str, sampling: Sampling | None = None
 ) -> None:
-    """Serve the oracle's prompts from ``directory`` in float32 over ``transport``; the head saves the tokens."""
+    """Serve the oracle's prompts from ``directory`` in float32 over ``transport``, in a cache of
+    :data:`TIGHT_BLOCKS` blocks; the head saves the tokens and the preemptions."""
     torch.set_num_threads(1)
     link = open_link(transport, num_slots=SLOTS, command_timeout=60.0) if world_size > 1 else None
-    with ReferenceLm(link or EpLink(SoloTransport(), num_slots=SLOTS), checkpoint=directory,
-                     dtype=torch.float32) as model:  # fmt: skip
+    kv_memory = tight_kv_memory(directory, rank, world_size)
+    with ReferenceLm(link or EpLink(SoloTransport(), num_slots=SLOTS), checkpoint=directory, dtype=torch.float32,
+                     kv_memory=kv_memory, block_size=BLOCK_SIZE) as model:  # fmt: skip
         if rank == 0:
-            save(out, rank, tokens=served_tokens(model, sampling), transport=type(model.ep_link.transport).__name__)
+            tokens, preemptions = served_tokens(model, sampling)
+            save(out, rank, tokens=tokens, preemptions=preemptions, transport=type(model.ep_link.transport).__name__)
         else:
             slots: list[LmState | None] = [None] * SLOTS
             summary = run_worker(model, slots, logger=QUIET)
@@ -71,7 +86,7 @@ def load_and_measure(rank: int, world_size: int, directory: str, out: str) -> No
     """
     torch.set_num_threads(1)
     tiny = LmConfig(d_model=32, n_heads=4, n_experts=4, top_k=2, d_expert=64, max_seq_len=8)
-    ShardedLm(tiny, num_slots=1, rank=rank, world_size=world_size, all_reduce=lambda tensor: None)  # dropped at once
+    ShardedLm(tiny, num_blocks=1, rank=rank, world_size=world_size, all_reduce=lambda tensor: None)  # dropped at once
     link = open_link("torch", num_slots=1, command_timeout=60.0)
     before = memory("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")

@@ -16,6 +16,7 @@ a sharded model's against one rank's, a batched or cached decode's against one a
 about 1e-6)."""
 
 GREEDY_STEPS = 24
+BLOCK_SIZE = 16
 Greedy = dict[str, list[list[float]] | list[list[int]]]
 """A greedy session's figures: ``"logits"``, every step's rows; ``"tokens"``, each prompt's generated tokens."""
 
@@ -41,10 +42,12 @@ def shipped_model(
     device: str = "cpu",
     routing: ExpertRouting = "auto",
 ) -> ShardedLm:
-    """Rank ``rank`` of ``world_size`` of the shipped model, its shard read from the checkpoint."""
+    """Rank ``rank`` of ``world_size`` of the shipped model, its shard read from the checkpoint, with the blocks of
+    ``num_slots`` whole sequences of 16-position blocks (``table`` gives each its own)."""
     model = ShardedLm(
         shipped.config,
-        num_slots=num_slots,
+        num_blocks=num_slots * -(-shipped.config.max_seq_len // BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
         rank=rank,
         world_size=world_size,
         all_reduce=all_reduce,
@@ -60,12 +63,25 @@ def ints(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+def table(model: ShardedLm, slot: int) -> torch.Tensor:
+    """The block table of sequence ``slot`` when each of ``shipped_model``'s sequences has blocks of its own,
+    interleaved with the others' (slot ``s`` of ``n``: blocks ``s, s + n, s + 2n, ...``), so that no table is a
+    range of blocks."""
+    slots = model.num_blocks // model.blocks_per_sequence
+    return torch.arange(model.blocks_per_sequence) * slots + slot
+
+
+def tables(model: ShardedLm, slots: list[int]) -> torch.Tensor:
+    """``table`` of each of ``slots``, as the rows of one tensor (a decode step's)."""
+    return torch.stack([table(model, slot) for slot in slots])
+
+
 def greedy_session(model: ShardedLm) -> Greedy:
     """Prefill both prompts (the first in two chunks, in slot 2; the second in slot 0), then greedy-decode
     both in one batch; every step's logits and the tokens."""
     first, second = (byte_ids(prompt) for prompt in PROMPTS)
-    model.prefill(2, ints(first[:7]), 0)
-    rows = [model.prefill(2, ints(first[7:]), 7), model.prefill(0, ints(second), 0)]
+    model.prefill(table(model, 2), ints(first[:7]), 0)
+    rows = [model.prefill(table(model, 2), ints(first[7:]), 7), model.prefill(table(model, 0), ints(second), 0)]
     positions = [len(first), len(second)]
     logits: list[list[float]] = []
     tokens: list[list[int]] = [[], []]
@@ -73,7 +89,7 @@ def greedy_session(model: ShardedLm) -> Greedy:
         logits.extend(row.tolist() for row in rows)
         for row, generated in zip(rows, tokens, strict=True):
             generated.append(int(row.argmax()))
-        out = model.decode(ints([2, 0]), ints([generated[-1] for generated in tokens]), ints(positions))
+        out = model.decode(tables(model, [2, 0]), ints([generated[-1] for generated in tokens]), ints(positions))
         rows = [out[0], out[1]]
         positions = [position + 1 for position in positions]
     return {"logits": logits, "tokens": tokens}

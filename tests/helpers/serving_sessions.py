@@ -172,7 +172,7 @@ class AltersItsCache(ReferenceLm):
         if self.decodes == 3:
             block = self.lm.layers[0]
             assert isinstance(block, ShardedBlock)
-            block.attn.k_cache[states[0].seq_id, 0, 0, 0] += 1.0
+            block.attn.k_cache[states[0].blocks[0], 0, 0, 0] += 1.0  # the sequence's first position
         return logits
 
 

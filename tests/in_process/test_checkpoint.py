@@ -51,6 +51,7 @@ from metrale_model_engine.reference.checkpoint import (
 )
 from metrale_model_engine.transport import SoloTransport
 
+from helpers import checkpoint_sessions as sessions
 from helpers import oracle
 from helpers.greedy import byte_ids
 
@@ -66,10 +67,15 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def served(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any) -> list[list[int]]:
     """The tokens one rank serves for ``prompts`` (greedy, every one of ``new_tokens``: no end-of-sequence stop)."""
+    return served_by(directory, prompts, new_tokens, **kwargs)[0]
+
+
+def served_by(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any) -> tuple[list[list[int]], Server]:
+    """``served``'s tokens, and the server that served them."""
     model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), checkpoint=directory, **kwargs)
     server = Server(model, prefill_chunk=5, eos_token_ids=())
     done = server.run(Request(i, tuple(prompt), new_tokens) for i, prompt in enumerate(prompts))
-    return [done[i].tokens for i in range(len(prompts))]
+    return [done[i].tokens for i in range(len(prompts))], server
 
 
 # transformers, the oracle
@@ -90,6 +96,9 @@ def test_one_rank_gives_the_tokens_of_transformers(written: dict[str, Path], fam
     gap = oracle.smallest_gap(tops)
     assert gap > 1e-4, gap  # rounding is about 1e-6 here: a flip would need a near tie
     assert served(written[family], oracle.PROMPTS, oracle.NEW_TOKENS) == expected
+    tight = {"kv_memory": sessions.tight_kv_memory(written[family], 0, 1), "block_size": sessions.BLOCK_SIZE}
+    tokens, server = served_by(written[family], oracle.PROMPTS, oracle.NEW_TOKENS, **tight)
+    assert tokens == expected and server.preemptions > 0  # across preemptions, the same tokens
 
 
 def test_generation_stops_at_the_end_of_sequence_ids_as_transformers_does(
@@ -131,7 +140,7 @@ def test_what_is_read_from_each_family(written: dict[str, Path]) -> None:
     halves = [mixtral.shard_bytes(rank, 2, torch.float32) for rank in range(2)]
     assert halves[0] == halves[1] < whole < sum(halves)  # the replicated parts are on both
     assert mixtral.shard_bytes(0, 2, torch.bfloat16) * 2 == halves[0]
-    thirds = [ShardedLm(mixtral.config, num_slots=1, rank=rank, world_size=3, all_reduce=print) for rank in range(3)]
+    thirds = [ShardedLm(mixtral.config, num_blocks=1, rank=rank, world_size=3, all_reduce=print) for rank in range(3)]
     assert thirds[1].shard.pad_before == 1  # its zero head is part of its weights
     assert [mixtral.shard_bytes(rank, 3, torch.float32) for rank in range(3)] == [
         4 * sum(parameter.numel() for parameter in third.parameters()) for third in thirds
@@ -323,11 +332,11 @@ def test_a_missing_directory_and_a_context_past_the_model_are_refused(written: d
 
 def test_a_model_is_written_only_as_mixtral_can_hold_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="a Mixtral checkpoint has no per-head query/key norms"):
-        save_checkpoint(tmp_path, ShardedLm(LmConfig(qk_norm=True), num_slots=1))
+        save_checkpoint(tmp_path, ShardedLm(LmConfig(qk_norm=True), num_blocks=1))
     with pytest.raises(ValueError, match="only a one-rank model holds every weight; this is rank 0 of 2"):
-        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_slots=1, world_size=2, all_reduce=print))
+        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_blocks=1, world_size=2, all_reduce=print))
     with pytest.raises(ValueError, match="the model's dtype must be one of float32, bfloat16, float16, got"):
-        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_slots=1, dtype=torch.float64))
+        save_checkpoint(tmp_path, ShardedLm(LmConfig(), num_blocks=1, dtype=torch.float64))
 
 
 # A rank's change of shard: what it holds already, what it reads
@@ -411,9 +420,9 @@ def test_a_survivor_reads_from_the_files_only_the_slices_it_did_not_hold(
     checkpoint = Checkpoint.open(written[family])
     config = checkpoint.config
     for old_rank, new_rank in SURVIVORS[before, after].items():
-        old = ShardedLm(config, num_slots=1, rank=old_rank, world_size=before, all_reduce=print)
+        old = ShardedLm(config, num_blocks=1, rank=old_rank, world_size=before, all_reduce=print)
         load_shard(old, checkpoint)
-        fresh = ShardedLm(config, num_slots=1, rank=new_rank, world_size=after, all_reduce=print)
+        fresh = ShardedLm(config, num_blocks=1, rank=new_rank, world_size=after, all_reduce=print)
         everything = load_shard(fresh, checkpoint)
         family_of = checkpoint.family
         change = reshard(config, family_of, old.shard, fresh.shard)
@@ -426,7 +435,7 @@ def test_a_survivor_reads_from_the_files_only_the_slices_it_did_not_hold(
             assert (old_place.name, old_place.part) == (new_place.name, new_place.part)
             assert bool(held_before[old_place.name][old_place.part].all())
         requested = _requests(monkeypatch)
-        model = ShardedLm(config, num_slots=1, rank=new_rank, world_size=after, all_reduce=print)
+        model = ShardedLm(config, num_blocks=1, rank=new_rank, world_size=after, all_reduce=print)
         read = load_shard(model, checkpoint, held=old)
         assert requested == [(piece.name, piece.part) for piece in change.missing]
         for piece in change.missing:
@@ -439,6 +448,6 @@ def test_a_survivor_reads_from_the_files_only_the_slices_it_did_not_hold(
 
 def test_a_held_model_of_another_checkpoint_is_refused(written: dict[str, Path]) -> None:
     mixtral, qwen = (Checkpoint.open(written[family]) for family in oracle.FAMILIES)
-    held = ShardedLm(qwen.config, num_slots=1)
+    held = ShardedLm(qwen.config, num_blocks=1)
     with pytest.raises(ValueError, match=r"the held model's config LmConfig\(.*n_heads=4.* is not the checkpoint's"):
-        load_shard(ShardedLm(mixtral.config, num_slots=1), mixtral, held=held)
+        load_shard(ShardedLm(mixtral.config, num_blocks=1), mixtral, held=held)

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine.demo import main, parse_args
+from metrale_model_engine.reference import Checkpoint
 
 from helpers.demo_env import leave_torchrun
 
@@ -39,6 +40,15 @@ def not_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
         (("--json", "/nonexistent/x.json"), "argument --json: '/nonexistent/x.json' is in a directory that does not"),
         (("--json", "/tmp"), "argument --json: '/tmp' is a directory; name a file to write"),
         (("--slots", "4294967296"), "argument --slots: must be at most 4294967295, got 4294967296"),
+        (
+            ("--kv-memory", "64MB"),
+            "argument --kv-memory: must be bytes (67108864, 64MiB, 2GiB) or a fraction of the "
+            "free memory in (0, 1] (0.8), got '64MB'",
+        ),
+        (("--kv-memory", "2.5"), "argument --kv-memory: a fraction of the free memory must be in (0, 1], got '2.5'"),
+        (("--kv-memory", "0"), "argument --kv-memory: must be at least 1 byte, got '0'"),
+        (("--kv-memory", "0.0"), "argument --kv-memory: a fraction of the free memory must be in (0, 1], got '0.0'"),
+        (("--block-size", "0"), "argument --block-size: must be at least 1, got 0"),
     ],
 )
 def test_demo_refuses_bad_arguments(args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,6 +144,27 @@ def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
     assert device_and_backend(parse_args(["--backend", "gloo"]), 2, 2, [1, 2]) == ("cpu", "gloo")  # gloo: a CPU model
 
 
+def test_the_kv_memory_is_bytes_or_a_fraction_and_each_local_rank_has_its_part_of_a_hosts(
+    shipped: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from metrale_model_engine._demo_choices import kv_memory
+    from metrale_model_engine.reference.rank import pool
+
+    given = {text: parse_args(["--kv-memory", text]).kv_memory for text in ("67108864", "64MiB", "1.5GiB", "0.8", "1")}
+    assert given == {"67108864": 2**26, "64MiB": 2**26, "1.5GiB": 3 * 2**29, "0.8": 0.8, "1": 1}
+    assert parse_args([]).kv_memory is None and parse_args([]).block_size == 16
+    assert kv_memory(shipped, torch.float32, None, "cuda", 2, 2) == 0.9  # of each device's free memory
+    assert kv_memory(shipped, torch.float32, 0.5, "cuda", 2, 2) == 0.5
+    assert kv_memory(shipped, torch.float32, None, "cpu", 2, 2) is None  # every slot's whole context
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 102400 kB\n")  # 100 MiB, shared by the host's ranks
+    monkeypatch.setattr(pool, "_MEMINFO", meminfo)
+    weights = shipped.shard_bytes(0, 2, torch.float32) + shipped.shard_bytes(1, 2, torch.float32)
+    assert kv_memory(shipped, torch.float32, 0.5, "cpu", 2, 2) == int(0.5 * (100 * 2**20 - weights) / 2)
+
+
 def test_protocol_flag() -> None:
     assert parse_args(["--protocol", "v2"]).protocol == "v2"
     with pytest.raises(SystemExit):
@@ -148,7 +179,11 @@ def test_demo_refuses_slots_whose_caches_would_not_fit_before_any_rank_starts(
     (line,) = err.splitlines()
     expected = "error: --slots 4294967295, --max-seq-len 256: the weights and KV caches of 2 rank(s) would take "
     assert out == "" and line.startswith(expected), line
-    assert "GiB of memory (fewer --slots or a shorter --max-seq-len need less)" in line
+    assert "GiB of memory (a --kv-memory, fewer --slots or a shorter --max-seq-len needs less)" in line
+    assert main(["--kv-memory", "1048576GiB"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --kv-memory of 1125899906842624 bytes a rank: the weights and KV caches of 2 "), line
+    assert line.endswith("GiB of memory (a smaller --kv-memory needs less)"), line
 
 
 @pytest.fixture

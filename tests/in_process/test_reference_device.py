@@ -32,14 +32,17 @@ from metrale_model_engine.reference import (
 )
 from metrale_model_engine.transport import SoloTransport
 
-from helpers.greedy import shipped_model
+from helpers.greedy import shipped_model, table
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_thread")]
 
-MAX_LAUNCHES = 88
+MAX_LAUNCHES = 91
 """The bound on the ops that are not views in one float32 ``decode`` of the shipped model with the experts run
 on the device: 218 before the decode was made for a GPU, 76 after; with grouped-query attention and the span
-read of the cache 80 at batch 4 and 16, and 86 at batch 1, where the picked experts' weights are gathered."""
+read of the cache 80 at batch 4 and 16, and 86 at batch 1, where the picked experts' weights are gathered; 3 more
+with the paged cache, once a step whatever the layers: the block tables turned into cache rows (a multiply and an
+add) and each row's own position picked from them (a gather).  Each layer writes and reads its cache with one op
+each, as before (``index_copy_`` and ``index_select`` where the per-slot cache had ``index_put_`` and ``index``)."""
 CUDA = torch.cuda.is_available()
 
 
@@ -49,8 +52,10 @@ def model_on(shipped: Checkpoint, device: str = "cpu", dtype: torch.dtype = torc
 
 
 def decode_inputs(batch: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step of ``batch`` rows, each in a sequence of its own (its blocks interleaved with the others')."""
     slots = torch.arange(batch, device=device).flip(0)
-    return slots, (slots * 7 + 3) % 256, slots + 5
+    tables = torch.arange(16, device=device)[None, :] * 16 + slots[:, None]
+    return tables, (slots * 7 + 3) % 256, slots + 5
 
 
 def test_the_counter_sorts_views_launches_and_waits() -> None:
@@ -100,7 +105,7 @@ def test_an_uneven_shard_decodes_with_no_op_more_than_one_rank(batch: int) -> No
     inputs = decode_inputs(batch)
     counts = []
     for rank, world_size in [(0, 1), (0, 3), (1, 3), (2, 3)]:
-        model = ShardedLm(config, num_slots=16, rank=rank, world_size=world_size, all_reduce=lambda tensor: None,
+        model = ShardedLm(config, num_blocks=256, rank=rank, world_size=world_size, all_reduce=lambda tensor: None,
                           expert_routing="device")  # fmt: skip
         _, count = count_ops(lambda: model.decode(*inputs))  # noqa: B023  (called at once)
         assert count.waits == {} and count.launched <= MAX_LAUNCHES
@@ -114,26 +119,27 @@ def test_an_uneven_shard_decodes_with_no_op_more_than_one_rank(batch: int) -> No
 
 def test_a_prefill_chunk_and_the_training_path_never_wait(shipped: Checkpoint) -> None:
     model = model_on(shipped)
-    model.prefill(3, torch.arange(10), 0)
-    _, count = count_ops(lambda: model.prefill(3, torch.arange(20, 60), 10))
+    model.prefill(table(model, 3), torch.arange(10), 0)
+    _, count = count_ops(lambda: model.prefill(table(model, 3), torch.arange(20, 60), 10))
     assert count.waits == {}
     _, count = count_ops(lambda: model(torch.arange(64).view(2, 32)))
     assert count.waits == {}
 
 
 def test_the_step_runs_on_the_meta_device_where_no_value_can_be_read() -> None:
-    model = ShardedLm(LmConfig(), num_slots=4, device=torch.device("meta"))
+    model = ShardedLm(LmConfig(), num_blocks=256, device=torch.device("meta"))
     logits = model.decode(*decode_inputs(3, "meta"))
     assert logits.shape == (3, 256) and logits.device.type == "meta"
-    assert model.prefill(1, torch.zeros(5, dtype=torch.int64, device="meta"), 3).shape == (256,)
+    meta_table = torch.arange(4, device="meta")
+    assert model.prefill(meta_table, torch.zeros(5, dtype=torch.int64, device="meta"), 3).shape == (256,)
 
 
 def test_device_index_tensors_are_trusted_host_ones_checked() -> None:
-    model = ShardedLm(LmConfig(), num_slots=4, device=torch.device("meta"))
-    bad = torch.tensor([0, 9])
-    with pytest.raises(ValueError, match=r"slots\[1\]=9 is out of range \(0 \.\.= 3\)"):
-        model.decode(bad, bad, bad)
-    model.decode(bad.to("meta"), bad.to("meta"), bad.to("meta"))  # not read: it would wait for the device
+    model = ShardedLm(LmConfig(), num_blocks=4, device=torch.device("meta"))
+    bad, tables = torch.tensor([0, 9]), torch.tensor([[0], [9]])
+    with pytest.raises(ValueError, match=r"tables.flatten\(\)\[1\]=9 is out of range \(0 \.\.= 3\)"):
+        model.decode(tables, bad, bad)
+    model.decode(tables.to("meta"), bad.to("meta"), bad.to("meta"))  # not read: it would wait for the device
 
 
 def test_the_served_decode_never_waits(shipped: Checkpoint) -> None:
@@ -154,7 +160,7 @@ def test_the_state_dict_is_the_parameters_under_their_own_names(shipped: Checkpo
         f"layers.0.{name}" for name in ("attn_norm", "moe_norm", "attn.wqkv", "attn.wo", "moe.router", "moe.w_in",
                                         "moe.w_out")
     ]  # fmt: skip
-    again = ShardedLm(shipped.config, num_slots=1)
+    again = ShardedLm(shipped.config, num_blocks=1)
     again.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters(), strict=True))
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers\.0\.attn\.wqkv\""):
@@ -173,7 +179,7 @@ def test_graphs_refuse_a_model_off_cuda_or_of_several_ranks(shipped: Checkpoint)
         DecodeGraphs(model_on(shipped))
     with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
         ReferenceLm(EpLink(SoloTransport(), num_slots=2), cuda_graphs=True)
-    sharded = ShardedLm(shipped.config, num_slots=2, rank=1, world_size=2, all_reduce=lambda tensor: None)
+    sharded = ShardedLm(shipped.config, num_blocks=2, rank=1, world_size=2, all_reduce=lambda tensor: None)
     with pytest.raises(ValueError, match=r"CUDA graphs are for one rank, this model is rank 1 of 2: a replayed"):
         DecodeGraphs(sharded)
 
@@ -197,13 +203,15 @@ def test_on_cuda_decode_and_prefill_never_sync(shipped: Checkpoint, batch: int) 
     on_cuda, on_cpu = model_on(shipped, "cuda"), model_on(shipped)  # loading copies and waits: outside the check
     prompt, inputs = torch.arange(30), decode_inputs(batch)
     on_cuda_inputs = tuple(tensor.cuda() for tensor in inputs)
+    first, second = table(on_cuda, 0), table(on_cuda, 1)
+    on_cuda_first = first.cuda()
     torch.cuda.synchronize()
     with no_sync():
-        on_cuda.prefill(0, prompt.cuda(non_blocking=True), 0)
+        on_cuda.prefill(on_cuda_first, prompt.cuda(non_blocking=True), 0)
         logits = on_cuda.decode(*on_cuda_inputs)
-        on_cuda.prefill(1, prompt, 0)  # host tensors: checked on the host, copied without a wait
+        on_cuda.prefill(second, prompt, 0)  # host tensors: checked on the host, copied without a wait
         on_cuda.decode(*inputs)
-    on_cpu.prefill(0, prompt, 0)
+    on_cpu.prefill(first, prompt, 0)
     torch.testing.assert_close(logits.cpu(), on_cpu.decode(*inputs), atol=1e-3, rtol=0)
 
 
@@ -213,13 +221,16 @@ def test_on_cuda_the_graphed_steps_give_the_eager_logits(shipped: Checkpoint) ->
     graphs = DecodeGraphs(graphed)
     for model in (eager, graphed):
         for slot in range(6):
-            model.prefill(slot, torch.arange(10 + slot, device="cuda"), 0)
+            model.prefill(table(model, slot).cuda(), torch.arange(10 + slot, device="cuda"), 0)
     lengths = [10 + slot for slot in range(6)]
     for step in range(6):
         batch = [0, 2, 4] if step % 2 else [0, 1, 2, 3, 4, 5]
         tokens = [(step * 31 + slot) % 256 for slot in batch]
-        inputs = torch.tensor([batch, tokens, [lengths[slot] for slot in batch]], device="cuda")
-        expected = eager.decode_step(inputs[0], inputs[1], inputs[2], span=32)  # every position is below 32
+        rows = [
+            [token, lengths[slot], *table(eager, slot)[:2].tolist()] for slot, token in zip(batch, tokens, strict=True)
+        ]
+        inputs = torch.tensor(rows, device="cuda")  # each row: its token, its position, its table's first 2 blocks
+        expected = eager.decode_step(inputs[:, 2:], inputs[:, 0], inputs[:, 1], span=32)  # every position < 32
         torch.testing.assert_close(graphs(inputs, 32), expected, atol=1e-5, rtol=0)
         for slot in batch:
             lengths[slot] += 1

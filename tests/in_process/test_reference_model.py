@@ -35,7 +35,7 @@ import torch
 from metrale_model_engine.reference import Checkpoint, ExpertRouting, LmConfig, ShardedLm, count_ops, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
 
-from helpers.greedy import LOGIT_TOLERANCE, Greedy, byte_ids, greedy_session, ints, shipped_model
+from helpers.greedy import LOGIT_TOLERANCE, Greedy, byte_ids, greedy_session, ints, shipped_model, table, tables
 from helpers.threaded import ThreadGroup
 
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_thread")]
@@ -140,34 +140,47 @@ def test_every_world_size_shards_every_head_once_with_the_kv_heads_it_reads(head
         ({"world_size": 0}, "world_size must be at least 1, got 0"),
         ({"world_size": 2}, r"all_reduce is required when world_size=2 > 1"),
         ({"rank": 2, "world_size": 2, "all_reduce": print}, r"rank=2 is out of range for world_size=2 \(0 \.\.= 1\)"),
-        ({"num_slots": 0}, "num_slots must be at least 1, got 0"),
+        ({"num_blocks": 0}, "num_blocks must be at least 1, got 0"),
+        ({"block_size": 0}, "block_size must be at least 1, got 0"),
         ({"expert_routing": "gpu"}, "expert routing must be one of auto, host, device, got 'gpu'"),
     ],
 )  # fmt: skip
 def test_model_arguments_are_checked(kwargs: dict[str, object], message: str) -> None:
-    arguments: dict[str, object] = {"num_slots": 2, **kwargs}
+    arguments: dict[str, object] = {"num_blocks": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         ShardedLm(LmConfig(), **arguments)  # type: ignore[arg-type]
 
 
 def test_call_arguments_are_checked(shipped: Checkpoint) -> None:
-    model = shipped_model(shipped, num_slots=2)
-    with pytest.raises(ValueError, match=r"slot=2 is out of range \(0 \.\.= 1\)"):
-        model.prefill(2, ints([1]), 0)
+    model = shipped_model(shipped, num_slots=2)  # 32 blocks of 16
+    with pytest.raises(ValueError, match=r"table\[3\]=32 is out of range \(0 \.\.= 31\)"):
+        model.prefill(ints([0, 1, 2, 32]), ints([1]), 0)
+    with pytest.raises(ValueError, match=r"a table names each block once, got \[0, 1, 0\]"):
+        model.prefill(ints([0, 1, 0]), ints([1]), 0)
+    with pytest.raises(
+        ValueError, match=r"the table's 2 block\(s\) of 16 hold 32 positions, fewer than the chunk's end 33"
+    ):
+        model.prefill(ints([0, 1]), ints([1] * 3), 30)
+    with pytest.raises(TypeError, match=r"table must be a 1-D int64 tensor, got int 0"):
+        model.prefill(0, ints([1]), 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"start=250 \+ 10 tokens = 260 passes max_seq_len=256"):
-        model.prefill(0, ints([1] * 10), 250)
+        model.prefill(table(model, 0), ints([1] * 10), 250)
     with pytest.raises(TypeError, match=r"tokens must be a 1-D int64 tensor, got a torch.int32 tensor"):
-        model.prefill(0, torch.ones(3, dtype=torch.int32), 0)
+        model.prefill(table(model, 0), torch.ones(3, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match=r"tokens\[1\]=256 is out of range \(0 \.\.= 255\)"):
-        model.prefill(0, ints([1, 256]), 0)
+        model.prefill(table(model, 0), ints([1, 256]), 0)
     with pytest.raises(ValueError, match=r"positions\[1\]=256 is out of range \(0 \.\.= 255\)"):
-        model.decode(ints([0, 1]), ints([1, 2]), ints([3, 256]))
-    with pytest.raises(ValueError, match=r"slots\[0\]=-1 is out of range"):
-        model.decode(ints([-1]), ints([1]), ints([3]))
-    with pytest.raises(ValueError, match=r"slots must be distinct, got \[1, 1\]"):
-        model.decode(ints([1, 1]), ints([1, 2]), ints([3, 4]))
+        model.decode(tables(model, [0, 1]), ints([1, 2]), ints([3, 256]))
+    with pytest.raises(ValueError, match=r"positions\[0\]=16 is out of range \(0 \.\.= 15\)"):
+        model.decode(ints([0])[None], ints([1]), ints([16]))  # one block holds 16 positions
+    with pytest.raises(ValueError, match=r"tables.flatten\(\)\[0\]=-1 is out of range"):
+        model.decode(ints([-1])[None], ints([1]), ints([3]))
+    with pytest.raises(ValueError, match=r"two rows write one cache row: \[19, 19\]"):
+        model.decode(tables(model, [1, 1]), ints([1, 2]), ints([3, 3]))
+    with pytest.raises(TypeError, match=r"tables must be a 2-D int64 tensor, got a torch.int64 tensor of shape \(2,\)"):
+        model.decode(ints([0, 1]), ints([1, 2]), ints([3, 4]))
     with pytest.raises(ValueError, match="must have one length, got 2, 1 and 2"):
-        model.decode(ints([0, 1]), ints([1]), ints([3, 4]))
+        model.decode(tables(model, [0, 1]), ints([1]), ints([3, 4]))
     with pytest.raises(ValueError, match="tokens has 257 positions, more than max_seq_len=256"):
         model(torch.zeros(1, 257, dtype=torch.int64))
 
@@ -202,8 +215,13 @@ def test_three_ranks_equal_one_rank(shipped: Checkpoint, greedy_one_rank: Greedy
     assert results[0]["tokens"] == greedy_one_rank["tokens"]
 
 
+def _blocks(config: LmConfig) -> int:
+    """The blocks of 16 (``ShardedLm``'s default) one sequence of ``config.max_seq_len`` positions takes."""
+    return -(-config.max_seq_len // 16)
+
+
 def _random_model(config: LmConfig, seed: int = 0) -> ShardedLm:
-    model = ShardedLm(config, num_slots=2)
+    model = ShardedLm(config, num_blocks=2 * _blocks(config))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -226,17 +244,17 @@ def test_padded_shards_equal_one_rank(world_size: int, routing: ExpertRouting) -
     tokens = torch.arange(3, 27).view(2, 12)
 
     def logits(model: ShardedLm) -> list[torch.Tensor]:
-        model.prefill(1, tokens[1, :7], 0)
-        rows = [model(tokens), model.prefill(0, tokens[0], 0)]
-        return [*rows, model.decode(ints([0, 1]), ints([5, 9]), ints([12, 7]))]
+        model.prefill(table(model, 1), tokens[1, :7], 0)
+        rows = [model(tokens), model.prefill(table(model, 0), tokens[0], 0)]
+        return [*rows, model.decode(tables(model, [0, 1]), ints([5, 9]), ints([12, 7]))]
 
     expected = logits(whole)
     state = export_state(whole, MIXTRAL)
     group = ThreadGroup(world_size)
 
     def rank_logits(rank: int) -> list[torch.Tensor]:
-        model = ShardedLm(config, num_slots=2, rank=rank, world_size=world_size, all_reduce=group.all_reduce(rank),
-                          expert_routing=routing)  # fmt: skip
+        model = ShardedLm(config, num_blocks=2 * _blocks(config), rank=rank, world_size=world_size,
+                          all_reduce=group.all_reduce(rank), expert_routing=routing)  # fmt: skip
         load_state(model, MIXTRAL, state)
         return logits(model)
 
@@ -251,7 +269,7 @@ def test_padded_shards_equal_one_rank(world_size: int, routing: ExpertRouting) -
 def test_a_one_rank_model_exports_what_it_loaded(shipped: Checkpoint) -> None:
     model = shipped_model(shipped)
     exported = export_state(model, MIXTRAL)
-    again = ShardedLm(shipped.config, num_slots=1)
+    again = ShardedLm(shipped.config, num_blocks=1)
     load_state(again, MIXTRAL, exported)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in exported
@@ -270,16 +288,17 @@ def test_a_one_rank_model_exports_what_it_loaded(shipped: Checkpoint) -> None:
 def test_prefill_in_chunks_then_decode_equals_forward(shipped: Checkpoint, dtype: torch.dtype, atol: float) -> None:
     model = shipped_model(shipped, dtype=dtype)
     text = byte_ids((ROOT / "LICENSE-MIT").read_text()[:300])
-    model.prefill(1, ints(text[100:300]), 0)  # stale entries in slot 1, which the sequence below must not see
+    model.prefill(table(model, 1), ints(text[100:300]), 0)  # stale entries in its blocks, which the sequence below must
+    # not see
     sequence = ints(text[:120])
     expected = model(sequence[None])[0]
     got = {
-        4: model.prefill(1, sequence[:5], 0),
-        39: model.prefill(1, sequence[5:40], 5),
-        40: model.prefill(1, sequence[40:41], 40),
+        4: model.prefill(table(model, 1), sequence[:5], 0),
+        39: model.prefill(table(model, 1), sequence[5:40], 5),
+        40: model.prefill(table(model, 1), sequence[40:41], 40),
     }
     for position in range(41, 120):
-        got[position] = model.decode(ints([1]), sequence[position : position + 1], ints([position]))[0]
+        got[position] = model.decode(tables(model, [1]), sequence[position : position + 1], ints([position]))[0]
     for position, logits in got.items():
         assert logits.dtype == dtype
         torch.testing.assert_close(logits, expected[position], atol=atol, rtol=0)
@@ -291,10 +310,10 @@ def test_a_decode_attends_over_its_span_alone_as_over_the_whole_cache(shipped: C
     model = shipped_model(shipped)
     text = byte_ids((ROOT / "LICENSE-MIT").read_text()[:40])
     for slot in range(3):
-        model.prefill(slot, ints(text[slot : slot + 20]), 0)
-    slots, tokens, positions = ints([2, 0, 1]), ints([65, 66, 67]), ints([20, 20, 20])
-    spanned = model.decode_step(slots, tokens, positions, span=32)
-    whole = model.decode_step(slots, tokens, positions)  # writes position 20 of each slot again, the same values
+        model.prefill(table(model, slot), ints(text[slot : slot + 20]), 0)
+    held, tokens, positions = tables(model, [2, 0, 1]), ints([65, 66, 67]), ints([20, 20, 20])
+    spanned = model.decode_step(held, tokens, positions, span=32)
+    whole = model.decode_step(held, tokens, positions)  # writes position 20 of each sequence again, the same values
     torch.testing.assert_close(spanned, whole, atol=1e-6, rtol=0)
 
 
@@ -323,15 +342,18 @@ def test_every_call_makes_two_all_reduces_per_layer(shipped: Checkpoint) -> None
     config = shipped.config
     model = shipped_model(shipped, 2, all_reduce=lambda tensor: calls.append(tuple(tensor.shape)))
     model(torch.zeros(2, 3, dtype=torch.int64))
-    model.prefill(0, ints([1, 2, 3]), 0)
-    model.decode(ints([0, 1]), ints([4, 5]), ints([3, 0]))
+    model.prefill(table(model, 0), ints([1, 2, 3]), 0)
+    model.decode(tables(model, [0, 1]), ints([4, 5]), ints([3, 0]))
     per_call = 2 * config.n_layers
     d = config.d_model
     assert calls == [(2, 3, d)] * per_call + [(3, d)] * per_call + [(2, d)] * per_call  # tokens, flattened
 
 
 def _prefill_prompts(model: ShardedLm, slots: list[int]) -> list[torch.Tensor]:
-    return [model.prefill(slot, ints(byte_ids(text)), 0) for slot, text in zip(slots, DECODE_TEXTS, strict=True)]
+    return [
+        model.prefill(table(model, slot), ints(byte_ids(text)), 0)
+        for slot, text in zip(slots, DECODE_TEXTS, strict=True)
+    ]
 
 
 def test_batched_decode_rows_are_independent(shipped: Checkpoint) -> None:
@@ -344,10 +366,11 @@ def test_batched_decode_rows_are_independent(shipped: Checkpoint) -> None:
     for step in range(8):
         order = [0, 1, 2] if step % 2 else [2, 0, 1]  # the batch's order must not matter either
         together = batched.decode(
-            ints([slots[i] for i in order]), ints([tokens[i] for i in order]), ints([positions[i] for i in order])
-        )
+            tables(batched, [slots[i] for i in order]), ints([tokens[i] for i in order]),
+            ints([positions[i] for i in order]),
+        )  # fmt: skip
         for row, i in enumerate(order):
-            single = alone.decode(ints([slots[i]]), ints([tokens[i]]), ints([positions[i]]))[0]
+            single = alone.decode(tables(alone, [slots[i]]), ints([tokens[i]]), ints([positions[i]]))[0]
             torch.testing.assert_close(together[row], single, atol=LOGIT_TOLERANCE, rtol=0)
             assert int(together[row].argmax()) == int(single.argmax())
             tokens[i] = int(single.argmax())
@@ -393,7 +416,7 @@ def test_training_is_deterministic(script: ModuleType) -> None:
     assert first_losses == second_losses and len(first_losses) == 3
     pairs = zip(first.state_dict().items(), second.state_dict().items(), strict=True)
     assert all(a == b and torch.equal(x, y) for (a, x), (b, y) in pairs)
-    start = ShardedLm(LmConfig(), num_slots=1)
+    start = ShardedLm(LmConfig(), num_blocks=1)
     script.init_weights(start, torch.Generator().manual_seed(settings.seed))
     assert first.lm_head is not None and start.lm_head is not None
     assert not torch.equal(first.lm_head, start.lm_head)  # it did train
@@ -416,7 +439,7 @@ def test_a_batch_1_step_on_the_cpu_reads_only_the_picked_experts(shipped: Checkp
     """Counted: per layer the query/key/value and output products, the router, and two products for each of the
     ``top_k`` experts picked (of 4); then the LM head.  Running every expert would make 3 + 2 * 4 a layer."""
     model = shipped_model(shipped)
-    model.prefill(0, ints(byte_ids("Licensed under")), 0)
-    _, count = count_ops(lambda: model.decode(ints([0]), ints([32]), ints([14])))
+    model.prefill(table(model, 0), ints(byte_ids("Licensed under")), 0)
+    _, count = count_ops(lambda: model.decode(tables(model, [0]), ints([32]), ints([14])))
     config = shipped.config
     assert count.launches["mm"] == 1 + (3 + 2 * config.top_k) * config.n_layers

@@ -1,6 +1,7 @@
 """The HTTP server's app and engine in this process, on the shipped model (one rank), through httpx's ASGI
 transport: what a request's fields do to its tokens (``ignore_eos``, ``top_k``, ``top_p``), chat through a
-template given as a file and the sandbox's refusal as a 400, and a cancel applied before the next step."""
+template given as a file and the sandbox's refusal as a 400, a cancel applied before the next step, and the prefix
+cache's counters in ``/metrics``."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def serve(test: Test, *, template: ChatTemplate | None = None, eos_token_ids: It
         assert model.checkpoint.tokenizer_file is not None
         server = Server(model, eos_token_ids=eos_token_ids)
         metrics = Metrics()
-        limits = Limits(model.config.max_seq_len, model.config.vocab_size, SLOTS, 4)
+        pool = model.kv_blocks
+        limits = Limits(model.config.max_seq_len, model.config.vocab_size, SLOTS, 4, pool.num_blocks * pool.block_size)
         engine = Engine(server, limits, metrics, lambda cause: None)
         served = Served(engine, MODEL, Tokenizer.from_file(model.checkpoint.tokenizer_file), template)
         engine.start()
@@ -151,5 +153,20 @@ def test_a_cancel_frees_the_slot_before_the_next_step() -> None:
         assert steps - called <= 1, f"the cancel came {steps - called} steps after it was asked"
         assert free and engine.metrics.registry.get_sample_value("metrale_slots_used") == 0
         engine.ended(1)
+
+    serve(test)
+
+
+def test_a_prompt_sent_again_is_counted_in_the_prefix_caches_metrics() -> None:
+    """The second of two requests with a 46-token prompt finds its first 2 blocks of 16 cached; the text is the
+    same; /metrics counts both prompts looked up and the 32 tokens found."""
+    prompt = "Licensed under the Apache License, Version 2.0"
+
+    async def test(client: httpx.AsyncClient, engine: Engine, server: Server) -> None:
+        first = await complete(client, prompt=prompt, max_tokens=6, temperature=0)
+        second = await complete(client, prompt=prompt, max_tokens=6, temperature=0)
+        assert first["text"] == second["text"] == greedy(prompt, 6)
+        text = (await client.get("/metrics")).text
+        assert "metrale_prefix_cache_queries_total 92.0" in text and "metrale_prefix_cache_hits_total 32.0" in text
 
     serve(test)

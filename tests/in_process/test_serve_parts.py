@@ -170,7 +170,7 @@ def test_the_prompts_last_tokens_are_context_so_a_leading_space_survives() -> No
 
 # -- limits --------------------------------------------------------------------------------------------------
 
-LIMITS = Limits(max_seq_len=10, vocab_size=100, slots=2, max_waiting=1)
+LIMITS = Limits(max_seq_len=10, vocab_size=100, slots=2, max_waiting=1, kv_positions=64)  # a pool beyond the context
 
 
 def refused(call: object) -> ApiError:

@@ -315,19 +315,19 @@ def test_a_worker_replays_what_the_head_served_to_the_same_kv_state() -> None:
 @pytest.mark.parametrize(
     ("command", "where", "error"),
     [
-        (message(0, CMD_DECODE, 1, [1], [65]), "seq_id=0, cmd=0xffffffe0", "KeyError: 'slot_ids[0]=1: the slot is"),
-        (message(2, CMD_PREFILL, 1, 0, 2, [65, 66]), "seq_id=2, cmd=0xfffffff0", "KeyError: 'slot 2 is free'"),
-        (message(0, CMD_PREFILL, 2, 0, 2, [65, 300]), "seq_id=0, cmd=0xfffffff0", "prompt[1]=300 is outside the"),
+        (message(0, CMD_DECODE, 1, [1], [65], []), "seq_id=0, cmd=0xffffffe0", "KeyError: 'slot_ids[0]=1: the slot"),
+        (message(2, CMD_PREFILL, 1, 0, 2, [65, 66], 0, [0]), "seq_id=2, cmd=0xfffffff0", "KeyError: 'slot 2 is free'"),
+        (message(0, CMD_PREFILL, 2, 0, 2, [65, 300], 0, [0]), "seq_id=0, cmd=0xfffffff0", "prompt[1]=300 is outside"),
         # full_len says 3, the array holds 1; then one word too many, read past the command's end:
         (message(0, CMD_PREFILL, 1, 0, 3, [65]), "seq_id=0, cmd=0xfffffff0", "EpMismatchError: worker rank 1 expected"),
         (message(0, CMD_PREFILL, 1, 0), "seq_id=0, cmd=0xfffffff0", "expected a follow-up word, but command 2"),
-        (message(0, CMD_DECODE, 1, [0], [65], 9), "seq_id=0, cmd=0xffffffe0", "left a follow-up word (9) unread"),
+        (message(0, CMD_DECODE, 1, [0], [65], [], 9), "seq_id=0, cmd=0xffffffe0", "left a follow-up word (9) unread"),
     ],
 )
 def test_a_worker_refuses_a_collective_command_it_cannot_run_and_leaves_having_told_the_head(
     command: list[int], where: str, error: str
 ) -> None:
-    alloc_and_prefill = [message(0, CMD_ALLOC, 1), message(0, CMD_PREFILL, 1, 0, 1, [65])]
+    alloc_and_prefill = [message(0, CMD_ALLOC, 1), message(0, CMD_PREFILL, 1, 0, 1, [65], 0, [0])]
     worker, transport = replaying_worker([*alloc_and_prefill[: 1 if "0xfffffff0" in where else 2], command])
     number = 2 if "0xfffffff0" in where else 3
     with pytest.raises(EpCommandRefused) as info:
@@ -354,7 +354,11 @@ class FailsInItsForward(ReferenceLm):
 
 def test_an_error_inside_a_workers_forward_is_a_refusal_too() -> None:
     transport = ReplayTransport(
-        [message(0, CMD_ALLOC, 1), message(0, CMD_PREFILL, 1, 0, 1, [65]), message(0, CMD_DECODE, 1, [0], [66])]
+        [
+            message(0, CMD_ALLOC, 1),
+            message(0, CMD_PREFILL, 1, 0, 1, [65], 0, [0]),
+            message(0, CMD_DECODE, 1, [0], [66], []),
+        ]
     )
     worker = FailsInItsForward(EpLink(transport, num_slots=4, protocol=ProtocolVersion.V2), all_reduce=no_reduce)
     with pytest.raises(EpCommandRefused, match=r"command 3 \(seq_id=0, cmd=0xffffffe0\), which runs collectives"):
@@ -399,7 +403,8 @@ def test_the_heads_own_forward_failing_ends_the_run_for_good() -> None:
     own = r"head: the run stopped: its own forward of command 2 \(seq_id=0, cmd=0xfffffff0\) failed: RuntimeError"
     with pytest.raises(RunStopped, match=own):
         head.prefill(slots, 0, [65], 0, 1)
-    assert link.closed and slots == [LmState(0), None]  # the chunk is not recorded: it was never written
+    held = slots[0]
+    assert link.closed and held is not None and not held.tokens and slots[1] is None  # never written: not recorded
     with pytest.raises(RunStopped, match="the run stopped earlier"):
         head.alloc(slots, 1)
     with pytest.raises(RunStopped, match="the run stopped earlier"):  # before any check of the arguments
@@ -542,24 +547,27 @@ def test_a_callback_that_raises_fails_its_request_only() -> None:
 
 
 def test_a_kv_cache_altered_after_the_write_changes_the_state_digest(caplog: pytest.LogCaptureFixture) -> None:
-    model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), check_kv_values=True)
+    model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), check_kv_values=True, block_size=4)
     server = Server(model, prefill_chunk=8)
     server.run([Request(0, tuple(byte_ids("Licensed under")), 4)])
     slots = server.slots
     model.alloc(slots, 1)
     model.prefill(slots, 1, list(byte_ids("THE SOFTWARE")), 0, 12)
-    model.decode(slots, [1], [65])
+    model.decode(slots, [1], [65])  # position 12 starts the sequence's fourth block
+    held = slots[1]
     digest = model.ep_link.state_digest
-    assert digest is not None and digest(slots) == kv_digest(slots)  # intact: the bookkeeping's digest alone
+    assert held is not None and len(held.blocks) == 4 and digest is not None
+    assert digest(slots) == kv_digest(slots)  # intact: the bookkeeping's digest alone
     block = model.lm.layers[1]
     assert isinstance(block, ShardedBlock)
-    cache = block.attn.v_cache
-    cache[1, 200, 0, 0] += 1.0  # past the slot's 13 positions: not held, not checked
+    cache = block.attn.v_cache  # [blocks, positions of a block, KV heads, head width]
+    cache[held.blocks[3], 1, 0, 0] += 1.0  # past the sequence's 13 positions: not held, not checked
+    cache[max(held.blocks) + 1, 0, 0, 0] += 1.0  # a block no sequence holds
     assert digest(slots) == kv_digest(slots)
-    cache[1, 12, 0, 0] += 1.0  # the decode's row
+    cache[held.blocks[3], 0, 0, 0] += 1.0  # the decode's row
     with caplog.at_level("ERROR", logger="metrale_model_engine.reference"):
         assert digest(slots) != kv_digest(slots)
-    assert "the KV cache of slot(s) [1] differs from what was written" in caplog.text
+    assert f"the KV cache of slot(s) [1] differs from what was written (block(s) [{held.blocks[3]}])" in caplog.text
     model.alloc(slots, 1)  # a new sequence in the slot: what it held no longer counts
     assert digest(slots) == kv_digest(slots)
 

@@ -146,6 +146,7 @@ REFERENCE_SURFACE = [
     "DecodeStep",
     "ExpertRouting",
     "FinishReason",
+    "KvBlocks",
     "GREEDY",
     "LmConfig",
     "LmSlots",

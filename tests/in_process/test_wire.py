@@ -48,7 +48,7 @@ def view(*values: int) -> memoryview:
 
 
 def test_the_layout_is_fixed() -> None:
-    assert WIRE_VERSION == 6 and (FRAME_WORDS, FRAME_PAYLOAD, ANSWER_BYTES, DIGEST_EDGE) == (16, 15, 248, 4096)
+    assert WIRE_VERSION == 7 and (FRAME_WORDS, FRAME_PAYLOAD, ANSWER_BYTES, DIGEST_EDGE) == (16, 15, 248, 4096)
     assert words(encode_header(7, 3)) == (0x4D45_0001, 3, 7)
     assert words(*encode_command(3, 7, [])) == (0x4D45_0006, 7, 3)
     assert words(encode_word(9)) == (0x4D45_0002, 9)

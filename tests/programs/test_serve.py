@@ -144,6 +144,8 @@ def test_models_health_and_metrics(shipped_server: RemoteServer) -> None:
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     text = httpx.get(f"{shipped_server.url}/metrics", timeout=10).text
     for name in ("metrale_requests_running", "metrale_requests_waiting", "metrale_slots_used",
+                 "metrale_kv_blocks_used", "metrale_preemptions_total", "metrale_prefix_cache_queries_total",
+                 "metrale_prefix_cache_hits_total",
                  "metrale_prompt_tokens_total", "metrale_generation_tokens_total",
                  "metrale_time_to_first_token_seconds_bucket", "metrale_inter_token_latency_seconds_bucket",
                  'metrale_run_state{metrale_run_state="serving"} 1.0'):  # fmt: skip

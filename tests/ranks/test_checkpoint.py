@@ -1,5 +1,6 @@
 """Checkpoints in the Hugging Face layout served by 2, 3 and 4 ranks in real processes: the tokens of
-``transformers`` for both families, over shared memory and over torch; a bfloat16 checkpoint in several files;
+``transformers`` for both families, over shared memory and over torch, in a paged KV cache too small for every
+request at once (requests preempted and computed again); a bfloat16 checkpoint in several files;
 a sampled run the same at every world size; and each rank's memory, its shard and not the checkpoint.
 """
 
@@ -53,6 +54,8 @@ def served(
     assert all(results[rank]["failed"] == 0 for rank in range(1, world_size))
     kind = {"shm": "ShmTransport", "torch": "TorchTransport"}[transport] if world_size > 1 else "SoloTransport"
     assert results[0]["transport"] == kind
+    preemptions = results[0]["preemptions"]
+    assert isinstance(preemptions, int) and preemptions > 0  # a cache too small for the prompts at once
     return results[0]["tokens"]
 
 
@@ -64,7 +67,8 @@ def test_the_ranks_give_the_tokens_of_transformers(
 ) -> None:
     """4 ranks hold one KV head each of the 2: each KV head replicated on the 2 ranks whose query heads read it.
     3 ranks split unevenly: Mixtral's 8 heads as 3 + 3 + 2 (the middle rank's straddle both KV heads: it holds
-    both and pads its heads) and 4 experts as 2 + 1 + 1; Qwen3-MoE's 4 heads as 2 + 1 + 1 and 8 experts as 3 + 3 + 2."""
+    both and pads its heads) and 4 experts as 2 + 1 + 1; Qwen3-MoE's 4 heads as 2 + 1 + 1 and 8 experts as 3 + 3 + 2.
+    The paged cache is too small for the prompts at once, so requests are preempted and computed again."""
     directory, expected = written[family]
     assert served(tmp_path, directory, world_size, transport) == expected
 
@@ -89,7 +93,7 @@ def test_a_seed_gives_the_same_sampled_tokens_at_every_world_size(
 def test_each_rank_holds_its_shard_not_the_checkpoint(tmp_path: Path) -> None:
     """Peak resident memory while loading, per rank: its shard, and the mapped pages of one layer's slices."""
     config = LmConfig(d_model=256, n_heads=4, n_experts=8, top_k=2, d_expert=2048, max_seq_len=64)
-    model = ShardedLm(config, num_slots=1)
+    model = ShardedLm(config, num_blocks=1)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(generator=torch.Generator().manual_seed(0))

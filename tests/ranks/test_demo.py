@@ -32,8 +32,9 @@ def as_started_by_hand(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-STEPS = ("submitted_step", "admitted_step", "finished_step")
-"""When a request came, was admitted and ended: one rank fuses prefills into decode steps, so its steps differ."""
+STEPS = ("submitted_step", "admitted_step", "finished_step", "preemptions")
+"""When a request came, was admitted and ended, and how often it was preempted: one rank fuses prefills into decode
+steps, so its steps differ, and a smaller cache preempts."""
 
 
 def generated(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,11 +83,47 @@ def test_every_world_size_generates_the_same_text(
         assert "1 rank," in out
 
 
-def test_a_request_cut_short_by_its_slot_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_cache_too_small_for_every_request_at_once_preempts_and_generates_the_same_text(
+    two_ranks: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """160 KiB at one rank: 20 blocks of 4 positions (4 KV heads), for 4 requests of 30 to 45 at first."""
+    summary = served(tmp_path, "tight", "--world-size", "1", "--kv-memory", "160KiB", "--block-size", "4", *SHORT)
+    assert generated(summary) == generated(two_ranks)
+    kv = summary["kv_cache"]
+    assert (kv["blocks"], kv["block_size"], kv["peak_blocks_used"]) == (20, 4, 20) and kv["preemptions"] > 0
+    assert sum(request["preemptions"] for request in summary["requests"]) == kv["preemptions"]
+    start = "[head] KV cache: 20 blocks of 4, at most 20 in use; prefix cache on: "
+    end = f"; {kv['preemptions']} preemption(s)"
+    assert any(line.startswith(start) and line.endswith(end) for line in capfd.readouterr().out.splitlines())
+    assert kv["prefix_caching"] is True
+
+
+def test_a_prompt_served_again_finds_its_blocks_cached_and_generates_the_same_text(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """One slot: the second request is admitted when the first has ended, its first 2 blocks of 16 (of a 46-token
+    prompt, one token left to compute) cached on every rank.  The head's lines are read at one rank (in this
+    process)."""
+    text = "Licensed under the Apache License, Version 2.0"
+    args = ("--slots", "1", "--prompt", text, "--prompt", text, *SHORT)
+    cached = served(tmp_path, "cached", *args)
+    kv = cached["kv_cache"]
+    assert (kv["prefix_caching"], kv["prefix_query_tokens"], kv["prefix_hit_tokens"]) == (True, 92, 32)
+    first, second = generated(cached)
+    assert first["text"] == second["text"]
+    capfd.readouterr()
+    assert generated(served(tmp_path, "cached1", *args, "--world-size", "1")) == [first, second]
+    assert "; prefix cache on: 32 of 92 prompt tokens found cached (34.8%); " in capfd.readouterr().out
+    whole = served(tmp_path, "whole", *args, "--world-size", "1", "--no-prefix-caching")
+    kv = whole["kv_cache"]
+    assert (kv["prefix_caching"], kv["prefix_query_tokens"], kv["prefix_hit_tokens"]) == (False, 0, 0)
+    assert "; prefix cache off: none looked up; " in capfd.readouterr().out
+    assert generated(whole) == [first, second]
+
+
+def test_a_request_cut_short_by_its_context_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     summary = served(tmp_path, "cut", "--max-new-tokens", "240", "--world-size", "1")
-    cut = [
-        line for line in capfd.readouterr().out.splitlines() if line.endswith("(cut short: its slot's cache is full)")
-    ]
+    cut = [line for line in capfd.readouterr().out.splitlines() if line.endswith("(cut short: its context is full)")]
     reasons = {request["id"]: request["finish_reason"] for request in summary["requests"]}
     assert set(reasons.values()) == {"context"} and len(cut) == len(reasons) == 6  # every prompt + 240 > 256
     assert all(len(r["tokens"]) < 240 for r in summary["requests"])

@@ -54,11 +54,12 @@ __all__ = [
     "report_text",
 ]
 
-WIRE_VERSION: Final[int] = 6
+WIRE_VERSION: Final[int] = 7
 """Version of this wire format; every rank must run the same one.  3: items in messages; 4: the setup
 exchange carries each rank's pid and host; 5: whole-command headers and reports that stop the run;
 6: the stream digest folds a large message's edges and length
-([`fold_message`][metrale_model_engine.wire.fold_message])."""
+([`fold_message`][metrale_model_engine.wire.fold_message]); 7: the reference model's prefill and decode
+commands carry the block-table entries of its paged KV cache."""
 
 FRAME_WORDS: Final[int] = 16
 """u32 words per frame over a fixed-size broadcast (64 bytes: one cache line)."""

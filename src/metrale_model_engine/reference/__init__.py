@@ -3,7 +3,7 @@
 The model ([`ShardedLm`][metrale_model_engine.reference.ShardedLm], shape
 [`LmConfig`][metrale_model_engine.reference.LmConfig]) computes Mixtral's and Qwen3-MoE's arithmetic, as
 ``transformers`` does: token embedding; per layer a pre-RMSNorm grouped-query causal self-attention with rotary
-positions (RoPE; with Qwen3's per-head query and key norms) and a KV cache per slot, then a pre-RMSNorm
+positions (RoPE; with Qwen3's per-head query and key norms) and a paged KV cache, then a pre-RMSNorm
 mixture of SwiGLU experts (the router's softmax over every expert picks the
 ``top_k`` largest, renormalised or not); a final RMSNorm and an LM head.  Its
 weights come from a checkpoint in the Hugging Face layout ([`checkpoint`][metrale_model_engine.reference.checkpoint]:
@@ -77,6 +77,7 @@ except ImportError as _missing:  # pragma: no cover - exercised in a torch-less 
 
 from .._core.namespace import PublicDir, public_dir
 from .._tensors.op_count import WAITING_OPS, OpCount, count_ops
+from .blocks import KvBlocks
 from .checkpoint import SHIPPED_MODEL, Checkpoint, CheckpointError, Tokenizer
 from .config import LmConfig, Shard, check_world
 from .experts import ExpertRouting
@@ -109,6 +110,7 @@ __all__ = [
     "DecodeStep",
     "ExpertRouting",
     "FinishReason",
+    "KvBlocks",
     "LmConfig",
     "LmSlots",
     "LmState",

@@ -1,12 +1,19 @@
-"""The requests in flight on the head: the queue, the running requests, and the slots they hold.
+"""The requests in flight on the head: the queue, the running requests, the slots and the KV blocks they hold.
 
 A [`Server`][metrale_model_engine.reference.Server] keeps its requests in a ``Batch``: the waiting ones in a queue,
 oldest first, and the running ones each in a slot of the head's slot array, with the prompt's chunks still to feed
-and the token the next decode feeds.  The batch admits waiting requests into free slots, frees the slots of the
-requests that ended or were cancelled, and resets on every rank the slots whose failed command left a worker's
-state unknown.  Each of these is an ordinary command of the model (``alloc``, ``free``), and a request moves only
-once its command succeeded.  Which request holds which slot, and when a request may have one, is decided here
-alone; the server decides what each step feeds the running requests and which tokens they get.
+and the token the next decode feeds.  The batch admits waiting requests into free slots when the blocks of their
+prompts are free (the model's ``kv_blocks``: a prefix found cached is shared, not computed again), frees the slots
+and blocks of the requests that ended or were cancelled, preempts the newest running requests when a decode step
+needs blocks that are not free, and resets on every rank the slots whose failed command left a worker's state
+unknown.  Each of these is an ordinary command of the model (``alloc``, ``free``), and a request moves only once
+its command succeeded.  Which request holds which slot and which blocks, and when a request may have them, is
+decided here alone; the server decides what each step feeds the running requests and which tokens they get.
+
+Preemption is by recompute, as vLLM and nano-vllm do it: the preempted request's slot and blocks are freed, and it
+goes back to the front of the queue with every token it has (its prompt and what it generated), its sampler with
+it; admitted again, it prefills them all (its blocks, kept until reused, may still be cached) and goes on with the
+token that follows, so its stream pauses and resumes, its tokens unchanged.
 """
 
 from __future__ import annotations
@@ -18,20 +25,24 @@ from typing import Protocol
 
 from .. import EpLink, EpWorkerFailed, WorkerFailure
 from ..batching import prefill_chunks
+from .blocks import KvBlocks
 from .config import LmConfig
-from .rank.slots import LmSlots
-from .requests import Completion, FinishReason, Sampler
+from .rank.slots import LmSlots, LmState
+from .requests import Completion, FinishReason, Request, Sampler
 
 
 class SlotModel(Protocol):
-    """What a ``Batch`` asks of its model: the link (its slot and command counts), the context (``config``), and a
-    slot's new or ended sequence on every rank (``alloc``, ``free``)."""
+    """What a ``Batch`` asks of its model: the link (its slot and command counts), the context (``config``), the
+    head's block manager (``kv_blocks``), and a slot's new or ended sequence on every rank (``alloc``, ``free``)."""
 
     @property
     def ep_link(self) -> EpLink: ...
 
     @property
     def config(self) -> LmConfig: ...
+
+    @property
+    def kv_blocks(self) -> KvBlocks: ...
 
     def alloc(self, slots: LmSlots, seq_id: int) -> None: ...
 
@@ -48,7 +59,8 @@ class Running:
     """The prompt's chunks still to feed, ``(start, length)``."""
     sampler: Sampler
     prompt: tuple[int, ...] = ()
-    """What its prefill feeds: the request's prompt, and after a recovery every token it generated too."""
+    """What its prefill feeds: the request's prompt, and after a preemption or a recovery every token it generated
+    too."""
     pending: int | None = None
     """The last token chosen, which the next decode feeds."""
     ended: FinishReason | None = None
@@ -67,16 +79,22 @@ class Running:
 
 
 class Batch:
-    """The requests in flight on the head of ``model``, and the head's slot array (see the module)."""
+    """The requests in flight on the head of ``model``, and the head's slot array (see the module).
 
-    def __init__(self, model: SlotModel) -> None:
+    ``prefix_caching``: whether an admitted prompt shares the cached blocks its first tokens are in.
+    """
+
+    def __init__(self, model: SlotModel, *, prefix_caching: bool = True) -> None:
         self.model: SlotModel = model
+        self.prefix_caching: bool = prefix_caching
         self.slots: LmSlots = [None] * model.ep_link.num_slots
         """The head's slot array."""
         self.waiting: deque[Completion] = deque()
-        """The requests waiting for a slot, oldest first."""
+        """The requests waiting for a slot, oldest first (a preempted one back at the front)."""
         self.running: list[Running] = []
         """The requests holding a slot, by admission."""
+        self.preemptions: int = 0
+        """Requests preempted so far."""
         self._allocated_at: dict[int, int] = {}  # by slot: the link's command count when it was last allocated
         self._to_reset: set[int] = set()  # slots whose failed command left the workers' state unknown
         self._paused: dict[int, Sampler] = {}  # by request id: a re-queued request's sampler, for its return
@@ -86,21 +104,46 @@ class Batch:
         """Whether a request is waiting or running."""
         return bool(self.waiting or self.running)
 
+    def check_fits(self, request: Request) -> None:
+        """Raise ``ValueError`` for a request that could never run: its prompt and new tokens need more blocks than
+        the whole cache holds (its context's end counts, not what lies past ``max_seq_len``)."""
+        blocks = self.model.kv_blocks
+        most = min(len(request.prompt) + request.max_new_tokens - 1, self.model.config.max_seq_len)
+        if blocks.blocks_for(most) > blocks.num_blocks:
+            raise ValueError(
+                f"request {request.id}: a prompt of {len(request.prompt)} tokens and {request.max_new_tokens} new "
+                f"tokens need {blocks.blocks_for(most)} KV blocks of {blocks.block_size} positions, more than the "
+                f"cache's {blocks.num_blocks} ({blocks.num_blocks * blocks.block_size} positions): it could never run"
+            )
+
     def admit(self, step: int, prefill_chunk: int) -> None:
-        """Admit waiting requests, oldest first, into free slots (one ``alloc`` each), their prompts cut into chunks
-        of at most ``prefill_chunk`` tokens: each taken off the queue once its slot is had."""
+        """Admit waiting requests, oldest first, into free slots (one ``alloc`` each) while the blocks of their
+        prompts are free, besides one for each running request whose next token starts a block; a cached prefix
+        shared, the rest cut into chunks of at most ``prefill_chunk`` tokens.  Each is taken off the queue once
+        its slot is had."""
+        blocks = self.model.kv_blocks
         free = [seq_id for seq_id, state in enumerate(self.slots) if state is None]
+        spare = sum(1 for running in self.running if running.pending is not None and self._starts_block(running))
         while self.waiting and free:
-            self.model.alloc(self.slots, free[0])
-            self._allocated_at[free[0]] = self.model.ep_link.commands
-            completion = self.waiting.popleft()
-            if completion.admitted_step is None:
-                completion.admitted_step = step
+            completion = self.waiting[0]
             request = completion.request
             prompt = (*request.prompt, *completion.tokens)
+            cached = blocks.reserve(free[0], prompt, share=self.prefix_caching, spare=spare)
+            if cached is None:
+                return
+            try:
+                self.model.alloc(self.slots, free[0])
+            except BaseException:
+                blocks.release(free[0])
+                raise
+            self._allocated_at[free[0]] = self.model.ep_link.commands
+            self.waiting.popleft()
+            if completion.admitted_step is None:
+                completion.admitted_step = step
             sampler = self._paused.pop(request.id, None) or Sampler(request.sampling)
             completion.seed = None if request.sampling.greedy else sampler.seed
-            chunks = deque(prefill_chunks(len(prompt), prefill_chunk))
+            chunks = deque((cached + start, length) for start, length in prefill_chunks(len(prompt) - cached,
+                                                                                         prefill_chunk))  # fmt: skip
             self.running.append(Running(completion, free.pop(0), chunks, sampler, prompt))
 
     def prefilling(self) -> list[Running]:
@@ -114,7 +157,8 @@ class Batch:
 
     def requeue(self, running: Running) -> None:
         """Put ``running`` back at the front of the queue with every token it has and its sampler (its generator's
-        state), its slot left as it is: recompute, where the workers' slots are gone already (a re-form)."""
+        state), its slot left as it is: recomputed when admitted again.  ``preempt`` frees the slot first; after a
+        re-form the slots are gone already (``carry_on``)."""
         self.running.remove(running)
         self._paused[running.completion.request.id] = running.sampler
         self.waiting.appendleft(running.completion)
@@ -139,6 +183,26 @@ class Batch:
         self._allocated_at.clear()
         self._to_reset.clear()
         return requeued, failed
+
+    def make_room(self, decoding: list[Running], step: int) -> list[Running]:
+        """Free the blocks a decode of ``decoding`` needs: the ended requests released, then the newest running
+        ones preempted (see the module) until the blocks their next tokens start are free; the decoding ones left."""
+        self.release(step)
+        while True:
+            needed = sum(1 for running in decoding if self._starts_block(running))
+            if needed <= self.model.kv_blocks.free:
+                return decoding
+            newest = self.running[-1]
+            self.preempt(newest)
+            decoding = [running for running in decoding if running is not newest]
+
+    def preempt(self, running: Running) -> None:
+        """Free ``running``'s slot and blocks on every rank (one ``free``) and put it back at the front of the queue,
+        with every token it has and its sampler."""
+        self.model.free(self.slots, running.seq_id)
+        self.requeue(running)
+        running.completion.preemptions += 1
+        self.preemptions += 1
 
     def release(self, step: int) -> None:
         """Free the slot of every request that ended, and say why it ended."""
@@ -188,6 +252,13 @@ class Batch:
         completion.finish_reason = reason
         completion.finished_step = step
         self.running.remove(running)
+
+    def _starts_block(self, running: Running) -> bool:
+        """Whether ``running``'s next token goes to a block its slot does not hold yet."""
+        blocks = self.model.kv_blocks
+        state = self.slots[running.seq_id]
+        assert isinstance(state, LmState)
+        return len(blocks.held(running.seq_id)) * blocks.block_size <= state.length
 
     def _ends(self, running: Running) -> bool:
         """Whether the request has ended: failed, all its tokens, or no room in its slot for the next one."""

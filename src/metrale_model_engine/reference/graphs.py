@@ -3,8 +3,9 @@
 A decode step of [`ShardedLm`][metrale_model_engine.reference.ShardedLm]
 ([`decode_step`][metrale_model_engine.reference.ShardedLm.decode_step]) launches a fixed sequence of kernels for a given
 batch size and reads nothing back, so it can be recorded once in a CUDA graph and replayed with one launch.  The graph
-reads its inputs from a static buffer and writes its logits to a static tensor; the
-KV cache is the model's own buffer, which every replay updates in place.
+reads its inputs from a static buffer (the tokens, the positions and the block tables: a table is an input like
+the others) and writes its logits to a static tensor; the KV cache is the model's own buffer, which every replay
+updates in place.
 
 One graph per batch size and attention span ([`decode_span`][metrale_model_engine.reference.decode_span]: a power
 of two), recorded at the first step of that shape (continuous batching visits the
@@ -35,7 +36,7 @@ from .model import ShardedLm
 @dataclass
 class _Recorded:
     inputs: torch.Tensor
-    """``[3, B]`` int64 on the device: slots, tokens, positions."""
+    """``[B, 2 + n]`` int64 on the device: each row's token, position and block table (its first ``n`` blocks)."""
     logits: torch.Tensor
     replay: Callable[[], None]
 
@@ -71,13 +72,14 @@ class DecodeGraphs:
         return sorted(self._recorded)
 
     def __call__(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
-        """One decode step of ``inputs`` ``[3, B]`` (int64: slots, tokens, positions; checked by the caller),
-        attending over the first ``span`` positions (more than every position).
+        """One decode step of ``inputs`` ``[B, 2 + n]`` (int64: each row's token, position, then the first
+        ``n = ceil(span / block_size)`` blocks of its table; checked by the caller), attending over the first
+        ``span`` positions (more than every position).
 
         Returns:
             The logits ``[B, vocab]``, a tensor of the caller's own (the graph's output is copied).
         """
-        shape = (inputs.shape[1], span)
+        shape = (inputs.shape[0], span)
         with torch.cuda.device(self._device):
             recorded = self._recorded.get(shape)
             if recorded is None:
@@ -94,11 +96,11 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            self._lm.decode_step(static[0], static[1], static[2], span=span)
+            self._lm.decode_step(static[:, 2:], static[:, 0], static[:, 1], span=span)
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         with torch.cuda.graph(graph, pool=self._pool, stream=capture):
-            logits = self._lm.decode_step(static[0], static[1], static[2], span=span)
+            logits = self._lm.decode_step(static[:, 2:], static[:, 0], static[:, 1], span=span)
         graph.replay()
         return _Recorded(static, logits, graph.replay)

@@ -11,10 +11,16 @@ a shape fixed by the call's shape alone and reads no value back to the host, so 
 decode step can be held by a CUDA graph (see ``graphs``).  Hence the fused
 weights: one matrix for the queries, keys and values of this rank's heads.
 
+The KV cache is a pool of blocks of ``block_size`` positions (``ShardedAttention.kv_cache``),
+and a sequence's positions live in the blocks of its block table (``blocks``): position ``p``
+in cache row ``table[p // block_size] * block_size + p % block_size`` of the pool seen as
+rows (``cache_rows``).  The model turns tables into rows on the device, once a call, and
+each layer writes and gathers those rows with index operations.
+
 Shapes: ``N`` tokens (the leading dims of the input, ``B`` rows or ``B x T``),
 ``D`` the model width, ``h`` this rank's query heads (with their padding:
-``Shard.padded_heads``), ``g`` its KV heads, ``d`` the head width, ``S``
-``max_seq_len``, ``W`` the positions a decode step attends over.
+``Shard.padded_heads``), ``g`` its KV heads, ``d`` the head width, ``K`` the blocks
+of the pool, ``P`` the positions of a block, ``W`` the positions a decode step attends over.
 """
 
 from __future__ import annotations
@@ -95,8 +101,8 @@ class ShardedAttention(nn.Module):
     rows (and zero columns of ``wo``) of its padding, which add nothing to the
     output.  With ``config.qk_norm``, ``q_norm`` and ``k_norm`` (``[d]``, replicated)
     are RMSNorm gains applied to each query and key head before the rotation (Qwen3).
-    The KV cache of these KV heads is ``kv_cache`` ``[num_slots, S, 2, g, d]``
-    (keys at ``[:, :, 0]``, values at ``[:, :, 1]``), non-persistent.
+    The KV cache of these KV heads is ``kv_cache`` ``[K, P, 2, g, d]``: ``num_blocks`` blocks
+    of ``block_size`` positions (keys at ``[:, :, 0]``, values at ``[:, :, 1]``), non-persistent.
     """
 
     kv_cache: torch.Tensor
@@ -104,7 +110,14 @@ class ShardedAttention(nn.Module):
     k_norm: nn.Parameter | None
 
     def __init__(
-        self, config: LmConfig, shard: Shard, *, num_slots: int, dtype: torch.dtype, device: torch.device | None
+        self,
+        config: LmConfig,
+        shard: Shard,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | None,
     ) -> None:
         super().__init__()
         self.heads: int = shard.padded_heads
@@ -118,18 +131,23 @@ class ShardedAttention(nn.Module):
         )
         gains = (nn.Parameter(torch.ones(self.head_dim, dtype=dtype, device=device)) for _ in range(2))
         self.q_norm, self.k_norm = gains if config.qk_norm else (None, None)
-        cache_shape = (num_slots, config.max_seq_len, 2, self.kv_heads, self.head_dim)
+        cache_shape = (num_blocks, block_size, 2, self.kv_heads, self.head_dim)
         self.register_buffer("kv_cache", torch.zeros(cache_shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def k_cache(self) -> torch.Tensor:
-        """The keys of the cache, ``[num_slots, S, g, d]`` (a view)."""
+        """The keys of the cache, ``[K, P, g, d]`` (a view)."""
         return self.kv_cache[:, :, 0]
 
     @property
     def v_cache(self) -> torch.Tensor:
-        """The values of the cache, ``[num_slots, S, g, d]`` (a view)."""
+        """The values of the cache, ``[K, P, g, d]`` (a view)."""
         return self.kv_cache[:, :, 1]
+
+    @property
+    def cache_rows(self) -> torch.Tensor:
+        """The cache as rows, one per position of a block: ``[K * P, 2, g, d]`` (a view)."""
+        return self.kv_cache.flatten(0, 1)
 
     def forward(self, x: torch.Tensor, factors: torch.Tensor, attend: Attend) -> torch.Tensor:
         """This rank's partial attention output ``[*N, D]`` for normed input ``x`` ``[*N, D]``.
@@ -147,6 +165,19 @@ class ShardedAttention(nn.Module):
         return F.linear(out.flatten(-2), self.wo)
 
 
+def cache_rows(offsets: torch.Tensor, tables: torch.Tensor, width: int) -> torch.Tensor:
+    """The cache rows of the first ``width`` positions of each block table of ``tables`` (``[B, n]``, ``n`` blocks
+    of ``P`` positions, ``n * P >= width``), ``offsets`` being ``0 .. P - 1``: ``[B, width]``, contiguous, on their
+    device (nothing is read back).
+
+    Position ``p`` of row ``i`` is row ``tables[i, p // P] * P + p % P`` of every layer's
+    cache seen as rows (``ShardedAttention.cache_rows``).
+    """
+    size = offsets.shape[0]
+    rows = (tables[:, : -(-width // size), None] * size + offsets).flatten(1)  # [B, whole blocks' positions]
+    return rows if rows.shape[1] == width else rows[:, :width].contiguous()
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """``[..., T, h, d]`` as ``[..., h, T, d]``, the layout of ``scaled_dot_product_attention``."""
     return x.transpose(-3, -2)
@@ -160,47 +191,46 @@ def attend_causal(_: ShardedAttention, q: torch.Tensor, kv: torch.Tensor) -> tor
 
 
 def attend_prefill(
-    slot: int, start: int, mask: torch.Tensor, layer: ShardedAttention, q: torch.Tensor, kv: torch.Tensor
-) -> torch.Tensor:
-    """Prefill's ``Attend`` (bind ``slot``, ``start``, ``mask``): a chunk of ``L`` tokens, ``q`` ``[L, h, d]``.
+    written: torch.Tensor, read: torch.Tensor, mask: torch.Tensor, layer: ShardedAttention, q: torch.Tensor,
+    kv: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Prefill's ``Attend`` (bind ``written``, ``read``, ``mask``): a chunk of ``L`` tokens, ``q`` ``[L, h, d]``.
 
-    Writes the chunk's keys and values at positions ``start .. start + L - 1`` of
-    ``slot``'s cache, then lets position ``p`` attend to the slot's positions
-    ``0 ..= p``: ``mask`` (``[L, start + L]``, added to the scores: 0 where a key is
-    visible, ``-inf`` past it) says which.
+    Writes the chunk's keys and values into the cache rows ``written`` (``[L]``: its
+    positions ``start .. start + L - 1``), then lets position ``p`` attend to the
+    sequence's positions ``0 ..= p``, gathered from the rows ``read`` (``[start + L]``):
+    ``mask`` (``[L, start + L]``, added to the scores: 0 where a key is visible, ``-inf``
+    past it) says which.
     """
-    end = start + q.shape[0]
-    layer.kv_cache[slot, start:end] = kv
-    keys, values = (_heads_first(part)[None] for part in layer.kv_cache[slot, :end].unbind(1))
+    rows = layer.cache_rows
+    rows.index_copy_(0, written, kv)
+    keys, values = (_heads_first(part)[None] for part in rows.index_select(0, read).unbind(1))
     query = _heads_first(q)[None]  # a batch of one: the fused attention kernels want 4-D inputs
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
     return _heads_first(out[0])
 
 
 def attend_decode(
-    slots: torch.Tensor,
-    positions: torch.Tensor,
+    written: torch.Tensor,
+    read: torch.Tensor,
     mask: torch.Tensor,
     layer: ShardedAttention,
     q: torch.Tensor,
     kv: torch.Tensor,
-    *,
-    consecutive: slice | None = None,
 ) -> torch.Tensor:
-    """Decode's ``Attend`` (bind ``slots``, ``positions``, ``mask``): ``B`` rows of one token, ``q`` ``[B, h, d]``.
+    """Decode's ``Attend`` (bind ``written``, ``read``, ``mask``): ``B`` rows of one token, ``q`` ``[B, h, d]``.
 
-    Row ``i`` writes its key and value at ``positions[i]`` of ``slots[i]`` and
-    attends to that slot's positions ``0 ..= positions[i]``: over the first ``W``
-    positions of the slot's cache (``W >= positions[i] + 1`` for every row), the
-    positions past its own masked out by ``mask`` (``[B, 1, 1, W]``, added to the
-    scores: 0 or ``-inf``), so every batch of one ``W`` has one shape.  When the
-    slots are ``consecutive`` (ascending: that slice of the slot ids), their caches
-    are read in place instead of gathered.
+    Row ``i`` writes its key and value into cache row ``written[i]`` (its position) and
+    attends to its sequence's positions ``0 ..= positions[i]``: over the first ``W``
+    positions of its sequence, gathered from the cache rows ``read[i]`` (``[B, W]``,
+    ``W >= positions[i] + 1`` for every row), the positions past its own masked out by
+    ``mask`` (``[B, 1, 1, W]``, added to the scores: 0 or ``-inf``), so every batch of one
+    ``W`` has one shape.
     """
-    layer.kv_cache[slots, positions] = kv
-    span = mask.shape[-1]
-    rows = layer.kv_cache[slots if consecutive is None else consecutive, :span]
-    keys, values = (_heads_first(part) for part in rows.unbind(2))  # [B, g, W, d]
+    rows = layer.cache_rows
+    rows.index_copy_(0, written, kv)
+    gathered = rows.index_select(0, read.flatten()).view(*read.shape, *rows.shape[1:])  # [B, W, 2, g, d]
+    keys, values = (_heads_first(part) for part in gathered.unbind(2))  # [B, g, W, d]
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
     return out[:, :, 0]  # [B, h, d]
 

@@ -25,8 +25,12 @@ from .layers import (
     attend_decode,
     attend_prefill,
     attend_split,
+    cache_rows,
     rms_norm,
 )
+
+Table = Sequence[int]
+"""A block table: the cache blocks that hold a sequence's positions, in order (see ``layers``)."""
 
 
 class ShardedBlock(nn.Module):
@@ -100,7 +104,7 @@ def _check_int(name: str, value: object, end: int) -> int:
 
 
 class ShardedLm(nn.Module):
-    """Rank ``rank`` of ``world_size`` of the decoder-only MoE transformer, with a KV cache of ``num_slots`` slots.
+    """Rank ``rank`` of ``world_size`` of the decoder-only MoE transformer, with a KV cache of ``num_blocks`` blocks.
 
     Query heads, KV heads and experts are split over the ranks
     ([`LmConfig.shard`][metrale_model_engine.reference.LmConfig.shard]); embedding, norms, router and LM head are
@@ -111,11 +115,14 @@ class ShardedLm(nn.Module):
     zeros (norm gains as ones): a checkpoint's loader fills them
     ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard]).
 
-    The KV cache holds, per layer, ``kv_cache`` of shape
-    ``[num_slots, max_seq_len, 2, kv_heads, head_dim]`` (keys, then values; a
+    The KV cache is a pool: per layer, ``kv_cache`` of shape
+    ``[num_blocks, block_size, 2, kv_heads, head_dim]`` (keys, then values; a
     non-persistent buffer, so ``state_dict()`` is the weights alone).  It knows no
-    sequence lengths: callers pass positions, and a slot's entries past the
-    position attended to are ignored.
+    sequences: each call passes the *block table* of each sequence it feeds, the blocks
+    that hold its positions in order (position ``p`` at offset ``p % block_size`` of block
+    ``table[p // block_size]``), and the positions; a table's entries past the positions
+    attended to are ignored.  Who holds which block is the caller's to decide
+    ([`KvBlocks`][metrale_model_engine.reference.KvBlocks] on the head of a served model).
 
     No call reads a value of the device back to the host (with ``expert_routing``
     ``"device"``, the default off the CPU: ``experts``): index arguments are
@@ -127,7 +134,8 @@ class ShardedLm(nn.Module):
 
     Args:
         config: the model's shape.
-        num_slots: the number of sequences the cache holds.
+        num_blocks: the blocks of the KV cache.
+        block_size: the positions of a block; default 16.
         rank: this rank, in ``0 ..= world_size - 1``.
         world_size: the group size; it must split the model
             ([`check_world`][metrale_model_engine.reference.check_world]). One rank is the plain model.
@@ -140,7 +148,7 @@ class ShardedLm(nn.Module):
 
     Raises:
         TypeError: an argument has the wrong type.
-        ValueError: ``num_slots < 1``, bad ``rank``/``world_size`` (see
+        ValueError: ``num_blocks < 1`` or ``block_size < 1``, bad ``rank``/``world_size`` (see
             [`check_world`][metrale_model_engine.reference.check_world]), ``all_reduce`` is missing while ``world_size >
             1``, or an unknown ``expert_routing``.
     """
@@ -151,7 +159,8 @@ class ShardedLm(nn.Module):
         self,
         config: LmConfig,
         *,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int = 16,
         rank: int = 0,
         world_size: int = 1,
         all_reduce: AllReduce | None = None,
@@ -162,17 +171,19 @@ class ShardedLm(nn.Module):
         super().__init__()
         if not isinstance(config, LmConfig):
             raise TypeError(f"config must be an LmConfig, got {type(config).__name__}")
-        if type(num_slots) is not int:
-            raise TypeError(f"num_slots must be an int, got {type(num_slots).__name__} {num_slots!r}")
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         check_world(config, rank, world_size)
         if all_reduce is None and world_size > 1:
             raise ValueError(f"all_reduce is required when world_size={world_size} > 1 (it sums over the ranks)")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.config = config
-        self.num_slots = num_slots
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.rank = rank
         self.world_size = world_size
         self.shard: Shard = config.shard(rank, world_size)
@@ -183,7 +194,9 @@ class ShardedLm(nn.Module):
         )
         self.layers: nn.ModuleList = nn.ModuleList(
             ShardedBlock(
-                ShardedAttention(config, self.shard, num_slots=num_slots, dtype=dtype, device=device),
+                ShardedAttention(
+                    config, self.shard, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
+                ),
                 ShardedMoe(config, self.shard, routing=expert_routing, dtype=dtype, device=device),
                 eps=config.norm_eps,
             )
@@ -199,6 +212,14 @@ class ShardedLm(nn.Module):
         self.positions: torch.Tensor
         """``0 .. max_seq_len - 1`` on the model's device, non-persistent: the masks are cut from it."""
         self.register_buffer("positions", torch.arange(config.max_seq_len, device=device), persistent=False)
+        self.offsets: torch.Tensor
+        """``0 .. block_size - 1`` on the model's device, non-persistent: a block's cache rows are cut from it."""
+        self.register_buffer("offsets", torch.arange(block_size, device=device), persistent=False)
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """The blocks a sequence of ``max_seq_len`` positions takes: the longest table a call needs."""
+        return -(-self.config.max_seq_len // self.block_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The training path: logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` (int64) at positions ``0 .. T-1``.
@@ -219,21 +240,23 @@ class ShardedLm(nn.Module):
         return self._head(hidden)
 
     @torch.no_grad()
-    def prefill(self, slot: int, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed a chunk of a sequence: ``tokens`` (1-D int64) at positions ``start .. start + len - 1`` of ``slot``.
+    def prefill(self, table: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed a chunk of a sequence: ``tokens`` (1-D int64) at positions ``start .. start + len - 1`` of the
+        sequence whose block table is ``table`` (1-D int64).
 
-        Writes the chunk's keys and values into the slot's cache; each position ``p``
-        attends to positions ``0 ..= p`` of the slot, earlier chunks included.
+        Writes the chunk's keys and values into the table's blocks; each position ``p``
+        attends to positions ``0 ..= p`` of the sequence, earlier chunks included.
 
         Returns:
             The logits ``[vocab]`` after the chunk's last token.
 
         Raises:
             TypeError: a wrong argument type.
-            ValueError: ``slot`` out of range, ``tokens`` empty or (a host tensor) outside
-                the vocabulary, ``start < 0`` or ``start + len(tokens) > max_seq_len``.
+            ValueError: ``tokens`` or ``table`` empty, or (host tensors) a token outside the vocabulary, a block
+                out of range or named twice; ``start < 0``, ``start + len(tokens) > max_seq_len``, or past the
+                positions the table's blocks hold.
         """
-        _check_int("slot", slot, self.num_slots)
+        table = _check_int_tensor("table", table, 1)
         tokens = _check_int_tensor("tokens", tokens, 1)
         _check_int("start", start, self.config.max_seq_len)
         end = start + tokens.shape[0]
@@ -241,81 +264,99 @@ class ShardedLm(nn.Module):
             raise ValueError(
                 f"start={start} + {tokens.shape[0]} tokens = {end} passes max_seq_len={self.config.max_seq_len}"
             )
+        if end > table.shape[0] * self.block_size:
+            raise ValueError(
+                f"the table's {table.shape[0]} block(s) of {self.block_size} hold {table.shape[0] * self.block_size} "
+                f"positions, fewer than the chunk's end {end}"
+            )
+        blocks = _host_values(table)
+        _check_in_range("table", blocks, self.num_blocks)
+        if blocks is not None and len(set(blocks)) != len(blocks):
+            raise ValueError(f"a table names each block once, got {blocks}")
         _check_in_range("tokens", _host_values(tokens), self.config.vocab_size)
-        visible = self.positions[None, :end] <= self.positions[start:end, None]  # [L, end]: key q for query p
-        attend = functools.partial(attend_prefill, slot, start, self._bias(visible))
+        attend = self._prefill_attend(table.to(self.embed.device, non_blocking=True), start, end)
         hidden = self._layers(self._embed(tokens), self.rotary.table[start:end], attend)
         return self._head(hidden[-1])
 
     @torch.no_grad()
-    def decode(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step of ``B`` sequences: row ``i`` feeds ``tokens[i]`` at ``positions[i]`` of ``slots[i]``.
+    def decode(self, tables: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step of ``B`` sequences: row ``i`` feeds ``tokens[i]`` at ``positions[i]`` of the sequence whose block
+        table is ``tables[i]``.
 
-        Each row writes its keys and values into its slot's cache and attends to
-        positions ``0 ..= positions[i]`` of that slot only; rows do not influence each other.
+        Each row writes its keys and values into its table's blocks and attends to
+        positions ``0 ..= positions[i]`` of its sequence only; rows do not influence each other.
         Host tensors have their values checked, then go to the model's device (see the class).
 
         Args:
-            slots: 1-D int64 tensor of ``B`` distinct slot indices.
-            tokens: 1-D int64 tensor of ``B`` tokens, one per slot.
-            positions: 1-D int64 tensor of ``B`` positions, one per slot.
+            tables: 2-D int64 tensor ``[B, n]``: each row's block table (entries past its
+                positions ignored, but in range).
+            tokens: 1-D int64 tensor of ``B`` tokens, one per row.
+            positions: 1-D int64 tensor of ``B`` positions, one per row, each within its table's ``n`` blocks.
 
         Returns:
             The logits ``[B, vocab]``.
 
         Raises:
-            TypeError: an argument is not a 1-D int64 tensor.
-            ValueError: empty or unequal lengths, or in a host tensor a repeated slot, or a
-                slot, token or position out of range.
+            TypeError: ``tables`` is not a 2-D, or ``tokens`` or ``positions`` not a 1-D, int64 tensor.
+            ValueError: empty or unequal lengths, or in a host tensor a block, token or position out of range,
+                or two rows that write one place of the cache.
         """
-        slots = _check_int_tensor("slots", slots, 1)
+        tables = _check_int_tensor("tables", tables, 2)
         tokens = _check_int_tensor("tokens", tokens, 1)
         positions = _check_int_tensor("positions", positions, 1)
-        if not slots.shape == tokens.shape == positions.shape:
+        if not tables.shape[0] == tokens.shape[0] == positions.shape[0]:
             raise ValueError(
-                f"slots, tokens and positions must have one length, got {slots.numel()}, "
+                f"tables, tokens and positions must have one length, got {tables.shape[0]}, "
                 f"{tokens.numel()} and {positions.numel()}"
             )
-        slot_values, position_values = _host_values(slots), _host_values(positions)
-        _check_in_range("slots", slot_values, self.num_slots)
+        held = tables.shape[1] * self.block_size
+        table_values, position_values = _host_values(tables), _host_values(positions)
+        _check_in_range("tables.flatten()", table_values, self.num_blocks)
         _check_in_range("tokens", _host_values(tokens), self.config.vocab_size)
-        _check_in_range("positions", position_values, self.config.max_seq_len)
-        if slot_values is not None and len(set(slot_values)) != len(slot_values):
-            raise ValueError(f"slots must be distinct, got {slot_values}")
-        span = None if position_values is None else decode_span(max(position_values) + 1, self.config.max_seq_len)
+        _check_in_range("positions", position_values, min(held, self.config.max_seq_len))
+        if table_values is not None and position_values is not None:
+            width = tables.shape[1]
+            written = [table_values[row * width + p // self.block_size] * self.block_size + p % self.block_size
+                       for row, p in enumerate(position_values)]  # fmt: skip
+            if len(set(written)) != len(written):
+                raise ValueError(f"two rows write one cache row: {written} (block * block_size + offset)")
+        span = None
+        if position_values is not None:
+            span = min(held, decode_span(max(position_values) + 1, self.config.max_seq_len))
         device = self.embed.device
-        moved = (t.to(device, non_blocking=True) for t in (slots, tokens, positions))
+        moved = (t.to(device, non_blocking=True) for t in (tables, tokens, positions))
         return self.decode_step(*moved, span=span)
 
     @torch.no_grad()
     def decode_step(
-        self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, span: int | None = None
+        self, tables: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, span: int | None = None
     ) -> torch.Tensor:
         """``decode`` without its checks: the arguments on the model's device, their values trusted.
 
         ``span``: the positions each row attends over, at least every ``positions[i] + 1``
-        ([`decode_span`][metrale_model_engine.reference.decode_span]); ``None``: all of ``max_seq_len``.  Launches a
-        fixed sequence of kernels for a given batch size and span, reads nothing back to the
-        host (with device routing) and allocates only its own intermediates: a CUDA
-        graph can hold it.
+        ([`decode_span`][metrale_model_engine.reference.decode_span]) and at most what the
+        tables' blocks hold; ``None``: all of these (``tables.shape[1] * block_size``, at most
+        ``max_seq_len``).  Only the first ``ceil(span / block_size)`` columns of ``tables`` are read.
+        Launches a fixed sequence of kernels for a given batch size and span, reads nothing back
+        to the host (with device routing) and allocates only its own intermediates: a CUDA graph can hold it.
         """
-        width = self.config.max_seq_len if span is None else span
+        width = min(tables.shape[1] * self.block_size, self.config.max_seq_len) if span is None else span
+        read = cache_rows(self.offsets, tables, width)  # [B, W]
+        written = read.gather(1, positions[:, None])[:, 0]  # each row's own position: no read back
         visible = (self.positions[None, :width] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, W]
-        attend = functools.partial(attend_decode, slots, positions, self._bias(visible))
+        attend = functools.partial(attend_decode, written, read, self._bias(visible))
         hidden = self._layers(self._embed(tokens), self.rotary.table[positions], attend)
         return self._head(hidden)
 
     @torch.no_grad()
-    def fused_step(
-        self, chunks: Sequence[tuple[int, int, Sequence[int]]], rows: Sequence[tuple[int, int, int]]
-    ) -> torch.Tensor:
-        """Prefill chunks and decode rows of distinct slots in one forward: the single-device fused path.
+    def fused_step(self, chunks: Sequence[tuple[Table, int, Sequence[int]]], rows: Sequence[tuple[Table, int, int]]
+                   ) -> torch.Tensor:  # fmt: skip
+        """Prefill chunks and decode rows of distinct sequences in one forward: the single-device fused path.
 
-        Each chunk ``(slot, start, tokens)`` is a [`prefill`][metrale_model_engine.reference.ShardedLm.prefill], each
-        row ``(slot, token, position)`` a row of [`decode`][metrale_model_engine.reference.ShardedLm.decode]; the
-        layers' weights are read once for all of them (rows of consecutive slots, ascending, read their caches in
-        place). Their values are trusted (the caller checked them, as
-        [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] does).
+        Each chunk ``(table, start, tokens)`` is a [`prefill`][metrale_model_engine.reference.ShardedLm.prefill], each
+        row ``(table, token, position)`` a row of [`decode`][metrale_model_engine.reference.ShardedLm.decode], the
+        tables as lists of block ids; the layers' weights are read once for all of them.  Their values are trusted
+        (the caller checked them, as [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] does).
 
         Returns:
             The logits ``[len(rows) + len(chunks), vocab]``: the rows', then each chunk's after its last token.
@@ -325,27 +366,34 @@ class ShardedLm(nn.Module):
         for _, start, chunk in chunks:
             tokens.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
-        inputs = torch.tensor([tokens, positions], dtype=torch.int64).to(self.embed.device, non_blocking=True)
+        span = decode_span(max(positions[: len(rows)]) + 1, self.config.max_seq_len) if rows else 0
+        columns = -(-span // self.block_size)  # of each row's table
+        flat = [*tokens, *positions]  # everything the device needs, in one copy
+        for table, _, _ in rows:
+            flat.extend([*table[:columns], *[0] * (columns - len(table))])
+        for table, start, chunk in chunks:
+            flat.extend(table[: -(-(start + len(chunk)) // self.block_size)])
+        inputs = torch.tensor(flat, dtype=torch.int64).to(self.embed.device, non_blocking=True)
+        count = len(tokens)
+        at = 2 * count + len(rows) * columns
         parts: list[tuple[Attend, int]] = []
         if rows:
-            ids = [slot for slot, _, _ in rows]
-            slots = torch.tensor(ids, dtype=torch.int64).to(self.embed.device)
-            consecutive = slice(ids[0], ids[-1] + 1) if ids == list(range(ids[0], ids[-1] + 1)) else None
-            span = decode_span(max(positions[: len(rows)]) + 1, self.config.max_seq_len)
-            row_positions = inputs[1, : len(rows)]
+            row_positions = inputs[count : count + len(rows)]
+            read = cache_rows(self.offsets, inputs[2 * count : at].view(len(rows), columns), span)
             visible = (self.positions[None, :span] <= row_positions[:, None])[:, None, None, :]
-            bias = self._bias(visible)
-            attend = functools.partial(attend_decode, slots, row_positions, bias, consecutive=consecutive)
-            parts.append((attend, len(rows)))
+            written = read.gather(1, row_positions[:, None])[:, 0]
+            parts.append((functools.partial(attend_decode, written, read, self._bias(visible)), len(rows)))
         last = list(range(len(rows)))
-        for slot, start, chunk in chunks:
+        for _, start, chunk in chunks:
             end = start + len(chunk)
-            visible = self.positions[None, :end] <= self.positions[start:end, None]
-            parts.append((functools.partial(attend_prefill, slot, start, self._bias(visible)), len(chunk)))
+            blocks = -(-end // self.block_size)
+            parts.append((self._prefill_attend(inputs[at : at + blocks], start, end), len(chunk)))
+            at += blocks
             last.append(last[-1] + len(chunk) if last else len(chunk) - 1)
         hidden = self._layers(
-            self._embed(inputs[0]), self.rotary.table[inputs[1]], functools.partial(attend_split, parts)
-        )
+            self._embed(inputs[:count]), self.rotary.table[inputs[count : 2 * count]],
+            functools.partial(attend_split, parts),
+        )  # fmt: skip
         return self._head(hidden[last])
 
     def blocks(self) -> Iterator[ShardedBlock]:
@@ -353,6 +401,13 @@ class ShardedLm(nn.Module):
         for block in self.layers:
             assert isinstance(block, ShardedBlock)
             yield block
+
+    def _prefill_attend(self, table: torch.Tensor, start: int, end: int) -> Attend:
+        """The ``Attend`` of a chunk at positions ``start .. end - 1`` of the sequence of block table ``table``
+        (1-D, on the model's device)."""
+        read = cache_rows(self.offsets, table[None], end)[0]
+        visible = self.positions[None, :end] <= self.positions[start:end, None]  # [L, end]: key q for query p
+        return functools.partial(attend_prefill, read[start:], read, self._bias(visible))
 
     def _bias(self, visible: torch.Tensor) -> torch.Tensor:
         """``visible`` as the additive mask the attention kernels take, 0 or ``-inf``, made once for every layer

@@ -105,8 +105,8 @@ class Sampler:
 
 
 FinishReason = Literal["stop", "length", "context", "error", "cancelled"]
-"""Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its slot's
-cache full (``"context"``), a failure (``"error"``), [`Server.cancel`][metrale_model_engine.reference.Server.cancel]
+"""Why a request ended: an end-of-sequence id (``"stop"``), its ``max_new_tokens`` (``"length"``), its
+context full (``"context"``), a failure (``"error"``), [`Server.cancel`][metrale_model_engine.reference.Server.cancel]
 (``"cancelled"``)."""
 
 
@@ -115,7 +115,7 @@ class Request:
     """A prompt to continue by at most ``max_new_tokens`` tokens, picked as ``sampling`` says (greedy by default).
 
     It ends early at an end-of-sequence id (the server's ``eos_token_ids``), unless
-    ``ignore_eos``, or when its slot's cache fills up.  With ``logprobs`` (``0 ..=
+    ``ignore_eos``, or when its context fills up.  With ``logprobs`` (``0 ..=
     20``), its completion keeps each token's log-probability and those of the
     ``logprobs`` likeliest tokens ([`TokenLogprobs`][metrale_model_engine.reference.TokenLogprobs]).
 
@@ -199,7 +199,7 @@ class Completion:
     finished_step: int | None = None
     finish_reason: FinishReason | None = None
     """``"stop"``: it generated an end-of-sequence id (the last of ``tokens``); ``"length"``:
-    ``max_new_tokens`` generated; ``"context"``: cut short, its slot's cache (``max_seq_len`` positions) is
+    ``max_new_tokens`` generated; ``"context"``: cut short, its context (``max_seq_len`` positions) is
     full; ``"error"``: failed (see [`error`][metrale_model_engine.reference.Completion.error]); ``"cancelled"``:
     ended by [`Server.cancel`][metrale_model_engine.reference.Server.cancel]; ``None`` while it waits or runs."""
     error: str | None = None
@@ -208,3 +208,6 @@ class Completion:
     """The seed its tokens were drawn with (its sampling's, or one drawn for it); ``None`` when greedy."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """One per token when the request asked for ``logprobs``, else empty."""
+    preemptions: int = 0
+    """How often it was preempted (its blocks freed for others' and its tokens computed again on its return);
+    ``admitted_step`` stays its first admission."""

@@ -2,13 +2,18 @@
 
 Each [`Server.step`][metrale_model_engine.reference.Server.step]:
 
-1. admits waiting requests, oldest first, into free slots (one ``alloc`` each);
+1. admits waiting requests, oldest first, into free slots (one ``alloc`` each), while
+   the KV blocks of their prompts are free; with ``prefix_caching``, a prompt whose first
+   blocks are cached shares them and feeds only the rest;
 2. feeds every request still prefilling one chunk of at most ``prefill_chunk``
    prompt tokens (one ``prefill`` each); the chunk that ends the prompt yields the
    first generated token;
-3. runs one batched ``decode`` of every sequence that has a token to feed;
+3. runs one batched ``decode`` of every sequence that has a token to feed, once the
+   blocks its new tokens start are free: if they are not, the newest running
+   requests are preempted (their slots and blocks freed, back to the front of the
+   queue with every token they have, to be computed again: ``reference.batch``);
 4. frees the slots of finished requests (an end-of-sequence id generated,
-   ``max_new_tokens`` generated, the slot's cache full, or failed); each
+   ``max_new_tokens`` generated, the context full, or failed); each
    [`Completion`][metrale_model_engine.reference.Completion] says why it ended.
 
 Each request picks its tokens by its own [`Sampling`][metrale_model_engine.reference.Sampling]: greedy by
@@ -16,8 +21,9 @@ default (the largest logit; the lowest token on a tie), or drawn with its own
 seeded generator.  The head picks; its workers receive the token in the next
 decode command.  Requests may be submitted, and cancelled (``cancel``), between any two steps; tokens are
 streamed through ``on_token`` as they are chosen.  The server only calls the model's head methods, so the same code
-serves a one-rank model and a multi-rank one: it never asks which it has.  Which request holds which slot (steps 1
-and 4) is its ``Batch``'s to decide (``reference.batch``); what a step feeds and which tokens it picks, its own.
+serves a one-rank model and a multi-rank one: it never asks which it has.  Which request holds which slot and which
+blocks (steps 1, 3 and 4) is its ``Batch``'s to decide (``reference.batch``); what a step feeds and which tokens it
+picks, its own.
 
 A step that raises leaves every request either as it was before the call that
 raised (a chunk is taken off a request, a token given to it, only once its command
@@ -41,6 +47,7 @@ from .. import EpLink, EpWorkerFailed, LinkedEp, RunStopped
 from .._core.namespace import PublicDir, public_dir
 from ..reform import reform_link
 from .batch import Batch, Running
+from .blocks import KvBlocks
 from .config import LmConfig
 from .rank.checks import check_prompt
 from .rank.recovery import Recovering, Recovery
@@ -85,6 +92,9 @@ class ServedLm(Protocol):
 
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def kv_blocks(self) -> KvBlocks: ...
 
     def is_ep(self) -> bool:
         """Whether several ranks share the model (each command then runs its own forward)."""
@@ -132,6 +142,8 @@ class Server:
         fuse: run each step's prefill chunks and decode as one forward; default (``None``):
             when the model is one rank (``is_ep()`` false).  Several ranks cannot: each of
             their commands runs its own forward.
+        prefix_caching: whether a prompt whose first blocks are cached shares them (the
+            head's ``kv_blocks``), and feeds only the rest; default on.
         on_lost_rank: what a lost worker rank does (a model that re-forms, ``LinkedEp.ep_reforms``):
             ``"recover"`` (the default), the step that met it forms the link again over the ranks left
             ([`reform_link`][metrale_model_engine.reform.reform_link]), fails the requests whose commands a worker
@@ -159,6 +171,7 @@ class Server:
         sync_every: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
         fuse: bool | None = None,
+        prefix_caching: bool = True,
         on_lost_rank: Literal["recover", "stop"] = "recover",
     ) -> None:
         check_count("prefill_chunk", prefill_chunk)
@@ -180,7 +193,9 @@ class Server:
         self.prefill_chunk: int = prefill_chunk
         self.on_token: Callable[[Request, int], None] | None = on_token
         self.sync_every: int | None = sync_every
-        self._batch = Batch(model)  # the queue, the running requests and their slots
+        self.prefix_caching: bool = prefix_caching
+        """Whether prompts share the cached blocks their first tokens are in."""
+        self._batch = Batch(model, prefix_caching=prefix_caching)  # the queue, the running requests, slots, blocks
         self.slots: LmSlots = self._batch.slots
         """The head's slot array."""
         self.steps: int = 0
@@ -202,13 +217,24 @@ class Server:
         """Whether a request is waiting or running."""
         return self._batch.busy
 
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted so far (each back in the queue, its tokens to compute again)."""
+        return self._batch.preemptions
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        """The requests waiting (a preempted one among them) and running, now."""
+        return len(self._batch.waiting), len(self._batch.running)
+
     def submit(self, request: Request) -> Completion:
         """Queue ``request``; it is admitted at the next step with a free slot.  Returns its (growing) completion.
 
         Raises:
             TypeError: ``request`` is not a [`Request`][metrale_model_engine.reference.Request].
-            ValueError: the id was submitted before, or the prompt does not fit the
-                model (its length, or a token outside the vocabulary).
+            ValueError: the id was submitted before, the prompt does not fit the
+                model (its length, or a token outside the vocabulary), or the prompt and its new
+                tokens need more KV blocks than the cache holds.
             RuntimeError: the server was shut down.
         """
         if not isinstance(request, Request):
@@ -217,6 +243,7 @@ class Server:
         if request.id in self.completions:
             raise ValueError(f"request {request.id} was submitted already")
         check_prompt(request.prompt, self.model.config, where=f"request {request.id}: ")
+        self._batch.check_fits(request)
         completion = Completion(request, submitted_step=self.steps)
         self.completions[request.id] = completion
         self._batch.waiting.append(completion)
@@ -267,7 +294,7 @@ class Server:
                 self._fused()
             else:
                 self._prefill()
-                decoding = self._batch.decoding()
+                decoding = self._batch.make_room(self._batch.decoding(), self.steps)
                 if decoding:
                     self._pick(decoding, self._timed(decoding, self.model.decode))
             self._batch.release(self.steps)
@@ -361,8 +388,8 @@ class Server:
 
     def _fused(self) -> None:
         """One rank: every prefilling request's next chunk and every decoding request's token, in one forward."""
+        decoding = self._batch.make_room(self._batch.decoding(), self.steps)
         prefilling = self._batch.prefilling()
-        decoding = self._batch.decoding()
         if not prefilling and not decoding:
             return
         chunks = [(r.seq_id, r.prompt, *r.chunks[0]) for r in prefilling]

@@ -5,7 +5,9 @@ Every rank builds a [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] 
 [`prefill`][metrale_model_engine.reference.ReferenceLm.prefill],
 [`decode`][metrale_model_engine.reference.ReferenceLm.decode] and
 [`free`][metrale_model_engine.reference.ReferenceLm.free]: each checks its arguments, sends its command as one message,
-then runs the same forward as the workers (``rank.head``).  Each worker runs
+then runs the same forward as the workers (``rank.head``); the head decides which blocks of every rank's KV cache each
+sequence's positions go to ([`kv_blocks`][metrale_model_engine.reference.ReferenceLm.kv_blocks]), and the commands
+carry them.  Each worker runs
 [`run_worker`][metrale_model_engine.run_worker], whose hook reads the command, checks it against its own slots, and
 runs that forward (``rank.worker``).  A forward makes ``2 * n_layers`` all-reduces; they pair up across ranks because
 every rank runs the same commands in the same order.  The command words are Metrale's, each with its wire layout in
@@ -32,6 +34,7 @@ until 0.3: their home is [`metrale_model_engine.reference`][metrale_model_engine
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, MutableSequence, Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -46,6 +49,7 @@ from .._core.namespace import moved_names
 from ..reform import Reform
 from ..torch import DEFAULT_COLLECTIVE_TIMEOUT
 from ..torch import EXIT_GRACE as _EXIT_GRACE
+from .blocks import KvBlocks
 from .checkpoint import Checkpoint
 from .config import LmConfig
 from .experts import ExpertRouting
@@ -53,10 +57,12 @@ from .layers import AllReduce
 from .model import ShardedLm
 from .rank import checks as _checks
 from .rank import commands as _commands
+from .rank.checks import Pool
 from .rank.commands import COLLECTIVE_COMMANDS
 from .rank.digest import kv_digest
 from .rank.head import HeadCommands
 from .rank.ledger import KvLedger
+from .rank.pool import KvMemory, pool_blocks
 from .rank.reduce import ServedAllReduce, group_device
 from .rank.runner import Chunk, LmRunner
 from .rank.slots import LmSlots, LmState
@@ -80,8 +86,15 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             already ([`Checkpoint`][metrale_model_engine.reference.checkpoint.Checkpoint]);
             default the shipped model.  Every rank opens it and reads its own shard alone.
         dtype: of the weights, KV cache and activations; default the checkpoint's own.
-        max_seq_len: the context served (the KV cache's positions per slot); default
+        max_seq_len: the context served (the most positions a sequence holds); default
             the model's ``max_position_embeddings``.  Ignored when ``checkpoint`` is opened already.
+        kv_memory: the size of this rank's KV cache, a pool of blocks that every sequence
+            draws on: bytes (an ``int``), a fraction of the memory free once the weights are
+            loaded (a ``float`` in ``(0, 1]``: on CUDA, its device's; on the CPU, the host's
+            ``MemAvailable``, shared by the host's ranks), or ``None`` (the default): as
+            many blocks as every slot's whole context takes.  Every rank ends with the same
+            block count (the smallest, when they differ: a collective at this point).
+        block_size: the positions of a block of the KV cache; default 16.
         device: where they live; by default the current CUDA device under NCCL, else
             torch's default.
         group: the process group of the all-reduces.
@@ -114,7 +127,9 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         RuntimeError: several ranks, no ``all_reduce`` and torch.distributed is not initialised.
         CheckpointError: the checkpoint cannot be served (the message says which file and what).
         OSError: a weights file cannot be read.
-        ValueError: ``cuda_graphs`` with the model not on a CUDA device, or with several ranks.
+        ValueError: ``cuda_graphs`` with the model not on a CUDA device, or with several ranks; ``kv_memory``
+            that holds no block, or a bad ``block_size``.
+        TypeError: ``kv_memory`` is not an int, a float or ``None``.
     """
 
     ep_collective_commands: ClassVar[frozenset[int]] = COLLECTIVE_COMMANDS
@@ -141,6 +156,8 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         check_kv_values: bool = False,
         cuda_graphs: bool = False,
         expert_routing: ExpertRouting = "auto",
+        kv_memory: KvMemory = None,
+        block_size: int = 16,
     ) -> None:
         super().__init__()
         self._own_group = group is not None  # a group the link's re-form does not carry over
@@ -156,9 +173,16 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint, max_seq_len=max_seq_len)
         )
         self.checkpoint: Checkpoint = opened
+        config, real_dtype = opened.config, opened.dtype if dtype is None else dtype
+        num_blocks = pool_blocks(
+            link, config, config.shard(link.rank, link.world_size), kv_memory=kv_memory, block_size=block_size,
+            itemsize=real_dtype.itemsize, weights=opened.shard_bytes(link.rank, link.world_size, real_dtype),
+            device=torch.empty(0).device if device is None else torch.device(device),
+        )  # fmt: skip
         self._runner = LmRunner(
             opened,
-            num_slots=link.num_slots,
+            num_blocks=num_blocks,
+            block_size=block_size,
             rank=link.rank,
             world_size=link.world_size,
             all_reduce=reduce if link.world_size > 1 else None,
@@ -170,9 +194,18 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         )
         self.lm: ShardedLm = self._runner.lm
         self.kv_ledger: KvLedger | None = self._runner.ledger
-        self._head = HeadCommands(link, self._runner, self, self.spent)
+        identity = zlib.crc32(repr((str(opened.directory), str(real_dtype), config)).encode())
+        self.kv_blocks: KvBlocks = KvBlocks(num_blocks, block_size, identity)
+        """The head's block manager: which blocks of every rank's KV cache each slot's sequence holds (a worker
+        keeps one too, and never uses it: its tables come in the commands)."""
+        self._head = HeadCommands(link, self._runner, self, self.spent, self.kv_blocks)
         self._worker = WorkerHook(link, self._runner, self)
         link.state_digest = kv_digest if self.kv_ledger is None else self.kv_ledger.state_digest
+
+    @property
+    def pool(self) -> Pool:
+        """The shape of every rank's KV cache: ``num_blocks`` blocks of ``block_size`` positions."""
+        return self._runner.pool
 
     @property
     def config(self) -> LmConfig:
@@ -187,15 +220,20 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     # -- head ------------------------------------------------------------------
 
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
-        """Head: give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed)."""
+        """Head: give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed, its blocks too)."""
         self._head.alloc(slots, seq_id)
 
     def free(self, slots: LmSlots, seq_id: int) -> None:
-        """Head: free slot ``seq_id`` on every rank.  Raises ``KeyError`` if it is free (nothing is sent)."""
+        """Head: free slot ``seq_id`` on every rank, and its blocks.  Raises ``KeyError`` if it is free (nothing is
+        sent)."""
         self._head.free(slots, seq_id)
 
     def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
         """Head: feed the chunk ``prompt[start : start + length]`` into slot ``seq_id`` on every rank.
+
+        The chunk's positions go to the blocks the slot holds (``kv_blocks``: reserved by a
+        scheduler, else allocated now), which the command carries.  A new sequence whose
+        reservation found a cached prefix starts after it.
 
         Returns:
             The logits ``[vocab]`` after the chunk's last token.
@@ -203,6 +241,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         Raises:
             IndexError, KeyError, TypeError, ValueError: as
                 [`check_prefill`][metrale_model_engine.reference.check_prefill] (nothing is sent).
+            RuntimeError: the blocks the chunk needs are not free (nothing is sent).
             EpSendError, EpWorkerFailed: as [`EpLink.send_command`][metrale_model_engine.EpLink.send_command] (nothing
                 is sent).
             RunStopped: the run is over (see the module).
@@ -212,12 +251,15 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     def decode(self, slots: LmSlots, seq_ids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Head: one decode step on every rank: slot ``seq_ids[i]`` feeds ``tokens[i]``.
 
+        A slot whose next position starts a block gets one (``kv_blocks``), which the command carries.
+
         Returns:
             The logits ``[len(seq_ids), vocab]``.
 
         Raises:
             IndexError, KeyError, TypeError, ValueError: as
                 [`check_decode`][metrale_model_engine.reference.check_decode] (nothing is sent).
+            RuntimeError: the blocks the step needs are not free (nothing is sent).
             EpSendError, EpWorkerFailed: as [`EpLink.send_command`][metrale_model_engine.EpLink.send_command] (nothing
                 is sent).
             RunStopped: the run is over (see the module).
@@ -243,8 +285,9 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
             IndexError, KeyError, TypeError, ValueError: as
                 [`check_prefill`][metrale_model_engine.reference.check_prefill] and
                 [`check_decode`][metrale_model_engine.reference.check_decode], or a slot named twice (nothing runs).
+            RuntimeError: the blocks the step needs are not free (nothing runs).
         """
-        return self._runner.fused_step(slots, chunks, seq_ids, tokens)
+        return self._head.fused(slots, chunks, seq_ids, tokens)
 
     # -- every rank: the forwards, once a command is known and checked ------------
 
@@ -272,9 +315,11 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
 
         The new shard keeps the slices this rank held already and reads only the others from the checkpoint
         ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] with ``held``: the bytes read are
-        ``reloaded_bytes``); the KV cache is made again for the new shard, empty, so every slot is emptied (the head's
-        [`Server`][metrale_model_engine.reference.Server] computes its requests' keys and values again); the ledger
-        (``check_kv_values``) starts again.  The all-reduces follow the link into its new epoch by themselves.
+        ``reloaded_bytes``); the KV cache is made again for the new shard with as many blocks (a block holds more
+        heads now, so more bytes), empty: every slot is emptied and every block freed, the prefix cache with them
+        (the head's [`Server`][metrale_model_engine.reference.Server] computes its requests' keys and values again);
+        the ledger (``check_kv_values``) starts again.  The all-reduces follow the link into its new epoch by
+        themselves.
 
         Raises:
             ValueError: the model was built over a ``group`` of its own, which the re-form does not carry over.
@@ -289,6 +334,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         self.lm = self._runner.lm
         self.kv_ledger = self._runner.ledger
         self.ep_link.state_digest = kv_digest if self.kv_ledger is None else self.kv_ledger.state_digest
+        self.kv_blocks.clear()
         for seq_id in range(len(slots)):
             slots[seq_id] = None
 

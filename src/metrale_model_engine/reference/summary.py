@@ -19,7 +19,9 @@ def run_summary(
     after, the ranks lost and how, each part's milliseconds, the requests carried on and failed.  ``decode_step``
     splits the head's decode steps into compute, collectives and
     protocol (shares of their total time); it counts none when every request ended
-    with its prefill.  ``requests`` holds every request in the order submitted: its
+    with its prefill.  ``kv_cache`` gives the pool (its blocks, their size), the most
+    blocks held at once, the prompt tokens looked up in the prefix cache and found
+    there, and the requests preempted.  ``requests`` holds every request in the order submitted: its
     prompt's ids and generated ``tokens`` (an end-of-sequence id included when
     generated), why it finished, the seed it was sampled with (``null`` when
     greedy), and with a ``tokenizer`` their text (``null`` without).  Call it on the
@@ -37,6 +39,7 @@ def run_summary(
     def share(part: float) -> float:
         return round(part / total, 4) if total else 0.0
 
+    blocks = model.kv_blocks
     backend = "none"
     if model.is_ep():
         import torch.distributed as dist
@@ -60,6 +63,15 @@ def run_summary(
             "collectives_share": share(sum(step.collectives_s for step in steps)),
             "compute_share": share(sum(step.compute_s for step in steps)),
             "protocol_us_median": round(statistics.median(s.protocol_s for s in steps) * 1e6, 1) if steps else 0.0,
+        },
+        "kv_cache": {
+            "blocks": blocks.num_blocks,
+            "block_size": blocks.block_size,
+            "peak_blocks_used": blocks.peak_used,
+            "prefix_caching": server.prefix_caching,
+            "prefix_query_tokens": blocks.query_tokens,
+            "prefix_hit_tokens": blocks.hit_tokens,
+            "preemptions": server.preemptions,
         },
         "recoveries": [
             {
@@ -87,6 +99,7 @@ def run_summary(
                 "submitted_step": c.submitted_step,
                 "admitted_step": c.admitted_step,
                 "finished_step": c.finished_step,
+                "preemptions": c.preemptions,
             }
             for c in server.completions.values()
         ],
@@ -94,10 +107,11 @@ def run_summary(
 
 
 def summary_lines(summary: dict[str, object]) -> list[str]:
-    """The head's lines for a ``run_summary``: the throughput, then how a decode step splits."""
+    """The head's lines for a ``run_summary``: the throughput, how a decode step splits, the KV cache."""
     step = summary["decode_step"]
     requests = summary["requests"]
-    assert isinstance(step, dict) and isinstance(requests, list)
+    kv = summary["kv_cache"]
+    assert isinstance(step, dict) and isinstance(requests, list) and isinstance(kv, dict)
     lines = [
         f"[head] {len(requests)} requests, {summary['tokens']} tokens in {summary['wall_s']:.2f} s: "
         f"{summary['tokens_per_s']:.0f} tokens/s"
@@ -120,4 +134,12 @@ def summary_lines(summary: dict[str, object]) -> list[str]:
             f"compute {step['compute_share']:.1%}, collectives {step['collectives_share']:.1%}, "
             f"protocol {step['protocol_share']:.2%} (median {step['protocol_us_median']:.0f} us)"
         )
+    queried, hits = kv["prefix_query_tokens"], kv["prefix_hit_tokens"]
+    found = (
+        f"{hits:,} of {queried:,} prompt tokens found cached ({hits / queried:.1%})" if queried else "none looked up"
+    )
+    lines.append(
+        f"[head] KV cache: {kv['blocks']:,} blocks of {kv['block_size']}, at most {kv['peak_blocks_used']:,} in use; "
+        f"prefix cache {'on' if kv['prefix_caching'] else 'off'}: {found}; {kv['preemptions']} preemption(s)"
+    )
     return lines

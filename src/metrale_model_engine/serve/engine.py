@@ -80,6 +80,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._open: dict[int, _Open] = {}  # by request id; the scheduler's thread alone
         self._next_id = 0
+        self._counted = (0, 0, 0)  # the server's preemptions, prefix queries and hits, as far as the metrics have them
         self._recoveries = 0  # the server's recoveries counted in the metrics
         self.held: int = 0
         """Requests taken and not yet ended, running or waiting (the event loop's count)."""
@@ -232,10 +233,21 @@ class Engine:
             self._call(self._deliver, updates)
 
     def _gauges(self) -> None:
-        completions = self._server.completions
-        waiting = sum(1 for request_id in self._open if completions[request_id].admitted_step is None)
+        server = self._server
+        waiting, running = server.queued  # a preempted request waits again
         self.metrics.waiting.set(waiting)
-        self.metrics.running.set(len(self._open) - waiting)
+        self.metrics.running.set(running)
+        blocks = server.model.kv_blocks
+        self.metrics.kv_blocks_used.set(blocks.used)
+        now = (server.preemptions, blocks.query_tokens, blocks.hit_tokens)
+        for counter, was, count in zip(
+            (self.metrics.preemptions, self.metrics.prefix_queries, self.metrics.prefix_hits),
+            self._counted,
+            now,
+            strict=True,
+        ):
+            counter.inc(count - was)
+        self._counted = now
         self.metrics.slots_used.set(sum(1 for state in self._server.slots if state is not None))
 
     def _forget(self, request_id: int) -> Completion | None:

@@ -1,7 +1,8 @@
 """What the server admits: every limit on a request and on the queue, checked in one place before anything
 reaches the scheduler (so no bad request reaches a worker).
 
-A request's prompt and its new tokens must fit the context a slot holds; a request is taken
+A request's prompt and its new tokens must fit the context and the KV cache (a request that needs more
+blocks than the whole cache holds could never run); a request is taken
 while the requests in the server (running or waiting) stay within the slots plus
 ``--max-waiting``, else it is answered 503 with ``Retry-After``.
 """
@@ -20,12 +21,14 @@ RETRY_AFTER_S: Final = 1
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's limits: the context of a slot, the vocabulary, the slots and the queue beyond them."""
+    """The server's limits: the context, the vocabulary, the slots and the queue beyond them, and the positions the
+    KV cache holds (its blocks times their size)."""
 
     max_seq_len: int
     vocab_size: int
     slots: int
     max_waiting: int
+    kv_positions: int
 
     @property
     def most_requests(self) -> int:
@@ -51,13 +54,26 @@ class Limits:
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.max_seq_len} tokens, which "
                 "leaves none to generate",
             )
+        pooled = self.kv_positions - len(prompt) + 1  # the last new token is never fed: it takes no position
+        if pooled < 1:
+            raise bad(
+                where,
+                f"the prompt has {len(prompt)} tokens, more than the {self.kv_positions} positions this server's KV "
+                "cache holds: it could never run",
+            )
         if max_tokens is None:
-            return room
+            return min(room, pooled)
         if max_tokens > room:
             raise bad(
                 param,
                 f"{max_tokens} new tokens and a prompt of {len(prompt)} make {len(prompt) + max_tokens}, more than "
                 f"this model's context of {self.max_seq_len} tokens (at most {room} here)",
+            )
+        if max_tokens > pooled:
+            raise bad(
+                param,
+                f"{max_tokens} new tokens and a prompt of {len(prompt)} need {len(prompt) + max_tokens - 1} positions "
+                f"of the KV cache, more than the {self.kv_positions} it holds (at most {pooled} new tokens here)",
             )
         return max_tokens
 

@@ -1,11 +1,12 @@
 """What a monitoring system reads at ``GET /metrics``: Prometheus text through ``prometheus_client``.
 
-Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``;
-counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
-``metrale_requests_cancelled_total``, ``metrale_recoveries_total`` (recoveries from lost worker ranks);
-histograms ``metrale_time_to_first_token_seconds`` (from a request's arrival) and
-``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state`` (``serving``, ``draining``, ``stopped``).
-Each app has its own registry.
+Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``,
+``metrale_kv_blocks_used``; counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
+``metrale_requests_cancelled_total``, ``metrale_preemptions_total``, ``metrale_prefix_cache_queries_total``,
+``metrale_prefix_cache_hits_total``, ``metrale_recoveries_total`` (recoveries from lost worker ranks); histograms
+``metrale_time_to_first_token_seconds`` (from a request's arrival) and
+``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state``
+(``serving``, ``draining``, ``stopped``).  Each app has its own registry.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class Metrics:
         self.slots_used: Gauge = Gauge(
             "metrale_slots_used", "Slots holding a sequence, on every rank.", registry=registry
         )
+        self.kv_blocks_used: Gauge = Gauge(
+            "metrale_kv_blocks_used", "Blocks of the KV cache that a sequence holds, on every rank.", registry=registry
+        )
         self.prompt_tokens: Counter = Counter("metrale_prompt_tokens", "Prompt tokens admitted.", registry=registry)
         self.generation_tokens: Counter = Counter("metrale_generation_tokens", "Tokens generated.", registry=registry)
         self.cancelled: Counter = Counter(
@@ -37,6 +41,19 @@ class Metrics:
         self.recoveries: Counter = Counter(
             "metrale_recoveries",
             "Recoveries from lost worker ranks: the ranks left re-formed and carried every request on.",
+            registry=registry,
+        )
+        self.preemptions: Counter = Counter(
+            "metrale_preemptions",
+            "Requests preempted for the KV blocks others needed (each resumes, its tokens computed again).",
+            registry=registry,
+        )
+        self.prefix_queries: Counter = Counter(
+            "metrale_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=registry
+        )
+        self.prefix_hits: Counter = Counter(
+            "metrale_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed again).",
             registry=registry,
         )
         self.time_to_first_token: Histogram = Histogram(

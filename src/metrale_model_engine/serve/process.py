@@ -111,7 +111,7 @@ def _make_work(start: Start) -> ServeWork:
     from .chat import ChatTemplate, ChatTemplateError
 
     args, checkpoint = start.args, start.checkpoint
-    start.check_memory()
+    kv_memory = start.kv_memory()
     try:
         ChatTemplate.find(checkpoint.directory, args.chat_template)
     except ChatTemplateError as error:
@@ -119,7 +119,8 @@ def _make_work(start: Start) -> ServeWork:
     work = Work(
         start.protocol, args.transport, args.slots, 1, args.prefill_chunk, args.sync_every, None, args.check_kv,
         device=start.device, cuda_graphs=args.cuda_graphs, threads=args.threads or default_threads(start.local_ranks),
-        model=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, on_lost_rank=args.on_lost_rank,
+        model=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, kv_memory=kv_memory,
+        block_size=args.block_size, prefix_caching=args.prefix_caching, on_lost_rank=args.on_lost_rank,
     )  # fmt: skip
     name = args.served_model_name or checkpoint.directory.resolve().name
     http = HttpOptions(args.host, args.port, name, args.max_waiting, args.chat_template, args.drain_timeout)
@@ -168,10 +169,14 @@ def leave_now(code: int) -> NoReturn:
 
 
 def make_server(model: ReferenceLm, work: Work) -> Server:
-    """The scheduler rank 0 serves with: ``work``'s prefill chunks, sync points and ``on_lost_rank``."""
+    """The scheduler rank 0 serves with: ``work``'s prefill chunks, sync points, prefix caching and
+    ``on_lost_rank``."""
     from ..reference import Server
 
-    return Server(model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, on_lost_rank=work.on_lost_rank)
+    return Server(
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching,
+        on_lost_rank=work.on_lost_rank,
+    )  # fmt: skip
 
 
 async def _serve(
@@ -188,7 +193,10 @@ async def _serve(
 
     loop = asyncio.get_running_loop()
     config = server.model.config
-    limits = Limits(config.max_seq_len, config.vocab_size, len(server.slots), http.max_waiting)
+    pool = server.model.kv_blocks
+    limits = Limits(
+        config.max_seq_len, config.vocab_size, len(server.slots), http.max_waiting, pool.num_blocks * pool.block_size
+    )
     metrics = Metrics()
     listening = socket.create_server((http.host, http.port))
 

@@ -65,7 +65,7 @@ class Checkpoint:
         Args:
             directory: the checkpoint's directory.
             max_seq_len: the context to serve, at most the model's ``max_position_embeddings``
-                (``None``: all of it).  A rank's KV cache holds that many positions per slot.
+                (``None``: all of it).  A sequence holds at most that many positions.
 
         Raises:
             CheckpointError: the directory, a file, a field or a tensor is missing or wrong;

@@ -10,7 +10,8 @@ from .slots import LmState
 
 
 def kv_digest(slots: Sequence[LmState | None]) -> int:
-    """A u64 digest of the KV bookkeeping of ``slots``: which slots are held, and the tokens each has fed.
+    """A u64 digest of the KV bookkeeping of ``slots``: which slots are held, the tokens each has fed, and the block
+    table that holds them (a worker whose table diverged has another digest).
 
     Equal on two ranks when both ran the same commands; set as the link's
     ``state_digest``, so sync points compare it.
@@ -18,6 +19,6 @@ def kv_digest(slots: Sequence[LmState | None]) -> int:
     low = high = 0
     for seq_id, state in enumerate(slots):
         if state is not None:
-            data = array("I", (seq_id, state.length, *state.tokens)).tobytes()
+            data = array("I", (seq_id, state.length, len(state.blocks), *state.blocks, *state.tokens)).tobytes()
             low, high = zlib.crc32(data, low), zlib.adler32(data, high)
     return (high << 32) | low

@@ -2,10 +2,12 @@
 forwards of a command once it is checked (a prefill chunk, a decode step, and at one rank the fused step).
 
 Everything that writes the KV cache goes through it: the forwards, the slots' new and
-ended sequences, the ledger of what was written (``check_kv_values``), and the decode
-steps replayed from CUDA graphs (``cuda_graphs``).  The head and the workers run the
-same forwards, through the model's ``forward_prefill`` and ``forward_decode``
-(``Forwards``), which a subclass of ``ReferenceLm`` may override.
+ended sequences, the block-table entries a command gives a sequence (``take_blocks``),
+the ledger of what was written (``check_kv_values``), and the decode steps replayed from
+CUDA graphs (``cuda_graphs``).  The head and the workers run the same forwards, through the
+model's ``forward_prefill`` and ``forward_decode`` (``Forwards``), which a subclass of
+``ReferenceLm`` may override.  The tables are the head's decision (``KvBlocks``); here they
+are only followed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..experts import ExpertRouting
 from ..graphs import DecodeGraphs
 from ..layers import AllReduce
 from ..model import ShardedLm, decode_span
-from .checks import check_decode, check_prefill
+from .checks import Pool
 from .ledger import KvLedger
 from .slots import LmSlots, LmState
 
@@ -43,12 +45,12 @@ class Forwards(Protocol):
 
 
 class LmRunner:
-    """Rank ``rank`` of ``world_size``'s shard of ``checkpoint``, with a KV cache of ``num_slots`` slots, and the
-    forwards that write it (see the module).
+    """Rank ``rank`` of ``world_size``'s shard of ``checkpoint``, with a KV cache of ``num_blocks`` blocks of
+    ``block_size`` positions, and the forwards that write it (see the module).
 
     Args:
         checkpoint: the checkpoint opened; the rank reads its own slices alone.
-        num_slots, rank, world_size, all_reduce, dtype, device, expert_routing: as
+        num_blocks, block_size, rank, world_size, all_reduce, dtype, device, expert_routing: as
             [`ShardedLm`][metrale_model_engine.reference.ShardedLm] takes them (``dtype`` ``None``: the checkpoint's).
         cuda_graphs: replay decode steps from CUDA graphs (``DecodeGraphs``: one rank, on a CUDA device).
         check_kv_values: keep a ``KvLedger`` of what the forwards write (``ledger``).
@@ -61,7 +63,8 @@ class LmRunner:
         self,
         checkpoint: Checkpoint,
         *,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int,
         rank: int,
         world_size: int,
         all_reduce: AllReduce | None,
@@ -75,7 +78,8 @@ class LmRunner:
         self._build = functools.partial(
             ShardedLm,
             checkpoint.config,
-            num_slots=num_slots,
+            num_blocks=num_blocks,
+            block_size=block_size,
             all_reduce=all_reduce,
             dtype=checkpoint.dtype if dtype is None else dtype,
             device=device,
@@ -87,12 +91,15 @@ class LmRunner:
         self._graphs = DecodeGraphs(self.lm) if cuda_graphs else None
         self.ledger: KvLedger | None = KvLedger(self.lm) if check_kv_values else None
         """The digests of what the forwards wrote, with ``check_kv_values``; else ``None``."""
+        self.pool: Pool = Pool(num_blocks, block_size)
+        """The shape of the cache, the same on every rank."""
 
     def reshard(self, rank: int, world_size: int) -> int:
         """Become rank ``rank`` of ``world_size`` (the group changed: ranks were lost): a new ``lm`` of that shard, the
         slices the old one held copied from it and only the others read from the checkpoint
-        ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] with ``held``), a new KV cache (every
-        sequence's keys and values are gone: the slots must be emptied), the ledger and CUDA graphs made again.
+        ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] with ``held``), a new KV cache of as
+        many blocks (every sequence's keys and values are gone: the slots and the head's block manager must be
+        emptied), the ledger and CUDA graphs made again.
 
         Returns:
             The bytes read from the checkpoint's files.
@@ -118,24 +125,32 @@ class LmRunner:
         return self.lm.config
 
     def new_sequence(self, slots: LmSlots, seq_id: int) -> None:
-        """Slot ``seq_id`` holds a new, empty sequence (whatever it held is dropped)."""
+        """Slot ``seq_id`` holds a new, empty sequence, with an empty table (whatever it held is dropped)."""
         slots[seq_id] = LmState(seq_id)
-        if self.ledger is not None:
-            self.ledger.forget(seq_id)
 
     def end_sequence(self, slots: LmSlots, seq_id: int) -> None:
         """Slot ``seq_id`` is free."""
         slots[seq_id] = None
 
+    def take_blocks(self, state: LmState, blocks: Sequence[int], cached: Sequence[int] = ()) -> None:
+        """``state``'s table gains the checked entries ``blocks``, whose first blocks hold the tokens ``cached``
+        already (a prefix found cached: the sequence holds them now); the others are handed out afresh."""
+        fresh = blocks[len(cached) // self.pool.block_size :]
+        if self.ledger is not None:
+            self.ledger.forget(fresh)
+        state.blocks.extend(blocks)
+        state.extend(cached)
+
     def prefill(self, state: LmState, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
-        """Run a checked prefill chunk (``check_prefill``) in ``state``'s slot; the logits after its last token.
+        """Run a checked prefill chunk (``check_prefill``) in ``state``'s blocks; the logits after its last token.
 
         The state records the chunk once the forward has written its keys and values.
         """
         chunk = prompt[start : start + length]
-        logits = self.lm.prefill(state.seq_id, torch.tensor(chunk, dtype=torch.int64), start)
+        table = torch.tensor(state.blocks, dtype=torch.int64)
+        logits = self.lm.prefill(table, torch.tensor(chunk, dtype=torch.int64), start)
         if self.ledger is not None:
-            self.ledger.wrote_chunk(state.seq_id, start, start + length)
+            self.ledger.wrote([self._row(state, position) for position in range(start, start + length)])
         state.extend(chunk)
         return logits
 
@@ -144,54 +159,46 @@ class LmRunner:
 
         The states record their tokens once the forward has written their keys and values.
         """
-        rows = ([state.seq_id for state in states], list(tokens), [state.length for state in states])
+        span = decode_span(max(state.length for state in states) + 1, self.config.max_seq_len)  # host values: no wait
+        columns = -(-span // self.pool.block_size)
+        rows = [[token, state.length, *state.blocks[:columns], *[0] * (columns - len(state.blocks))]
+                for state, token in zip(states, tokens, strict=True)]  # fmt: skip
         # one copy to the device, from pinned memory so that it does not make the host wait
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._device.type == "cuda")
         inputs = host.to(self._device, non_blocking=True)
-        span = decode_span(max(rows[2]) + 1, self.config.max_seq_len)  # from host values: no wait
         if self._graphs is not None:
             logits = self._graphs(inputs, span)
         else:
-            logits = self.lm.decode_step(inputs[0], inputs[1], inputs[2], span=span)
+            logits = self.lm.decode_step(inputs[:, 2:], inputs[:, 0], inputs[:, 1], span=span)
         if self.ledger is not None:
-            self.ledger.wrote_rows(inputs[0], inputs[2])
+            self.ledger.wrote([self._row(state, state.length) for state in states])
         for state, token in zip(states, tokens, strict=True):
             state.append(token)
         return logits
 
     def fused_step(
-        self, slots: LmSlots, chunks: Sequence[Chunk], seq_ids: Sequence[int], tokens: Sequence[int]
-    ) -> torch.Tensor:
-        """One rank: prefill ``chunks`` and a decode step in one forward, everything checked before anything runs.
+        self, chunks: Sequence[tuple[LmState, Sequence[int], int, int]], states: Sequence[LmState],
+        tokens: Sequence[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """One rank: checked prefill chunks ``(state, prompt, start, length)`` and a checked decode step (``states[i]``
+        feeds ``tokens[i]``) in one forward.
 
         Returns:
-            The logits ``[len(seq_ids) + len(chunks), vocab]``: the decode rows', then each chunk's.
-
-        Raises:
-            RuntimeError: the model is one of several ranks.
-            IndexError, KeyError, TypeError, ValueError: as ``check_prefill`` and ``check_decode``, or a slot
-                named twice (nothing runs).
+            The logits ``[len(states) + len(chunks), vocab]``: the decode rows', then each chunk's.
         """
-        if self.lm.world_size > 1:
-            raise RuntimeError(
-                "fused_step is the one-rank path: with several ranks (is_ep()) each prefill and decode is a command "
-                "of its own"
-            )
-        named = [seq_id for seq_id, *_ in chunks] + list(seq_ids)
-        if len(set(named)) != len(named):
-            raise ValueError(f"a fused step names each slot once, got {named}")
-        states = [check_prefill(slots, seq_id, prompt, start, length, self.config) for seq_id, prompt, start, length
-                  in chunks]  # fmt: skip
-        rows = check_decode(slots, seq_ids, tokens, self.config) if seq_ids else []
-        parts = [(seq_id, start, prompt[start : start + length]) for seq_id, prompt, start, length in chunks]
-        logits = self.lm.fused_step(parts, [(s.seq_id, t, s.length) for s, t in zip(rows, tokens, strict=True)])
-        for state, (seq_id, start, chunk) in zip(states, parts, strict=True):
-            if self.ledger is not None:
-                self.ledger.wrote_chunk(seq_id, start, start + len(chunk))
+        parts = [(state.blocks, start, prompt[start : start + length]) for state, prompt, start, length in chunks]
+        logits = self.lm.fused_step(parts, [(s.blocks, t, s.length) for s, t in zip(states, tokens, strict=True)])
+        if self.ledger is not None:
+            rows = [self._row(state, state.length) for state in states]
+            rows.extend(self._row(state, p) for state, _, start, length in chunks for p in range(start, start + length))
+            self.ledger.wrote(rows)
+        for (state, *_), (_, _, chunk) in zip(chunks, parts, strict=True):
             state.extend(chunk)
-        if self.ledger is not None and rows:
-            at = torch.tensor([[s.seq_id for s in rows], [s.length for s in rows]], device=self._device)
-            self.ledger.wrote_rows(at[0], at[1])
-        for state, token in zip(rows, tokens, strict=True):
+        for state, token in zip(states, tokens, strict=True):
             state.append(token)
         return logits
+
+    def _row(self, state: LmState, position: int) -> int:
+        """The cache row of ``state``'s ``position``."""
+        size = self.pool.block_size
+        return state.blocks[position // size] * size + position % size

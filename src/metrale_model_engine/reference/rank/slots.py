@@ -2,20 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Iterable, MutableSequence, Sequence
 
 from ... import SequenceState, check_slot
 
 
 class LmState(SequenceState):
-    """One sequence in its slot: the tokens fed so far, whose keys and values fill positions ``0 .. length - 1``."""
+    """One sequence in its slot: the tokens fed so far, whose keys and values fill positions ``0 .. length - 1``,
+    and its block table, the cache blocks that hold those positions in order (``blocks``).
 
-    __slots__ = ()
+    Two states are equal when their slot, tokens and tables are.
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, seq_id: int, tokens: Iterable[int] = (), blocks: Iterable[int] = ()) -> None:
+        super().__init__(seq_id, tokens)
+        self.blocks: list[int] = list(blocks)
+        """The block table: position ``p`` lives in block ``blocks[p // block_size]``, as the head decided."""
 
     @property
     def length(self) -> int:
-        """Positions of the slot's KV cache in use: the next token goes at this position."""
+        """Positions of the sequence's KV cache in use: the next token goes at this position."""
         return len(self.tokens)
+
+    def __eq__(self, other: object) -> bool:
+        same = super().__eq__(other)
+        return same if same is not True else self.blocks == other.blocks  # type: ignore[attr-defined]
+
+    __hash__ = SequenceState.__hash__  # None: mutable, as its base
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seq_id={self.seq_id}, tokens={list(self.tokens)!r}, blocks={self.blocks!r})"
 
 
 LmSlots = MutableSequence[LmState | None]
