@@ -23,6 +23,7 @@ reason and error, each recovery's line and fields; each worker its summary and p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -139,8 +140,10 @@ def head_kills(server: Server, plan: Plan, pids: list[int], out: str) -> None:
             kill_as_it_forms(regroup, pids[victim], out, victim)
 
 
-def serve(rank: int, world_size: int, kind: str, plan: Plan, out: str) -> None:
-    """Serve :data:`WORKLOAD` over ``world_size`` ranks of ``open_link(kind)`` while ``plan``'s victims die."""
+def serve(rank: int, world_size: int, kind: str, plan: Plan, out: str, new_tokens: int = NEW_TOKENS) -> None:
+    """Serve :data:`WORKLOAD` (each request's ``max_new_tokens`` made ``new_tokens``) over ``world_size`` ranks of
+    ``open_link(kind)`` while ``plan``'s victims die; the head also notes when each token came
+    (``time.monotonic()``)."""
     torch.set_num_threads(1)
     link = open_link(kind, num_slots=SLOTS, command_timeout=TIMEOUT, head_lost_after=5.0)
     point, at = plan.get(rank, ("", 0))
@@ -153,11 +156,14 @@ def serve(rank: int, world_size: int, kind: str, plan: Plan, out: str) -> None:
             summary = run_worker(model, slots, logger=QUIET, reform_timeout=TIMEOUT)
             save(out, rank, reforms=summary.reforms, rank_now=link.rank, world_size=link.world_size, pid=os.getpid())
             return
-        server = Server(model, prefill_chunk=PREFILL_CHUNK, sync_every=1)
+        came: list[float] = []
+        server = Server(
+            model, prefill_chunk=PREFILL_CHUNK, sync_every=1, on_token=lambda *_: came.append(time.monotonic())
+        )
         head_kills(server, plan, pids, out)
         idle = {victim: at for victim, (point, at) in plan.items() if point == "idle"}
         for request in WORKLOAD:
-            server.submit(request)
+            server.submit(dataclasses.replace(request, max_new_tokens=new_tokens))
         while server.busy:
             for victim, at in idle.items():
                 if server.steps + 1 == at:
@@ -175,6 +181,8 @@ def serve(rank: int, world_size: int, kind: str, plan: Plan, out: str) -> None:
             recoveries=[(str(r), r.world_size, [x.rank for x in r.lost], r.recompute_s) for r in server.recoveries],
             world_size=link.world_size,
             reloaded=model.reloaded_bytes,
+            came=came,
+            times=[dataclasses.asdict(recovery) for recovery in server.recoveries],
             pid=os.getpid(),
         )
     except Exception as error:  # noqa: BLE001  (whatever ended this rank, for the test to read)

@@ -54,6 +54,8 @@ class Recovery:
     """The ids of the requests carried on (put back in the queue, to be computed again)."""
     failed: tuple[int, ...]
     """The ids of the requests failed: a worker reported failing their command before it went."""
+    stopped_at: float
+    """When the run stopped on the head (``time.monotonic()``)."""
     recompute_s: float | None = None
     """From the end of the reload until every request carried on had its keys and values back; ``None`` until then.
     Cut short when another loss comes first (``cut_short``)."""
@@ -89,6 +91,7 @@ class Recovering:
             reload_s=reloaded - reform.formed_at,
             requeued=tuple(completion.request.id for completion in requeued),
             failed=tuple(completion.request.id for completion in failed),
+            stopped_at=reform.stopped_at,
         )
         self._reloaded = reloaded
         self._waiting = {completion.request.id: completion for completion in requeued}
