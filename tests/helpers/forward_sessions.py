@@ -176,3 +176,14 @@ def forward_fault(rank: int, world_size: int, kind: str, fault: str, victim: int
         raise SystemExit(1) from None
     finally:
         model.ep_link.close()
+
+
+def check_the_killed_rank_is_named(message: str, rank: int, how: str = "") -> None:
+    """``message``, the head's ``RunStopped`` once ``rank`` was killed at :data:`FAULTY_STEP`, names that rank (and
+    ``how`` it ended, where given), blames no witness and says of no rank that it said nothing."""
+    named = (
+        f"head: the run stopped in command {FAULTY_STEP} (seq_id=0, cmd={FORWARD}): worker rank(s) [{rank}] exited "
+        f"(died or left the run) after command {FAULTY_STEP}"
+    )
+    assert message.startswith(named + (f" ({how})" if how else "")), message
+    assert " failed command" not in message and "said nothing" not in message, message

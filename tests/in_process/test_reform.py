@@ -4,8 +4,10 @@ the head and of a worker over a pretend channel (every way it cannot re-form, sa
 from __future__ import annotations
 
 import logging
+import os
 import re
-from collections.abc import Callable, Mapping, MutableSequence, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, MutableSequence, Sequence
 from typing import Any, cast
 
 import pytest
@@ -25,8 +27,11 @@ from metrale_model_engine import (
 from metrale_model_engine._engine.link import side_of
 from metrale_model_engine._engine.reform.worker import rejoin
 from metrale_model_engine._engine.settings import LinkSettings, agree_on_setup
+from metrale_model_engine._shm.regroup import RingRegroup
+from metrale_model_engine._shm.segment import Layout, create_segment
 from metrale_model_engine.reform import LostRank, Reform, reform_link
-from metrale_model_engine.transport import PeerLost, Regroup, TransportTimeout
+from metrale_model_engine.shm import shm_supported
+from metrale_model_engine.transport import PeerLost, Regroup, TransportClosed, TransportTimeout
 from metrale_model_engine.wire import WIRE_VERSION
 
 from helpers.fakes import FakeTransport, no_slots
@@ -290,3 +295,48 @@ def test_collectives_over_a_group_of_their_own_refuse_to_follow_a_re_formed_link
         ValueError, match=r"runs over a group of its own, which the link's re-form \(epoch 1\) does not"
     ):
         collectives.all_reduce(cast(Any, None))
+
+
+# -- the ring's re-form line ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def ring_line() -> Iterator[tuple[RingRegroup, RingRegroup]]:
+    """A head's and a worker's re-form channel over one segment of 2 ranks (this process is both); its file removed
+    at the end."""
+    if not shm_supported():
+        pytest.skip("the shared-memory transport needs Linux x86-64/arm64")
+    segment = create_segment(Layout(2, 1 << 16, 1 << 12), os.getpid())
+
+    def no_ring(*args: object) -> EpTransport:
+        raise AssertionError("no ring is made here")
+
+    head, worker = RingRegroup(segment, 0, no_ring, no_ring), RingRegroup(segment.share(), 1, no_ring, no_ring)
+    try:
+        yield head, worker
+    finally:
+        head.close()
+        worker.close()
+        os.unlink(segment.path)
+
+
+def test_a_worker_of_an_older_epoch_is_told_the_heads_later_one_and_its_ring_is_refused_by_epoch(
+    ring_line: tuple[RingRegroup, RingRegroup],
+) -> None:
+    head, worker = ring_line
+    head.form(1, [0], time.monotonic() + 5.0)  # the head alone: no ring, the word still written
+    assert worker.join(1, 1, dict, time.monotonic() + 5.0) == (1, [0])
+    head.form(2, [0], time.monotonic() + 5.0)  # the head moved on before the worker attached to epoch 1
+    assert worker.join(1, 1, dict, time.monotonic() + 5.0) == (2, [0])
+    with pytest.raises(TransportClosed, match=r"^the head formed epoch 2 meanwhile, not 1$"):
+        worker.attach(1, [0, 1], 1, time.monotonic() + 5.0)
+
+
+def test_a_worker_waiting_on_the_ring_learns_that_no_epoch_comes_or_gives_up_at_its_bound(
+    ring_line: tuple[RingRegroup, RingRegroup],
+) -> None:
+    head, worker = ring_line
+    with pytest.raises(TransportTimeout, match=r"no re-form of the link came from the head by its bound \(epoch 1\)"):
+        worker.join(1, 1, dict, time.monotonic() + 0.05)
+    head.end()
+    assert worker.join(1, 1, dict, time.monotonic() + 5.0) == (1, [])

@@ -52,6 +52,9 @@ def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_end
     ], stdout
     # Ranks started afresh: the launcher keeps the dead rank unreaped while the head runs, so its end is told.
     assert "worker rank(s) [3] exited (died or left the run) after command 3 (rank 3 was killed by SIGKILL)" in stderr
+    (stop,) = [line for line in stderr.splitlines() if line.startswith("head: the run stopped")]
+    # The witnesses, whose all-reduce failed with rank 3, are neither blamed nor said to have said nothing.
+    assert " failed command" not in stop and "said nothing" not in stop, stop
     assert "head: the link re-formed at epoch 1: 3 rank(s) of 4 in " in stderr
     assert " ms (worker rank 3 was killed by SIGKILL)" in stderr
 
