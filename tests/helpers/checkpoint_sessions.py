@@ -1,7 +1,7 @@
 """Rank programs for checkpoints in the Hugging Face layout; each runs in a process of ``torch.run_group``.
 
-:func:`serve_prompts` serves the oracle's prompts from a checkpoint, in a cache too small
-for them all at once, and the head saves the tokens and the preemptions;
+:func:`serve_prompts` serves the oracle's prompts twice from a checkpoint, in a cache too small
+for them all at once, and the head saves the tokens, the preemptions and the prefix cache's hits;
 :func:`load_and_measure` saves what loading a rank's shard cost its memory.
 """
 
@@ -40,14 +40,20 @@ QUIET = logging.getLogger("tests.checkpoints.quiet")
 QUIET.setLevel(logging.CRITICAL)
 
 
-def served_tokens(model: ReferenceLm, sampling: Sampling | None = None) -> tuple[list[list[int]], int]:
-    """The head's tokens for the oracle's prompts, every one of their new tokens (no end-of-sequence stop), and how
-    many requests were preempted."""
-    server = Server(model, prefill_chunk=5, sync_every=4, eos_token_ids=())
-    requests = [Request(i, prompt, NEW_TOKENS, sampling or Sampling()) for i, prompt in enumerate(PROMPTS)]
-    done = server.run(requests)
+def served_tokens(
+    model: ReferenceLm, sampling: Sampling | None = None, *, prefix_caching: bool = True
+) -> tuple[list[list[int]], int, int]:
+    """The head's tokens for the oracle's prompts served twice, one round after the other (the second round's
+    prompts find blocks of the first's cached, with ``prefix_caching``), every one of their new tokens (no
+    end-of-sequence stop); how many requests were preempted; and the prompt tokens found cached."""
+    server = Server(model, prefill_chunk=5, sync_every=4, eos_token_ids=(), prefix_caching=prefix_caching)
+    tokens = []
+    for first in (0, len(PROMPTS)):
+        requests = [Request(first + i, prompt, NEW_TOKENS, sampling or Sampling()) for i, prompt in enumerate(PROMPTS)]
+        done = server.run(requests)
+        tokens += [done[request.id].tokens for request in requests]
     server.shutdown()  # a sync point: every rank's KV bookkeeping is the head's
-    return [done[i].tokens for i in range(len(PROMPTS))], server.preemptions
+    return tokens, server.preemptions, model.kv_blocks.hit_tokens
 
 
 def tight_kv_memory(directory: str | Path, rank: int, world_size: int) -> int:
@@ -57,18 +63,25 @@ def tight_kv_memory(directory: str | Path, rank: int, world_size: int) -> int:
 
 
 def serve_prompts(
-    rank: int, world_size: int, directory: str, transport: str, out: str, sampling: Sampling | None = None
+    rank: int,
+    world_size: int,
+    directory: str,
+    transport: str,
+    out: str,
+    sampling: Sampling | None = None,
+    prefix_caching: bool = True,
 ) -> None:
-    """Serve the oracle's prompts from ``directory`` in float32 over ``transport``, in a cache of
-    :data:`TIGHT_BLOCKS` blocks; the head saves the tokens and the preemptions."""
+    """Serve the oracle's prompts twice (``served_tokens``) from ``directory`` in float32 over ``transport``, in a
+    cache of :data:`TIGHT_BLOCKS` blocks; the head saves the tokens, the preemptions and the prefix cache's hits."""
     torch.set_num_threads(1)
     link = open_link(transport, num_slots=SLOTS, command_timeout=60.0) if world_size > 1 else None
     kv_memory = tight_kv_memory(directory, rank, world_size)
     with ReferenceLm(link or EpLink(SoloTransport(), num_slots=SLOTS), checkpoint=directory, dtype=torch.float32,
                      kv_memory=kv_memory, block_size=BLOCK_SIZE) as model:  # fmt: skip
         if rank == 0:
-            tokens, preemptions = served_tokens(model, sampling)
-            save(out, rank, tokens=tokens, preemptions=preemptions, transport=type(model.ep_link.transport).__name__)
+            tokens, preemptions, hits = served_tokens(model, sampling, prefix_caching=prefix_caching)
+            kind = type(model.ep_link.transport).__name__
+            save(out, rank, tokens=tokens, preemptions=preemptions, hit_tokens=hits, transport=kind)
         else:
             slots: list[LmState | None] = [None] * SLOTS
             summary = run_worker(model, slots, logger=QUIET)

@@ -67,15 +67,10 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def served(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any) -> list[list[int]]:
     """The tokens one rank serves for ``prompts`` (greedy, every one of ``new_tokens``: no end-of-sequence stop)."""
-    return served_by(directory, prompts, new_tokens, **kwargs)[0]
-
-
-def served_by(directory: Path | None, prompts: Any, new_tokens: int, **kwargs: Any) -> tuple[list[list[int]], Server]:
-    """``served``'s tokens, and the server that served them."""
     model = ReferenceLm(EpLink(SoloTransport(), num_slots=3), checkpoint=directory, **kwargs)
     server = Server(model, prefill_chunk=5, eos_token_ids=())
     done = server.run(Request(i, tuple(prompt), new_tokens) for i, prompt in enumerate(prompts))
-    return [done[i].tokens for i in range(len(prompts))], server
+    return [done[i].tokens for i in range(len(prompts))]
 
 
 # transformers, the oracle
@@ -96,9 +91,13 @@ def test_one_rank_gives_the_tokens_of_transformers(written: dict[str, Path], fam
     gap = oracle.smallest_gap(tops)
     assert gap > 1e-4, gap  # rounding is about 1e-6 here: a flip would need a near tie
     assert served(written[family], oracle.PROMPTS, oracle.NEW_TOKENS) == expected
-    tight = {"kv_memory": sessions.tight_kv_memory(written[family], 0, 1), "block_size": sessions.BLOCK_SIZE}
-    tokens, server = served_by(written[family], oracle.PROMPTS, oracle.NEW_TOKENS, **tight)
-    assert tokens == expected and server.preemptions > 0  # across preemptions, the same tokens
+    kv_memory = sessions.tight_kv_memory(written[family], 0, 1)
+    for prefix_caching in (True, False):  # the prompts twice: with prefix hits, and without
+        model = ReferenceLm(EpLink(SoloTransport(), num_slots=sessions.SLOTS), checkpoint=written[family],
+                            kv_memory=kv_memory, block_size=sessions.BLOCK_SIZE)  # fmt: skip
+        tokens, preemptions, hits = sessions.served_tokens(model, prefix_caching=prefix_caching)
+        assert tokens == expected * 2 and preemptions > 0  # across preemptions, the same tokens
+        assert hits > 0 if prefix_caching else hits == 0
 
 
 def test_generation_stops_at_the_end_of_sequence_ids_as_transformers_does(

@@ -1,6 +1,7 @@
 """Checkpoints in the Hugging Face layout served by 2, 3 and 4 ranks in real processes: the tokens of
 ``transformers`` for both families, over shared memory and over torch, in a paged KV cache too small for every
-request at once (requests preempted and computed again); a bfloat16 checkpoint in several files;
+request at once (requests preempted and computed again), the prompts served twice with prefix caching (prefix hits)
+and without it; a bfloat16 checkpoint in several files;
 a sampled run the same at every world size; and each rank's memory, its shard and not the checkpoint.
 """
 
@@ -44,18 +45,27 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, l
 
 
 def served(
-    tmp_path: Path, directory: Path, world_size: int, transport: str, sampling: Sampling | None = None
+    tmp_path: Path,
+    directory: Path,
+    world_size: int,
+    transport: str,
+    sampling: Sampling | None = None,
+    *,
+    prefix_caching: bool = True,
 ) -> object:
-    out = tmp_path / f"{world_size}-{transport}"
+    """The tokens of the oracle's prompts served twice (``sessions.served_tokens``), preempted and, with
+    ``prefix_caching``, with prefix hits (none without)."""
+    out = tmp_path / f"{world_size}-{transport}-{prefix_caching}"
     out.mkdir()
-    arguments = (str(directory), transport, str(out), sampling)
+    arguments = (str(directory), transport, str(out), sampling, prefix_caching)
     assert run_group(sessions.serve_prompts, world_size, *arguments, timeout=RUN_LIMIT) == [0] * world_size
     results = load(out, world_size)
     assert all(results[rank]["failed"] == 0 for rank in range(1, world_size))
     kind = {"shm": "ShmTransport", "torch": "TorchTransport"}[transport] if world_size > 1 else "SoloTransport"
     assert results[0]["transport"] == kind
-    preemptions = results[0]["preemptions"]
+    preemptions, hits = results[0]["preemptions"], results[0]["hit_tokens"]
     assert isinstance(preemptions, int) and preemptions > 0  # a cache too small for the prompts at once
+    assert isinstance(hits, int) and (hits > 0 if prefix_caching else hits == 0)
     return results[0]["tokens"]
 
 
@@ -70,14 +80,23 @@ def test_the_ranks_give_the_tokens_of_transformers(
     both and pads its heads) and 4 experts as 2 + 1 + 1; Qwen3-MoE's 4 heads as 2 + 1 + 1 and 8 experts as 3 + 3 + 2.
     The paged cache is too small for the prompts at once, so requests are preempted and computed again."""
     directory, expected = written[family]
-    assert served(tmp_path, directory, world_size, transport) == expected
+    assert served(tmp_path, directory, world_size, transport) == expected * 2
+
+
+@pytest.mark.parametrize(("world_size", "transport"), [(2, "torch"), (4, "shm")])
+def test_without_prefix_caching_the_ranks_give_the_tokens_of_transformers(
+    written: dict[str, tuple[Path, list[list[int]]]], tmp_path: Path, world_size: int, transport: str
+) -> None:
+    """Every prompt computed whole, each time it comes (no prefix hit), across preemptions."""
+    directory, expected = written["mixtral"]
+    assert served(tmp_path, directory, world_size, transport, prefix_caching=False) == expected * 2
 
 
 def test_a_bfloat16_checkpoint_in_several_files_serves_its_float32_tokens(tmp_path: Path) -> None:
     directory = oracle.write_checkpoint(tmp_path / "bf16", "qwen3_moe", dtype=torch.bfloat16, max_shard_size="40KB")
     assert (directory / "model.safetensors.index.json").exists()
     expected, _ = oracle.reference_tokens(directory, dtype=torch.float32)
-    assert served(tmp_path, directory, 2, "torch") == expected
+    assert served(tmp_path, directory, 2, "torch") == expected * 2
 
 
 def test_a_seed_gives_the_same_sampled_tokens_at_every_world_size(

@@ -33,28 +33,28 @@ class Metrics:
         self.kv_blocks_used: Gauge = Gauge(
             "metrale_kv_blocks_used", "Blocks of the KV cache that a sequence holds, on every rank.", registry=registry
         )
-        self.prompt_tokens: Counter = Counter("metrale_prompt_tokens", "Prompt tokens admitted.", registry=registry)
-        self.generation_tokens: Counter = Counter("metrale_generation_tokens", "Tokens generated.", registry=registry)
-        self.cancelled: Counter = Counter(
-            "metrale_requests_cancelled", "Requests cancelled (a client gone, or a stop string).", registry=registry
+
+        def counter(name: str, text: str) -> Counter:
+            return Counter(name, text, registry=registry)
+
+        self.prompt_tokens: Counter = counter("metrale_prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens: Counter = counter("metrale_generation_tokens", "Tokens generated.")
+        self.cancelled: Counter = counter(
+            "metrale_requests_cancelled", "Requests cancelled (a client gone, or a stop string)."
         )
-        self.recoveries: Counter = Counter(
+        self.recoveries: Counter = counter(
             "metrale_recoveries",
             "Recoveries from lost worker ranks: the ranks left re-formed and carried every request on.",
-            registry=registry,
         )
-        self.preemptions: Counter = Counter(
+        self.preemptions: Counter = counter(
             "metrale_preemptions",
             "Requests preempted for the KV blocks others needed (each resumes, its tokens computed again).",
-            registry=registry,
         )
-        self.prefix_queries: Counter = Counter(
-            "metrale_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=registry
+        self.prefix_queries: Counter = counter(
+            "metrale_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_hits: Counter = Counter(
-            "metrale_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache (not computed again).",
-            registry=registry,
+        self.prefix_hits: Counter = counter(
+            "metrale_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again)."
         )
         self.time_to_first_token: Histogram = Histogram(
             "metrale_time_to_first_token_seconds",
