@@ -1,9 +1,11 @@
 """basedpyright ``--verifytypes`` on the package: the public API's type completeness must be 100%.
 
 Without torch installed, the torch-only subpackage ``metrale_model_engine.reference``
-cannot be resolved (its classes derive from ``torch.nn.Module``): then every symbol
-outside it must be complete, and those inside it are counted, not failed; the run
-with torch (Python 3.11 in CI) checks them.  Exit status 0 on success, 1 otherwise.
+cannot be resolved (its classes derive from ``torch.nn.Module``), nor, without torch
+and the serve extra, ``metrale_model_engine.serve`` (its bodies derive from pydantic's
+``BaseModel``): then every symbol outside them must be complete, and those inside are
+counted, not failed; the run with torch and every extra (Python 3.11 in CI) checks
+them.  Exit status 0 on success, 1 otherwise.
 
     python scripts/verify_types.py   # with the virtual environment's python, basedpyright on PATH
 """
@@ -18,7 +20,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDS_TORCH = "metrale_model_engine.reference"
+# A subpackage and the packages it needs to resolve.
+NEEDS = {"metrale_model_engine.reference": ("torch",), "metrale_model_engine.serve": ("torch", "fastapi", "pydantic")}
 
 
 def main() -> int:
@@ -30,13 +33,16 @@ def main() -> int:
     report = json.loads(run.stdout)["typeCompleteness"]
     incomplete = [s["name"] for s in report["symbols"] if not s["isTypeKnown"] or s["isTypeAmbiguous"]]
     score = report["completenessScore"]
-    has_torch = importlib.util.find_spec("torch") is not None
-    excused = [] if has_torch else [name for name in incomplete if name.startswith(NEEDS_TORCH)]
+    unresolved = tuple(
+        f"{package}." for package, needs in NEEDS.items() if any(importlib.util.find_spec(n) is None for n in needs)
+    )
+    excused = [name for name in incomplete if name.startswith(unresolved)]
     failing = [name for name in incomplete if name not in excused]
     print(f"type completeness: {score:.1%} of {report['exportedSymbolCounts']['withKnownType'] + len(incomplete)}"
           f" exported symbols")  # fmt: skip
     if excused:
-        print(f"without torch: {len(excused)} symbols of {NEEDS_TORCH} unresolved (checked where torch is installed)")
+        print(f"{len(excused)} symbols of {', '.join(p.rstrip('.') for p in unresolved)} unresolved without the "
+              "packages they need (checked where those are installed)")  # fmt: skip
     for name in failing:
         print(f"incomplete: {name}")
     if failing:
