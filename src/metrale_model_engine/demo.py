@@ -15,8 +15,9 @@ generated text (its ids, without a tokenizer), then tokens/s and how the head's
 decode step splits into compute, collectives and protocol (``--json PATH`` writes it
 all too).  Sync points compare every rank's KV bookkeeping as it goes and at the end.
 
-Exit status: 0 when every rank served and agreed; 1 with one ``error: ...`` line
-when the run failed (a rank died or diverged); 2 with one ``error: ...`` line when
+Exit status: 0 when every rank served and agreed, or every worker rank lost was recovered from (``--on-lost-rank
+recover``, the default: the last line names them); 1 with one ``error: ...`` line
+when the run failed (a rank died and was not recovered from, or diverged); 2 with one ``error: ...`` line when
 it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
 the checkpoint cannot be served (a missing or malformed file, an unsupported
 architecture or field, a missing or misshapen tensor: the line names which and
@@ -46,7 +47,7 @@ from ._core.protocol import ProtocolVersion
 from ._demo_args import PROMPT_TEXT
 from ._demo_args import parse_args as _parse_args
 from ._demo_choices import default_threads, prompt_ids, under_torchrun_env
-from ._demo_launch import Start, ranks_line, run
+from ._demo_launch import Start, ranks_line, recovered_ranks, run
 
 if TYPE_CHECKING:
     from . import EpLink
@@ -142,15 +143,18 @@ class _OneLine(logging.Handler):
         _say(f"{self._who} {record.getMessage()}{error}", sys.stderr)
 
 
-Head = Callable[["ReferenceLm", Work, Sequence[int]], None]
-"""``head(model, work, pids)``: what rank 0 does with the model, every rank's pid at hand."""
+Head = Callable[["ReferenceLm", Work, Sequence[int]], "Sequence[int] | None"]
+"""``head(model, work, pids)``: what rank 0 does with the model, every rank's pid at hand; it returns the worker
+ranks whose loss its run recovered from (numbered as at the start; ``None``: none)."""
 
 
-def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> None:
+def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> tuple[int, ...]:
     """One rank's part: build the model over a link, then drive it (head) or serve it (worker).
 
     ``head`` is what rank 0 does with the model (default: serve the work's prompts and
-    report them); the run fails on this rank, in one line, when it raises.
+    report them); the run fails on this rank, in one line, when it raises.  Returns, on rank 0, the
+    worker ranks whose loss its run recovered from (``head``'s answer), for the launcher to count them
+    as recovered rather than failed; ``()`` on a worker.
 
     Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank,
     and lets [`EpSetupError`][metrale_model_engine.EpSetupError] (the link's setup failed, the
@@ -188,10 +192,10 @@ def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> N
         slots: list[LmState | None] = [None] * work.slots
         if rank == 0:
             try:
-                (head or _drive)(model, work, pids)
+                recovered = (head or _drive)(model, work, pids)
             except Exception as error:  # noqa: BLE001
                 _fail(f"error: {type(error).__name__}: {error}")
-            return
+            return tuple(recovered or ())
         from . import run_worker
 
         logger = logging.getLogger(f"metrale_model_engine.demo.worker{rank}")
@@ -202,6 +206,7 @@ def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> N
         except Exception:  # noqa: BLE001  (the logger said it, in one line)
             raise SystemExit(1) from None
         _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
+        return ()
 
 
 def _open_link(world_size: int, work: Work) -> EpLink:
@@ -215,7 +220,7 @@ def _open_link(world_size: int, work: Work) -> EpLink:
     return open_link(work.transport, num_slots=work.slots, protocol=work.protocol)
 
 
-def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
+def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> list[int]:
     from .reference import GREEDY, Request, Server, Tokenizer, run_summary, summary_lines
 
     link = model.ep_link
@@ -274,6 +279,7 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
     if work.json_path is not None:
         work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    return recovered_ranks(server.recoveries)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

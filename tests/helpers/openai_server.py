@@ -41,8 +41,15 @@ class RemoteServer:
         self.lines: list[str] = []
         self.errors: list[str] = []
         said: queue.SimpleQueue[str] = queue.SimpleQueue()
-        for stream, kept, tell in ((self.process.stdout, self.lines, said), (self.process.stderr, self.errors, None)):
-            threading.Thread(target=_read, args=(stream, kept, tell), daemon=True).start()
+        self._readers = [
+            threading.Thread(target=_read, args=(stream, kept, tell), daemon=True)
+            for stream, kept, tell in (
+                (self.process.stdout, self.lines, said),
+                (self.process.stderr, self.errors, None),
+            )
+        ]
+        for reader in self._readers:
+            reader.start()
         deadline = time.monotonic() + READY_S
         self.pids: list[int] = []
         while True:
@@ -73,7 +80,11 @@ class RemoteServer:
         self.process.send_signal(signal.SIGTERM)
 
     def wait(self, timeout: float) -> int:
-        return self.process.wait(timeout)
+        """The exit status, once the process exited and its output was read to its end (5 s at most more)."""
+        code = self.process.wait(timeout)
+        for reader in self._readers:
+            reader.join(5)
+        return code
 
     def kill(self) -> None:
         """Kill the process and every rank its first line named (under torchrun they outlive a killed agent)."""
@@ -89,10 +100,10 @@ class RemoteServer:
         if self.process.poll() is None:
             self.terminate()
             try:
-                return self.process.wait(60)
+                return self.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill()
-        return self.process.wait()
+        return self.wait(60)
 
 
 def _read(stream: Any, kept: list[str], tell: queue.SimpleQueue[str] | None) -> None:

@@ -61,6 +61,8 @@ class Recovery:
     Cut short when another loss comes first (``cut_short``)."""
     cut_short: bool = False
     """Another loss came before the recompute was done: ``recompute_s`` is the time until then."""
+    ranks: tuple[int, ...] = ()
+    """By rank after it, each rank's rank before the loss (``Reform.ranks``)."""
 
     def __str__(self) -> str:
         lost = "; ".join(map(str, self.lost)) or "no rank lost"
@@ -92,6 +94,7 @@ class Recovering:
             requeued=tuple(completion.request.id for completion in requeued),
             failed=tuple(completion.request.id for completion in failed),
             stopped_at=reform.stopped_at,
+            ranks=reform.ranks,
         )
         self._reloaded = reloaded
         self._waiting = {completion.request.id: completion for completion in requeued}
