@@ -59,12 +59,15 @@ Plan = dict[int, tuple[str, int]]
 """By victim (its rank at the start): its point and at which time it comes (1: the first)."""
 
 
-def unfailed() -> dict[int, list[int]]:
-    """The workload's tokens on one rank in this process, nothing lost."""
+def unfailed(new_tokens: int = NEW_TOKENS, checkpoint: str | None = None) -> dict[int, list[int]]:
+    """The workload's tokens (``new_tokens`` each) on one rank in this process, nothing lost; the shipped model, or
+    ``checkpoint``'s."""
     from metrale_model_engine.transport import SoloTransport
 
-    server = Server(ReferenceLm(EpLink(SoloTransport(), num_slots=SLOTS)), prefill_chunk=PREFILL_CHUNK, fuse=False)
-    return {i: c.tokens for i, c in server.run(WORKLOAD).items()}
+    model = ReferenceLm(EpLink(SoloTransport(), num_slots=SLOTS), checkpoint=checkpoint)
+    server = Server(model, prefill_chunk=PREFILL_CHUNK, fuse=False)
+    workload = [dataclasses.replace(request, max_new_tokens=new_tokens) for request in WORKLOAD]
+    return {i: c.tokens for i, c in server.run(workload).items()}
 
 
 def strike(out: str, origin: int) -> None:
@@ -76,7 +79,7 @@ def strike(out: str, origin: int) -> None:
 class Victim(ReferenceLm):
     """A worker that kills itself at its plan's point (``prefill``, ``decode``, ``all-reduce``)."""
 
-    def __init__(self, link: EpLink, point: str, at: int, out: str) -> None:
+    def __init__(self, link: EpLink, point: str, at: int, out: str, checkpoint: str | None = None) -> None:
         self.point, self.at, self.out, self.origin = point, at, out, link.rank
         self.seen = {"prefill": 0, "decode": 0, "alloc": 0}
         self.reduces = -1  # all-reduces in the decode now; -1: in none
@@ -89,7 +92,7 @@ class Victim(ReferenceLm):
                     strike(self.out, self.origin)
             collectives.all_reduce(tensor)
 
-        super().__init__(link, all_reduce=all_reduce)
+        super().__init__(link, checkpoint=checkpoint, all_reduce=all_reduce)
 
     def ep_run_command(self, seq_id: int, cmd: int, slots: LmSlots) -> None:
         super().ep_run_command(seq_id, cmd, slots)
@@ -140,15 +143,18 @@ def head_kills(server: Server, plan: Plan, pids: list[int], out: str) -> None:
             kill_as_it_forms(regroup, pids[victim], out, victim)
 
 
-def serve(rank: int, world_size: int, kind: str, plan: Plan, out: str, new_tokens: int = NEW_TOKENS) -> None:
+def serve(
+    rank: int, world_size: int, kind: str, plan: Plan, out: str, new_tokens: int = NEW_TOKENS,
+    checkpoint: str | None = None,
+) -> None:  # fmt: skip
     """Serve :data:`WORKLOAD` (each request's ``max_new_tokens`` made ``new_tokens``) over ``world_size`` ranks of
-    ``open_link(kind)`` while ``plan``'s victims die; the head also notes when each token came
-    (``time.monotonic()``)."""
+    ``open_link(kind)`` while ``plan``'s victims die; the shipped model, or ``checkpoint``'s.  The head also notes
+    when each token came (``time.monotonic()``)."""
     torch.set_num_threads(1)
     link = open_link(kind, num_slots=SLOTS, command_timeout=TIMEOUT, head_lost_after=5.0)
     point, at = plan.get(rank, ("", 0))
     dies_itself = point in ("prefill", "decode", "all-reduce", "refuses")
-    model = Victim(link, point, at, out) if dies_itself else ReferenceLm(link)
+    model = Victim(link, point, at, out, checkpoint) if dies_itself else ReferenceLm(link, checkpoint=checkpoint)
     pids = model.ep_link.gather_u32(os.getpid())
     try:
         if rank:
