@@ -9,6 +9,7 @@
 #   ./scripts/test.sh --fresh            # rebuild the environment first (what CI does)
 #   ./scripts/test.sh -- -k shm -x       # arguments after -- go to pytest
 #   PYTHON=python3.12 ./scripts/test.sh  # with another interpreter
+#   METRALE_TEST_WORKERS=0 ./scripts/test.sh   # pytest in one process (default: 2 workers, pytest-xdist)
 #   VENV=/tmp/env ./scripts/test.sh      # the environment elsewhere (a directory that is not
 #                                        # a virtual environment is refused, never removed)
 #
@@ -112,8 +113,17 @@ cd "$root"
 echo "== ruff (lint, format)"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-echo "== pytest ${markers[*]-} ${pytest_args[*]-}"
-"$venv/bin/python" -m pytest ${markers[@]+"${markers[@]}"} ${pytest_args[@]+"${pytest_args[@]}"}
+# pytest's workers (pytest-xdist): tests that share a module's fixture stay on one worker, and the tests
+# marked serial run last, alone (tests/conftest.py); 0: every test in this one process, in the tiers' order.
+workers=${METRALE_TEST_WORKERS:-2}
+parallel=()
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+# Bytecode cached under the environment, even where the machine forbids writing it beside the sources
+# (PYTHONDONTWRITEBYTECODE): each worker, and each program a test starts, would compile the tests (pytest
+# rewrites their asserts: seconds of CPU each) and the package anew.
+echo "== pytest ${parallel[*]-} ${markers[*]-} ${pytest_args[*]-}"
+PYTHONDONTWRITEBYTECODE='' PYTHONPYCACHEPREFIX="$venv/pycache" "$venv/bin/python" -m pytest \
+    ${parallel[@]+"${parallel[@]}"} ${markers[@]+"${markers[@]}"} ${pytest_args[@]+"${pytest_args[@]}"}
 echo "== mypy --strict"
 if [ "$with_torch" = 1 ]; then
     "$venv/bin/python" -m mypy --strict  # src, tests, examples, benchmarks and scripts (pyproject)

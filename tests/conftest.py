@@ -9,6 +9,11 @@ the slow tier).  The folder gives each test its tier's marker, ``ranks`` or
 ``programs``; a ``programs`` test is a ``ranks`` test too, so ``--quick``
 (``-m "not ranks"``) runs ``in_process/`` alone.  The run ends with each tier's time.
 
+In a parallel run (pytest-xdist's ``-n``, as ``scripts/test.sh`` runs it): the tests of a
+module that uses a module-scoped fixture stay on one worker (the fixture made once), the
+slowest tier goes first, and the tests marked ``serial`` go last, on one worker, each
+alone: no other test runs meanwhile (``helpers.serial``).
+
 ``run_group`` and ``run_ring`` spawn a fresh interpreter per rank by default, and each
 imports torch (about a second on this project's 2-core machine).  In this process the
 test suite has them fork from a start server instead (``start_ranks_from_a_server``):
@@ -18,14 +23,20 @@ examples) are other processes and keep the default.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import shutil
+import tempfile
 from collections import defaultdict
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from metrale_model_engine._host.launch import start_ranks_from_a_server
+
+from helpers.serial import Alone, Room
 
 if TYPE_CHECKING:
     from _pytest.terminal import TerminalReporter
@@ -38,6 +49,21 @@ if TYPE_CHECKING:
 start_ranks_from_a_server(
     ["metrale_model_engine.torch"] if importlib.util.find_spec("torch") is not None else ["metrale_model_engine.shm"]
 )
+
+
+SERIAL = "serial"
+"""The marker of a test that runs alone in a parallel run, and the xdist group of every such test."""
+ROOM = pytest.StashKey[Room]()
+"""A worker's way into the room of a parallel run (``helpers.serial``)."""
+
+
+@pytest.fixture
+def alone(request: pytest.FixtureRequest) -> Alone:
+    """``with alone():``, in a parallel run: the block runs once every other test running has ended, and no other
+    starts meanwhile; the rest of the test runs beside the others.  For a time bound measured after a start that
+    need not be alone (a program's, a server's); a test whose whole run is timed is marked ``serial`` instead."""
+    room = request.config.stash.get(ROOM, None)
+    return contextlib.nullcontext if room is None else room.alone
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +111,64 @@ def _tier(path: Path) -> str:
     return tier
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _serial(item: pytest.Item) -> bool:
+    return item.get_closest_marker(SERIAL) is not None
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture made once per module (or package): made once if its module runs on one worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    return any(defs and defs[-1].scope in ("module", "package") for defs in definitions)
+
+
+def _parallel_order(item: pytest.Item) -> int:
+    """A parallel run's order: the slowest tier first, the serial tests last (together, on one worker)."""
+    return len(TIERS) if _serial(item) else TIERS[::-1].index(_tier(item.path))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers, and before xdist reads its groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tier = _tier(item.path)
         if tier != "in_process":
             item.add_marker(pytest.mark.ranks)
         if tier == "programs":
             item.add_marker(pytest.mark.programs)
+        if _serial(item):
+            item.add_marker(pytest.mark.xdist_group(SERIAL))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    if hasattr(config, "workerinput"):  # a worker of a parallel run (pytest-xdist)
+        items.sort(key=_parallel_order)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        config.stash[ROOM] = Room(Path(tempfile.gettempdir(), f"metrale-tests-{workerinput['testrunuid']}"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    room = config.stash.get(ROOM, None)
+    if room is not None:
+        room.close()
+        shutil.rmtree(room.folder, ignore_errors=True)  # its locks held open by the workers still running
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """In a parallel run: a serial test waits for the room alone (and keeps it for the next serial test), the
+    others share it."""
+    room = item.config.stash.get(ROOM, None)
+    if room is None:
+        return (yield)
+    room.enter(alone=_serial(item))
+    try:
+        return (yield)
+    finally:
+        if not (_serial(item) and nextitem is not None and _serial(nextitem)):
+            room.leave()
 
 
 def pytest_terminal_summary(terminalreporter: TerminalReporter) -> None:

@@ -34,12 +34,22 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Literal, NoReturn, TextIO
+
+
+def _interrupted_while_importing(signum: int, frame: object) -> None:
+    print("interrupted", file=sys.stderr)
+    os._exit(130)  # nothing started yet: nothing to wait for
+
+
+if __name__ == "__main__":  # Ctrl-C while the imports below run, before run() takes it over: the one line, 130
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 from ._core.errors import EpSetupError
 from ._core.namespace import PublicDir, public_dir
@@ -329,4 +339,5 @@ def _work(start: Start) -> Work:
 __dir__: PublicDir = public_dir(globals(), __all__)
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, run() answers Ctrl-C
     raise SystemExit(main())

@@ -91,8 +91,9 @@ class RealHead(HeadEnd):
         return []
 
 
-def no_slots() -> list[SequenceState | None]:
-    return [None, None]
+def no_slots(count: int = 2) -> list[SequenceState | None]:
+    """``count`` free slots."""
+    return [None] * count
 
 
 def ignore(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:

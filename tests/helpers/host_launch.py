@@ -1,32 +1,54 @@
-"""A simulated host's launcher: its ranks started with torchrun's variables, each exit code reported.
+"""A simulated host's launcher: its ranks forked with torchrun's variables, each exit code reported.
 
-``python -m helpers.host_launch HOSTS HOST RANKS_PER_HOST HEAD_ADDRESS PORT -- COMMAND...``
-starts ``RANKS_PER_HOST`` copies of ``COMMAND`` (ranks ``HOST * RANKS_PER_HOST ..``),
-waits for every one and prints ``exit codes {rank: code, ...}`` as its last line.
-Unlike torchrun's agent, it never stops a rank because another failed: the tests
-check that each rank ends by itself.  Imports nothing but the standard library.
+``python -m helpers.host_launch HOSTS HOST RANKS_PER_HOST HEAD_ADDRESS PORT PRELOAD -- ARGS...``
+imports the comma-separated modules of ``PRELOAD`` once (``-``: none), then forks
+``RANKS_PER_HOST`` ranks (``HOST * RANKS_PER_HOST ..``), each running what
+``python ARGS...`` runs (``-m MODULE ...`` or ``SCRIPT ...``) as ``__main__`` and ending
+through the interpreter's own exit, as a program started afresh ends: only the
+preloaded imports (torch's: about a second of CPU each) are shared.  It waits for
+every rank and prints ``exit codes {rank: code, ...}`` as its last line.  Unlike
+torchrun's agent, it never stops a rank because another failed: the tests check that
+each rank ends by itself.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-import subprocess
+import runpy
 import sys
 
 
+def run_rank(env: dict[str, str], args: list[str]) -> None:
+    """In a forked rank: what ``python ARGS...`` runs, with ``env`` added to the environment."""
+    os.environ.update(env)
+    if args[0] == "-m":
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as a script's run puts its folder first
+        runpy.run_path(args[0], run_name="__main__")
+
+
 def main(argv: list[str]) -> None:
-    hosts, host, per_host, head_address, port = argv[:5]
-    command = argv[6:]
+    hosts, host, per_host, head_address, port, preload = argv[:6]
+    args = argv[7:]
     first = int(host) * int(per_host)
     world = {"WORLD_SIZE": str(int(hosts) * int(per_host)), "LOCAL_WORLD_SIZE": per_host, "GROUP_RANK": host}
-    world |= {"MASTER_ADDR": head_address, "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-    ranks = {
-        first + local: subprocess.Popen(
-            command, env={**os.environ, **world, "RANK": str(first + local), "LOCAL_RANK": str(local)}
-        )
-        for local in range(int(per_host))
-    }
-    codes = {rank: process.wait() for rank, process in ranks.items()}
+    world |= {"MASTER_ADDR": head_address, "MASTER_PORT": port}
+    os.environ["OMP_NUM_THREADS"] = "1"  # read once, as torch is imported: before the preload
+    for module in filter(None, preload.removeprefix("-").split(",")):
+        importlib.import_module(module)
+    ranks = {}
+    for local in range(int(per_host)):
+        sys.stdout.flush()  # nothing buffered here may be written twice, once by the rank
+        pid = os.fork()
+        if pid == 0:
+            run_rank({**world, "RANK": str(first + local), "LOCAL_RANK": str(local)}, args)
+            raise SystemExit(0)  # ends the rank like a program whose script ran to its end
+        ranks[first + local] = pid
+    codes = {rank: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for rank, pid in ranks.items()}
     print(f"exit codes {codes}", flush=True)
 
 

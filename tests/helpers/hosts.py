@@ -11,7 +11,8 @@ sees differently from the head's:
 * its own pid namespace (pids of one host mean nothing on another) and hostname.
 
 Ranks are started in a host as on a real machine: one command per host
-(``torchrun --nnodes ... --node-rank i``), whose whole process tree dies with the
+(``torchrun --nnodes ... --node-rank i``, or :mod:`helpers.host_launch`, which
+forks them from one import of torch), whose whole process tree dies with the
 host.  Cutting a host's cable is ``ip link set ... down`` on its bridge port.
 
 Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux); :func:`unavailable`
@@ -37,6 +38,8 @@ SUBNET = "10.77.0"
 RENDEZVOUS_PORT = 29500
 """torchrun's port on the head's host (each run has fresh namespaces, so it is always free)."""
 TESTS = Path(__file__).resolve().parents[1]
+PRELOAD = ("torch.distributed", "metrale_model_engine.torch")
+"""What a host's launcher imports once for its ranks (:meth:`SimulatedHosts.ranks`)."""
 
 
 def unavailable() -> str | None:
@@ -143,14 +146,21 @@ class SimulatedHosts:
         return self.start(index, command, {"OMP_NUM_THREADS": "1", "PYTHONPATH": self._python_path(), **(env or {})})
 
     def ranks(
-        self, index: int, ranks_per_host: int, argv: Sequence[str], env: Mapping[str, str] | None = None
+        self,
+        index: int,
+        ranks_per_host: int,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        preload: Sequence[str] = PRELOAD,
     ) -> subprocess.Popen[str]:
         """Start ``ranks_per_host`` ranks of ``python argv`` on host ``index`` (:mod:`helpers.host_launch`).
 
+        The host's launcher imports ``preload`` once and forks its ranks from itself.
         The last line of the process's stdout is ``exit codes {rank: code, ...}``.
         """
         command = [sys.executable, "-m", "helpers.host_launch", str(len(self.hosts)), str(index)]
-        command += [str(ranks_per_host), self.hosts[0].address, str(RENDEZVOUS_PORT), "--", sys.executable, *argv]
+        command += [str(ranks_per_host), self.hosts[0].address, str(RENDEZVOUS_PORT), ",".join(preload) or "-"]
+        command += ["--", *argv]
         return self.start(index, command, {"PYTHONPATH": self._python_path(), **(env or {})})
 
     def _python_path(self) -> str:

@@ -453,8 +453,10 @@ def severed_wait(rank: int, world_size: int, out: str) -> None:
     from metrale_model_engine._torch.heartbeat import tcp_store
     from metrale_model_engine._torch.severing import sever_group_connections
 
-    if rank == 1:
-        time.sleep(8)  # in no all-reduce: only the severing can end the head's wait in time
+    if rank == 1:  # in no all-reduce, and alive (its exit would close its end): only the severing ends the wait
+        deadline = time.monotonic() + 8.0
+        while not Path(out, "rank0.pkl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return
     store = tcp_store(dist.group.WORLD.get_group_store() if dist.group.WORLD is not None else None)
     assert store is not None

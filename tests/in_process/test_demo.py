@@ -216,6 +216,7 @@ def _ours() -> set[str]:
         (("--model", "/nonexistent/model"), "/nonexistent/model: no such directory"),
     ],
 )  # fmt: skip
+@pytest.mark.serial  # reads every segment in /dev/shm
 def test_demo_refuses_what_the_model_cannot_serve_before_any_rank_starts(
     args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

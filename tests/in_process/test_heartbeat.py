@@ -118,6 +118,7 @@ def test_a_worker_whose_beat_cannot_connect_is_not_taken_for_silent(
     reader.stop()
 
 
+@pytest.mark.serial  # beats 0.08 s inside their bound
 def test_while_the_head_waits_workers_silent_past_the_bound_are_lost_and_one_that_beats_again_is_not(
     store: TCPStore,
 ) -> None:

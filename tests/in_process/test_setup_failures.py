@@ -29,15 +29,12 @@ from metrale_model_engine._shm import run as shm_run
 from metrale_model_engine._shm.run import _set_up_head, _set_up_worker
 from metrale_model_engine.shm import ShmTransport, shm_supported
 
+from helpers.setup_texts import NO_ROOM
+
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
 
 ROOT = Path(__file__).resolve().parents[2]
 SPINS = (0.0, 0.0)
-NO_ROOM = (
-    "error: the shared-memory ring could not be set up (rank 0: /dev/shm has 0.1 MiB free, too little for the "
-    "ring's 1.0 MiB: give the machine a larger /dev/shm (a container: docker run --shm-size), use the transport "
-    "'torch' ('auto' falls back to it by itself), or create the ring with a smaller ring_bytes (ShmTransport.create))"
-)
 
 
 def test_a_head_that_cannot_create_the_ring_tells_every_worker_and_raises() -> None:

@@ -33,6 +33,8 @@ from metrale_model_engine._shm import segment as _segment
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.transport import PeerLost, TransportClosed, TransportCorrupt, TransportTimeout
 
+from helpers.fakes import ignore, no_slots
+
 pytestmark = pytest.mark.skipif(not shm.shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64")
 
 T = TypeVar("T")
@@ -162,6 +164,7 @@ def test_a_full_ring_fails_the_head_after_its_timeout(pair: tuple[ShmTransport, 
     assert time.monotonic() - started < 1.0
 
 
+@pytest.mark.serial  # within 10 ms
 def test_a_send_cut_short_is_never_taken_for_a_whole_message() -> None:
     """The issue's case: a 4 KiB ring, 1 KiB records, 3,072 words sent while the worker does not read."""
     with ShmTransport.create(2, ring_bytes=4096, chunk_bytes=1024) as head, ShmTransport.attach(head.name, 1) as worker:
@@ -293,6 +296,7 @@ def test_a_closed_head_ends_the_workers_wait_after_what_it_published(pair: tuple
         send(head, payload(1, 1), 1.0)
 
 
+@pytest.mark.serial  # woken within half a check interval
 def test_a_parked_worker_is_woken(pair: tuple[ShmTransport, ShmTransport]) -> None:
     head, worker = pair
     got = in_thread(lambda: (receive(worker, None), time.perf_counter()))
@@ -371,6 +375,7 @@ def test_links_agree_over_the_ring_and_a_command_is_one_record() -> None:
     assert worker_side.closed and head_side.closed
 
 
+@pytest.mark.serial  # plants a segment in /dev/shm, which any ring's create may sweep
 def test_a_stale_segment_of_a_dead_process_is_removed_and_never_reused(tmp_path: Path) -> None:
     child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
     child.start()
@@ -389,6 +394,7 @@ def _stale_name_of_a_dead_process() -> str:
     return f"{_segment.NAME_PREFIX}{child.pid}-{os.urandom(8).hex()}"
 
 
+@pytest.mark.serial  # plants a segment in /dev/shm, which any ring's create may sweep
 def test_a_stale_segment_that_cannot_be_removed_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """/dev/shm is sticky: another user's stale segment cannot be removed, and must not stop this run."""
     stale = Path("/dev/shm", _stale_name_of_a_dead_process())
@@ -410,6 +416,7 @@ def test_a_stale_segment_that_cannot_be_removed_is_skipped(monkeypatch: pytest.M
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a part of the test as a second uid")
+@pytest.mark.serial  # plants a segment in /dev/shm, which any ring's create may sweep
 def test_another_users_stale_segment_never_blocks_a_create() -> None:
     """A segment root left behind, and a create by uid 65534 (nobody) in a forked child, as on a shared host."""
     stale = Path("/dev/shm", _stale_name_of_a_dead_process())
@@ -605,14 +612,6 @@ def test_a_setup_nobody_answers_is_a_link_error_caused_by_the_timeout() -> None:
         EpLink(head, num_slots=2)
     assert type(info.value) is EpLinkError and type(info.value.__cause__) is TransportTimeout
     assert "never attached" in str(info.value)
-
-
-def no_slots() -> list[SequenceState | None]:
-    return [None, None]
-
-
-def ignore(seq_id: int, cmd: int, slots: MutableSequence[SequenceState | None]) -> None:
-    """A worker hook that runs nothing."""
 
 
 def _linked_pair(**head_options: int) -> tuple[EpLink, EpLink]:

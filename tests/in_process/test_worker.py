@@ -14,11 +14,9 @@ from metrale_model_engine import (
     run_worker,
 )
 
+from helpers.fakes import no_slots
+
 Step = bool | BaseException
-
-
-def no_slots() -> list[SequenceState | None]:
-    return [None]
 
 
 class ScriptedWorker(ModelEp):
@@ -41,7 +39,7 @@ class ScriptedWorker(ModelEp):
 
 def test_runs_until_shutdown_and_counts() -> None:
     model = ScriptedWorker(True, True, True, False)
-    assert run_worker(model, no_slots()) == WorkerSummary(commands_run=3, commands_failed=0)
+    assert run_worker(model, no_slots(1)) == WorkerSummary(commands_run=3, commands_failed=0)
     assert model.calls == 4
 
 
@@ -49,7 +47,7 @@ def test_command_failure_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptur
     failure = EpCommandFailed(KeyError("slot 1 is free"))
     model = ScriptedWorker(True, failure, True, False)
     with caplog.at_level(logging.ERROR, logger="metrale_model_engine.worker"):
-        summary = run_worker(model, no_slots())
+        summary = run_worker(model, no_slots(1))
     assert summary == WorkerSummary(commands_run=2, commands_failed=1)
     (record,) = caplog.records
     assert record.levelno == logging.ERROR
@@ -72,7 +70,7 @@ def test_other_errors_are_logged_by_what_they_mean_and_re_raised(
 ) -> None:
     model = ScriptedWorker(True, error, True)
     with caplog.at_level(logging.ERROR, logger="metrale_model_engine.worker"), pytest.raises(type(error)) as info:
-        run_worker(model, no_slots())
+        run_worker(model, no_slots(1))
     assert info.value is error
     assert model.calls == 2
     (record,) = caplog.records
@@ -83,7 +81,7 @@ def test_other_errors_are_logged_by_what_they_mean_and_re_raised(
 def test_interrupts_propagate_untouched(interrupt: BaseException, caplog: pytest.LogCaptureFixture) -> None:
     model = ScriptedWorker(True, interrupt)
     with pytest.raises(type(interrupt)) as info:
-        run_worker(model, no_slots())
+        run_worker(model, no_slots(1))
     assert info.value is interrupt
     assert caplog.records == []
 
@@ -92,7 +90,7 @@ def test_uses_the_given_logger(caplog: pytest.LogCaptureFixture) -> None:
     mine = logging.getLogger("tests.my_worker")
     model = ScriptedWorker(EpCommandFailed(ValueError("bad")), False)
     with caplog.at_level(logging.ERROR, logger="tests.my_worker"):
-        run_worker(model, no_slots(), logger=mine)
+        run_worker(model, no_slots(1), logger=mine)
     assert [r.name for r in caplog.records] == ["tests.my_worker"]
 
 
@@ -101,4 +99,4 @@ def test_refuses_a_single_gpu_model() -> None:
         pass
 
     with pytest.raises(ValueError, match=r"SingleGpu.is_ep\(\) is False"):
-        run_worker(SingleGpu(), no_slots())
+        run_worker(SingleGpu(), no_slots(1))

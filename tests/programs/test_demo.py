@@ -18,6 +18,7 @@ from metrale_model_engine.demo import PROMPTS
 from metrale_model_engine.torch import free_port
 
 from helpers.bounded import finish
+from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
 
@@ -189,6 +190,7 @@ def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> 
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.serial  # within 2 s
 def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transport: str) -> None:
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     process = subprocess.Popen(
@@ -230,6 +232,7 @@ def outlived(how: str, delay: float, *args: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("delay", [0.4, 1.5, 2.5])  # importing torch, ranks starting, the link's setup
+@pytest.mark.serial  # within 2 s, torch's import included
 def test_ctrl_c_during_the_start_up_ends_the_demo_at_once_with_one_line_and_leaves_nothing(delay: float) -> None:
     found = outlived("interrupt", delay)
     assert (found["code"], found["stderr"]) == (130, ["interrupted"]), found
@@ -261,7 +264,7 @@ if __name__ == "__main__":
 """
 
 
-def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp_path: Path) -> None:
+def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp_path: Path, alone: Alone) -> None:
     script = tmp_path / "slow_to_leave.py"
     script.write_text(SLOW_TO_LEAVE)
     process = subprocess.Popen(
@@ -272,12 +275,13 @@ def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp
         while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.05)
-        time.sleep(0.2)
         pids = [int((tmp_path / str(rank)).read_text()) for rank in (0, 1)]
-        os.kill(process.pid, signal.SIGINT)
-        time.sleep(0.2)  # inside the launcher's grace for its ranks: a second Ctrl-C
-        os.kill(process.pid, signal.SIGINT)
-        stdout, _ = process.communicate(timeout=30)
+        with alone():  # a second Ctrl-C within the 0.5 s grace (the ranks sleep for a minute)
+            time.sleep(0.2)
+            os.kill(process.pid, signal.SIGINT)
+            time.sleep(0.2)  # inside the launcher's grace for its ranks: a second Ctrl-C
+            os.kill(process.pid, signal.SIGINT)
+            stdout, _ = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -20,6 +20,8 @@ from torch._C._distributed_c10d import TCPStore
 
 from metrale_model_engine.torch import HEAD_LOST_EXIT_CODE, free_port
 
+from helpers.serial import Alone
+
 pytestmark = pytest.mark.torch
 
 LOST_AFTER = 1.0
@@ -36,7 +38,9 @@ time.sleep(60)
 """
 
 
-def test_a_worker_that_loses_the_store_ends_its_process_with_the_reason() -> None:
+def test_a_worker_that_loses_the_store_ends_its_process_with_the_reason(
+    alone: Alone,
+) -> None:
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
     worker = subprocess.Popen(
@@ -55,10 +59,11 @@ def test_a_worker_that_loses_the_store_ends_its_process_with_the_reason() -> Non
             assert time.monotonic() < deadline, "no beat arrived"
             time.sleep(0.01)
         assert worker.poll() is None
-        del store  # the store stops serving: the head's host is gone
-        gone = time.monotonic()
-        _, stderr = worker.communicate(timeout=30)
-        took = time.monotonic() - gone
+        with alone():  # a loss found within its bound and 3 s (the worker beats for a minute)
+            del store  # the store stops serving: the head's host is gone
+            gone = time.monotonic()
+            _, stderr = worker.communicate(timeout=30)
+            took = time.monotonic() - gone
     finally:
         worker.kill()
         worker.communicate()

@@ -19,15 +19,18 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from metrale_model_engine import EpLink, ProtocolVersion
+from metrale_model_engine.demo import main as demo_main
 from metrale_model_engine.torch import DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.transport import SoloTransport
 
 from helpers import way_back_sessions
 from helpers.bounded import finish
+from helpers.demo_env import leave_torchrun
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
 from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 from helpers.rank_results import load
+from helpers.serial import Alone
 from helpers.shm_programs import SLOTS, drive_random
 
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
@@ -62,11 +65,14 @@ def run_on_hosts(out: Path, scenario: str, *args: str, hosts: int = 2, per_host:
     return codes
 
 
+DEMO = ("--max-new-tokens", "8")
+
+
 def demo_on_hosts(out: Path, hosts: int, per_host: int) -> tuple[dict[str, object], list[str]]:
     """The demo under torchrun, ``per_host`` ranks on each of ``hosts`` hosts: the head's summary, and stdout."""
     lines: list[str] = []
     with SimulatedHosts(hosts) as simulated:
-        argv = ["-m", "metrale_model_engine.demo", "--max-new-tokens", "8", "--json", str(out)]
+        argv = ["-m", "metrale_model_engine.demo", *DEMO, "--json", str(out)]
         started = [simulated.torchrun(host, per_host, argv) for host in range(hosts)]
         for process in started:
             code, stdout, stderr = finish(process, RUN_BOUND)
@@ -76,9 +82,13 @@ def demo_on_hosts(out: Path, hosts: int, per_host: int) -> tuple[dict[str, objec
     return summary, lines
 
 
-def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path) -> None:
+def test_the_demo_over_two_hosts_serves_what_one_host_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the demo's 4 ranks on this one host, started from this process (their group's code is torchrun's:
+    ``test_demo.py``'s run under torchrun)."""
     across, lines = demo_on_hosts(tmp_path / "across.json", hosts=2, per_host=2)
-    one_host, _ = demo_on_hosts(tmp_path / "one.json", hosts=1, per_host=4)
+    leave_torchrun(monkeypatch)
+    assert demo_main([*DEMO, "--world-size", "4", "--json", str(tmp_path / "one.json")]) == 0
+    one_host = json.loads((tmp_path / "one.json").read_text())
     assert (across["ranks"], across["transport"]) == (4, "HostsTransport")  # auto: two hosts of two ranks
     assert (one_host["ranks"], one_host["transport"]) == (4, "ShmTransport")  # auto: one host's own /dev/shm
     assert across["requests"] == one_host["requests"]
@@ -153,23 +163,25 @@ def test_every_process_of_the_heads_host_killed_the_other_hosts_workers_exit_wit
 
 @pytest.mark.parametrize("where", ["command", "sync", "forward"])
 def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
-    tmp_path: Path, where: str
+    tmp_path: Path, where: str, alone: Alone
 ) -> None:
     with SimulatedHosts(2) as simulated:
         argv = ["-m", "helpers.host_programs", "cable_cut", str(tmp_path), where]
         head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
         wait_for(tmp_path / "ready", head_host)
-        simulated.cut(1)
-        cut_at = time.monotonic()
-        (tmp_path / "cut").touch()
-        code, stdout, stderr = finish(other, RUN_BOUND)
-        lost_after = time.monotonic() - cut_at
+        with alone():  # the loss timed to head_lost_after and 3 s (the ranks wait for the cut meanwhile)
+            simulated.cut(1)
+            cut_at = time.monotonic()
+            (tmp_path / "cut").touch()
+            code, stdout, stderr = finish(other, RUN_BOUND)
+            lost_after = time.monotonic() - cut_at
+            head = finish(head_host, RUN_BOUND)
         assert code == 0, stderr
         assert exit_codes(stdout) == {2: HEAD_LOST_EXIT_CODE, 3: HEAD_LOST_EXIT_CODE}
         for rank in (2, 3):
             assert f"worker rank {rank}: the head is lost: no answer from the group's store" in stderr
         assert HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= lost_after < HEAD_LOST_AFTER + LOST_SLACK  # from the last beat
-        code, stdout, stderr = finish(head_host, RUN_BOUND)
+        code, stdout, stderr = head
     assert code == 0, stderr
     codes = exit_codes(stdout)
     assert codes[0] == 3, (codes, stderr)

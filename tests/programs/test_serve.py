@@ -27,6 +27,7 @@ from metrale_model_engine.transport import SoloTransport
 
 from helpers.greedy import byte_ids
 from helpers.openai_server import CONSOLE_SCRIPT, RemoteServer, metric, sse_lines
+from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
 MODEL = "tiny_moe"
@@ -220,31 +221,34 @@ def test_bad_requests_disturb_no_other_stream(shipped_server: RemoteServer) -> N
 
 
 def test_a_full_queue_is_a_503_with_retry_after_and_a_client_gone_frees_its_slots(
-    shipped_server: RemoteServer,
+    shipped_server: RemoteServer, alone: Alone
 ) -> None:
-    """4 slots and 2 waiting: 6 sequences fill it; the 7th is refused; the client of the 6 leaves."""
-    before = metric(shipped_server, "metrale_requests_cancelled_total")
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 230, "temperature": 0, "n": 6, "stream": True}
-    import httpx as raw
+    """4 slots and 2 waiting: 6 sequences fill it; the 7th is refused; the client of the 6 leaves (timed alone: the
+    slots filled within 10 s, freed within 2 s)."""
+    with alone():
+        before = metric(shipped_server, "metrale_requests_cancelled_total")
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 230, "temperature": 0, "n": 6, "stream": True}
+        import httpx as raw
 
-    with raw.Client(timeout=30) as client, client.stream("POST", f"{shipped_server.url}/v1/completions", json=body):
-        deadline = time.monotonic() + 10
-        while metric(shipped_server, "metrale_slots_used") < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert metric(shipped_server, "metrale_slots_used") == 4
-        assert metric(shipped_server, "metrale_requests_waiting") == 2
-        full = httpx.post(f"{shipped_server.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT}, timeout=30)
-        assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
-        assert "the server is full: 6 requests running or waiting, at most 6" in full.json()["error"]["message"]
-    gone = time.monotonic()
-    with raw.Client(timeout=10) as reader:  # one connection: each read of /metrics takes a millisecond or two
-        while metric(shipped_server, "metrale_slots_used", reader) and time.monotonic() < gone + 5:
-            pass
-        took = time.monotonic() - gone
-    # A step of this model takes milliseconds; the cancel is applied before the next one
-    # (tests/in_process/test_serve_app.py counts the steps); here the time, loosely bounded for a busy machine.
-    assert metric(shipped_server, "metrale_slots_used") == 0, f"slots still used {took:.3f} s after the client left"
-    assert took < 2.0, f"the slots were freed {took:.3f} s after the client left"
-    assert metric(shipped_server, "metrale_requests_cancelled_total") == before + 6
+        with raw.Client(timeout=30) as client, client.stream("POST", f"{shipped_server.url}/v1/completions", json=body):
+            deadline = time.monotonic() + 10
+            while metric(shipped_server, "metrale_slots_used") < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert metric(shipped_server, "metrale_slots_used") == 4
+            assert metric(shipped_server, "metrale_requests_waiting") == 2
+            asked = {"model": MODEL, "prompt": PROMPT}
+            full = httpx.post(f"{shipped_server.url}/v1/completions", json=asked, timeout=30)
+            assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
+            assert "the server is full: 6 requests running or waiting, at most 6" in full.json()["error"]["message"]
+        gone = time.monotonic()
+        with raw.Client(timeout=10) as reader:  # one connection: each read of /metrics takes a millisecond or two
+            while metric(shipped_server, "metrale_slots_used", reader) and time.monotonic() < gone + 5:
+                pass
+            took = time.monotonic() - gone
+        # A step of this model takes milliseconds; the cancel is applied before the next one
+        # (tests/in_process/test_serve_app.py counts the steps); here the time, loosely bounded for a busy machine.
+        assert metric(shipped_server, "metrale_slots_used") == 0, f"slots still used {took:.3f} s after the client left"
+        assert took < 2.0, f"the slots were freed {took:.3f} s after the client left"
+        assert metric(shipped_server, "metrale_requests_cancelled_total") == before + 6
     lines = sse_lines(f"{shipped_server.url}/v1/completions", {**body, "n": 1, "max_tokens": 5}, limit=10)
     assert lines[-1] == "data: [DONE]"  # served again

@@ -18,6 +18,7 @@ import openai
 from metrale_model_engine.torch import free_port
 
 from helpers.openai_server import RemoteServer
+from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
 MODEL = "tiny_moe"
@@ -53,12 +54,12 @@ def test_a_drain_that_runs_out_ends_the_running_streams_with_an_error_and_exits_
     [((signal.SIGTERM, signal.SIGTERM), 128 + signal.SIGTERM), ((signal.SIGINT,), 130)],
     ids=["a-second-sigterm", "ctrl-c"],
 )
-def test_a_second_sigterm_or_ctrl_c_ends_every_rank_at_once(signals: tuple[int, ...], code: int) -> None:
+def test_a_second_sigterm_or_ctrl_c_ends_every_rank_at_once(signals: tuple[int, ...], code: int, alone: Alone) -> None:
     """The first SIGTERM starts a drain of up to 30 s, the second ends it; Ctrl-C to the launcher interrupts its
-    ranks."""
+    ranks (the stream and the signals alone: the ranks gone within 5 s)."""
     server = RemoteServer("--world-size", "2", "--slots", "2")
     try:
-        with server.client() as client:
+        with alone(), server.client() as client:
             stream = client.completions.create(model=MODEL, prompt="Licensed", max_tokens=240, temperature=0,
                                                stream=True)  # fmt: skip
             next(iter(stream))

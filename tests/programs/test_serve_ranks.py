@@ -29,6 +29,7 @@ from metrale_model_engine.transport import SoloTransport
 from helpers.chars import text_of
 from helpers.openai_server import RemoteServer, chat_checkpoint, metric
 from helpers.oracle import reference_tokens
+from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
 STREAMS = 64
@@ -99,9 +100,10 @@ def test_chat_applies_the_checkpoints_template_streamed_and_not(checkpoint: Path
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
-def test_sigterm_drains_the_running_requests_then_exits_0(two_ranks: RemoteServer) -> None:
-    """Last in the module: it ends the module's server."""
-    with two_ranks.client() as client:
+def test_sigterm_drains_the_running_requests_then_exits_0(two_ranks: RemoteServer, alone: Alone) -> None:
+    """Last in the module: it ends the module's server (alone: /health says 503 within 5 s, while a stream of
+    100 tokens still runs)."""
+    with alone(), two_ranks.client() as client:
         stream = client.completions.create(model="tiny-chat", prompt=[1, 2, 3], max_tokens=100, temperature=0,
                                            stream=True)  # fmt: skip
         text = next(iter(stream)).choices[0].text
@@ -130,7 +132,9 @@ def watch_health(server: RemoteServer, seen: list[tuple[float, int]]) -> None:
             time.sleep(0.005)
 
 
-def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_server_exits_1(checkpoint: Path) -> None:
+def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_server_exits_1(
+    checkpoint: Path, alone: Alone
+) -> None:
     """Measured from the kill: every stream's error event, /health's first 503, the exit status.
 
     Seen here (2 cores, load average 8 to 10): the error events 20-80 ms after the kill, the process's exit 0.30-0.41 s
@@ -161,12 +165,13 @@ def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_ser
                 return await asyncio.gather(*(one(index) for index in range(3)))
 
         seen: list[tuple[float, int]] = []
-        watching = threading.Thread(target=watch_health, args=(server, seen), daemon=True)
-        watching.start()
-        ended = asyncio.run(streams())
-        code = server.wait(30)
-        exited = time.monotonic() - killed[0]
-        watching.join(30)
+        with alone():  # the kill's ends timed (the server's start beside the other tests)
+            watching = threading.Thread(target=watch_health, args=(server, seen), daemon=True)
+            watching.start()
+            ended = asyncio.run(streams())
+            code = server.wait(30)
+            exited = time.monotonic() - killed[0]
+            watching.join(30)
         assert all(message.startswith("the run stopped") and "worker rank(s) [1]" in message for message, _ in ended)
         codes = [status for _, status in seen]
         assert codes[0] == 200 and 503 in codes and codes[codes.index(503) :] == [503] * (len(codes) - codes.index(503))

@@ -15,15 +15,12 @@ import pytest
 
 from metrale_model_engine.shm import shm_supported
 
+from helpers.setup_texts import NO_ROOM
+
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SHM = "mount -t tmpfs -o size=64k tmpfs /dev/shm"
-NO_ROOM = (
-    "error: the shared-memory ring could not be set up (rank 0: /dev/shm has 0.1 MiB free, too little for the "
-    "ring's 1.0 MiB: give the machine a larger /dev/shm (a container: docker run --shm-size), use the transport "
-    "'torch' ('auto' falls back to it by itself), or create the ring with a smaller ring_bytes (ShmTransport.create))"
-)
 
 
 @functools.cache

@@ -122,11 +122,13 @@ def test_a_prompt_served_again_finds_its_blocks_cached_and_generates_the_same_te
 
 
 def test_a_request_cut_short_by_its_context_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    summary = served(tmp_path, "cut", "--max-new-tokens", "240", "--world-size", "1")
+    """A context of 40 positions (``--max-seq-len``): every prompt (18 to 33 tokens) + 24 passes it."""
+    summary = served(tmp_path, "cut", "--max-new-tokens", "24", "--max-seq-len", "40", "--world-size", "1")
     cut = [line for line in capfd.readouterr().out.splitlines() if line.endswith("(cut short: its context is full)")]
     reasons = {request["id"]: request["finish_reason"] for request in summary["requests"]}
-    assert set(reasons.values()) == {"context"} and len(cut) == len(reasons) == 6  # every prompt + 240 > 256
-    assert all(len(r["tokens"]) < 240 for r in summary["requests"])
+    assert set(reasons.values()) == {"context"} and len(cut) == len(reasons) == 6
+    # 40 positions cached, and the token read from the last of them (never cached itself)
+    assert [len(r["prompt_ids"]) + len(r["tokens"]) for r in summary["requests"]] == [41] * 6
 
 
 def test_a_users_checkpoint_serves_the_tokens_of_transformers(

@@ -179,6 +179,7 @@ def test_a_worker_stopped_past_head_lost_after_in_its_forward_is_lost_and_the_ru
 
 
 @pytest.mark.parametrize("kind", ["shm", "torch"])
+@pytest.mark.serial  # a pause that must stay under its bound
 def test_a_worker_paused_inside_its_forward_for_less_than_head_lost_after_loses_nothing(
     kind: str, tmp_path: Path
 ) -> None:
@@ -199,6 +200,7 @@ SKIPPED = (
     ("head-skip-last", LAST, "reached a sync point"),
 ])  # fmt: skip
 @pytest.mark.parametrize("kind", ["shm", "torch"])
+@pytest.mark.serial  # within 1 s
 def test_a_head_that_skips_its_forward_is_stopped_at_its_next_send_or_sync_point_named(
     kind: str, fault: str, where: str, doing: str, tmp_path: Path
 ) -> None:

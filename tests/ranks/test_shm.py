@@ -25,7 +25,10 @@ from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from helpers import shm_programs as programs
 from helpers.rank_results import load
 
-pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64")
+pytestmark = [
+    pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux x86-64/arm64"),
+    pytest.mark.serial,  # every run reads every segment in /dev/shm; kills and stalls bounded to the second, CPU read
+]
 
 RUN_TIMEOUT = 120.0
 Ts = TypeVarTuple("Ts")

@@ -115,6 +115,7 @@ def bundles_in(out: Path) -> list[list[tuple[int, str]]]:
     return cast(list[list[tuple[int, str]]], load(out, 1)[0]["bundles"])
 
 
+@pytest.mark.serial  # answers timed to tenths of a second
 def test_a_leader_on_a_real_ring_names_the_reader_that_left_not_the_one_it_waited_for(tmp_path: Path) -> None:
     codes = run_ring(hosts_parts.leader_on_a_ring, 3, "gone", str(tmp_path), timeout=60)
     assert codes == [0, 0, 0]
@@ -126,6 +127,7 @@ def test_a_leader_on_a_real_ring_names_the_reader_that_left_not_the_one_it_waite
     ]
 
 
+@pytest.mark.serial  # answers timed to tenths of a second
 def test_a_reader_late_for_one_sync_point_is_in_step_again_at_the_next(tmp_path: Path) -> None:
     codes = run_ring(hosts_parts.leader_on_a_ring, 3, "late", str(tmp_path), timeout=60)
     assert codes == [0, 0, 0]
