@@ -80,11 +80,7 @@ class RemoteServer:
         self.process.send_signal(signal.SIGTERM)
 
     def wait(self, timeout: float) -> int:
-        """The exit status, once the process exited and its output was read to its end (5 s at most more)."""
-        code = self.process.wait(timeout)
-        for reader in self._readers:
-            reader.join(5)
-        return code
+        return self.process.wait(timeout)
 
     def kill(self) -> None:
         """Kill the process and every rank its first line named (under torchrun they outlive a killed agent)."""
@@ -96,14 +92,16 @@ class RemoteServer:
                 os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> int:
-        """SIGTERM, and its exit status (killed after 60 s)."""
+        """SIGTERM, and its exit status (killed after 60 s), once its output was read to its end (5 s at most more)."""
         if self.process.poll() is None:
             self.terminate()
             try:
-                return self.wait(60)
+                self.process.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill()
-        return self.wait(60)
+        for reader in self._readers:
+            reader.join(5)
+        return self.process.wait()
 
 
 def _read(stream: Any, kept: list[str], tell: queue.SimpleQueue[str] | None) -> None:
