@@ -24,7 +24,7 @@ from metrale_model_engine.reference import LmSlots, ReferenceLm, Server
 from metrale_model_engine.torch import init_group_from_env, open_link
 
 from helpers.rank_results import note, save
-from helpers.recovery_sessions import PREFILL_CHUNK, QUIET, SLOTS, TIMEOUT, WORKLOAD
+from helpers.recovery_sessions import PREFILL_CHUNK, QUIET, SLOTS, TIMEOUT, WORKLOAD, served
 
 HOST_GOES = 4
 """The step before which the test kills the other host: requests are in flight (prefilled, decoding)."""
@@ -55,18 +55,7 @@ def main(out: str) -> None:
                 time.sleep(0.01)
         server.step()
     server.shutdown()
-    save(
-        out,
-        0,
-        tokens={i: c.tokens for i, c in server.completions.items()},
-        reasons={i: c.finish_reason for i, c in server.completions.items()},
-        errors={i: c.error for i, c in server.completions.items()},
-        recoveries=[
-            (str(r), r.world_size, [x.rank for x in r.lost], [x.how for x in r.lost]) for r in server.recoveries
-        ],
-        transports=[first, type(link.transport).__name__],
-        world_size=link.world_size,
-    )
+    save(out, 0, **served(server), transports=[first, type(link.transport).__name__])
     link.close()
 
 

@@ -143,6 +143,19 @@ def head_kills(server: Server, plan: Plan, pids: list[int], out: str) -> None:
             kill_as_it_forms(regroup, pids[victim], out, victim)
 
 
+def served(server: Server) -> dict[str, object]:
+    """What the head saw of its run, to save: each request's tokens, finish reason and error, each recovery's line,
+    world size, ranks lost and recompute time, and all its fields (``times``), the world size at the end."""
+    return {
+        "tokens": {i: c.tokens for i, c in server.completions.items()},
+        "reasons": {i: c.finish_reason for i, c in server.completions.items()},
+        "errors": {i: c.error for i, c in server.completions.items()},
+        "recoveries": [(str(r), r.world_size, [x.rank for x in r.lost], r.recompute_s) for r in server.recoveries],
+        "times": [dataclasses.asdict(recovery) for recovery in server.recoveries],
+        "world_size": server.model.ep_link.world_size,
+    }
+
+
 def serve(
     rank: int, world_size: int, kind: str, plan: Plan, out: str, new_tokens: int = NEW_TOKENS,
     checkpoint: str | None = None,
@@ -178,19 +191,7 @@ def serve(
                     time.sleep(0.05)  # dead by the next command: the step finds it there
             server.step()
         server.shutdown()
-        save(
-            out,
-            0,
-            tokens={i: c.tokens for i, c in server.completions.items()},
-            reasons={i: c.finish_reason for i, c in server.completions.items()},
-            errors={i: c.error for i, c in server.completions.items()},
-            recoveries=[(str(r), r.world_size, [x.rank for x in r.lost], r.recompute_s) for r in server.recoveries],
-            world_size=link.world_size,
-            reloaded=model.reloaded_bytes,
-            came=came,
-            times=[dataclasses.asdict(recovery) for recovery in server.recoveries],
-            pid=os.getpid(),
-        )
+        save(out, 0, **served(server), reloaded=model.reloaded_bytes, came=came, pid=os.getpid())
     except Exception as error:  # noqa: BLE001  (whatever ended this rank, for the test to read)
         save(out, rank, error=type(error).__name__, message=str(error), pid=os.getpid())
         raise SystemExit(1) from None
