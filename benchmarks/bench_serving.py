@@ -308,7 +308,9 @@ def paged_part(args: argparse.Namespace) -> None:
         return
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="metrale-paged-") as root:
-        found = paged_cache.measure(Path(root), args.quick, args.contiguous_commit)
+        found = paged_cache.measure(
+            Path(root), args.quick, 1 if args.quick else args.paged_rounds, args.contiguous_commit
+        )
     paged_cache.report(found)
     found["meta"] = {"argv": sys.argv[1:], "torch": torch.__version__, "cpus": os.cpu_count(),
                      "took_s": round(time.monotonic() - started, 1)}  # fmt: skip
@@ -328,6 +330,9 @@ def main() -> None:
         choices=["all", "protocol", "real", "paged"],
         default="all",
         help="the command paths on the reference model, the real architectures, the paged KV cache, or all (default)",
+    )
+    parser.add_argument(
+        "--paged-rounds", type=int, default=2, help="rounds of the paged cache's comparisons (default 2)"
     )
     parser.add_argument(
         "--contiguous-commit",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -118,8 +119,35 @@ def _ratio(name: str, value: float, goal: float) -> dict[str, Any]:
     return {"name": name, "value": value, "goal": goal, "met": value >= goal}
 
 
-def measure(root: Path, quick: bool, contiguous_commit: str = CONTIGUOUS_COMMIT) -> dict[str, Any]:
-    """Every comparison once, its sides back to back; the figures, ratios and verdicts (see the module)."""
+Sides = dict[str, tuple[SideSpec, str | None]]
+"""A comparison's sides: each its spec, and the ``PYTHONPATH`` of its build (``None``: this one)."""
+
+
+def compare(sides: Sides, rounds: int, out: Path, order: random.Random) -> dict[str, Any]:
+    """Every side once a round, in a fresh order each round: per side its figures' medians over the rounds and each
+    round's figures (``runs``); ``outputs_equal``: whether every side's tokens, in every round, equal the first's."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for index in range(rounds):
+        for name in order.sample(list(sides), len(sides)):
+            spec, pythonpath = sides[name]
+            runs[name].append(run_side(spec, out, f"{name}, round {index + 1}", pythonpath))
+    reference = runs[next(iter(sides))][0]["outputs"]
+    found: dict[str, Any] = {"outputs_equal": all(run.pop("outputs") == reference for r in runs.values() for run in r)}
+    for name, figures in runs.items():
+        found[name] = {key: statistics.median(run[key] for run in figures) for key in figures[0]}
+        found[name]["runs"] = figures
+    return found
+
+
+def paired(found: dict[str, Any], a: str, b: str, key: str) -> float:
+    """The median over rounds of side ``a``'s ``key`` over side ``b``'s (the rounds ran side by side)."""
+    pairs = zip(found[a]["runs"], found[b]["runs"], strict=True)
+    return float(statistics.median(x[key] / y[key] for x, y in pairs))
+
+
+def measure(root: Path, quick: bool, rounds: int, contiguous_commit: str = CONTIGUOUS_COMMIT) -> dict[str, Any]:
+    """Every comparison in ``rounds`` rounds, its sides in a fresh order each; the figures, ratios paired by round,
+    and the verdicts (see the module)."""
     work = QUICK if quick else FULL
     long_dir = real_model.write_checkpoint(root / "long", "mixtral", quick, max_position_embeddings=work.long_context)
     today_dir = real_model.write_checkpoint(root / "today", "mixtral", quick)
@@ -128,21 +156,23 @@ def measure(root: Path, quick: bool, contiguous_commit: str = CONTIGUOUS_COMMIT)
         shape["hidden_size"] // shape["num_attention_heads"]) * 4  # fmt: skip
     out = root / "sides"
     out.mkdir()
+    order = random.Random(5)
     base: SideSpec = {"way": "ours", "checkpoint": str(long_dir), "max_seq_len": work.long_context, "slots": 1,
                       "kv_memory": None, "prefix_caching": True, "prefill_chunk": 256, "page_size": 256, "threads": 1,
                       "warm": [[1, 2, 3]], "requests": []}  # fmt: skip
-    found: dict[str, Any] = {"work": asdict(work), "bytes_per_position": per_position, "load_start": load()}
+    found: dict[str, Any] = {"work": asdict(work), "rounds": rounds, "bytes_per_position": per_position,
+                             "load_start": load()}  # fmt: skip
 
     print(f"\n(a) {work.short_requests} short requests, context {work.long_context:,}, KV memory of {work.reserved} "
           "whole contexts:")  # fmt: skip
     kv_memory = work.reserved * work.long_context * per_position
     short: SideSpec = {**base, "requests": _draw(1, work.short_requests, work.short_prompt, work.short_new)}
-    old = run_side({**short, "slots": work.reserved, "kv_memory": None}, out, "reservation")
-    paged = run_side({**short, "slots": work.short_slots, "kv_memory": kv_memory}, out, "paged pool")
+    found["short"] = compare({"reservation": ({**short, "slots": work.reserved, "kv_memory": None}, None),
+                              "paged pool": ({**short, "slots": work.short_slots, "kv_memory": kv_memory}, None)},
+                             rounds, out, order)  # fmt: skip
     longest = max(len(prompt) + new for prompt, new in short["requests"])
-    blocks = kv_memory // (16 * per_position)
-    found["short"] = {"kv_memory": kv_memory, "reservation": old, "paged": paged,
-                      "pool_holds": blocks // -(-longest // 16), "longest_request": longest}  # fmt: skip
+    found["short"].update(kv_memory=kv_memory, longest_request=longest,
+                          pool_holds=kv_memory // (16 * per_position) // -(-longest // 16))  # fmt: skip
 
     print(f"\n(b) {work.shared_requests} requests sharing a {work.system_prompt:,}-token system prompt:")
     draw = random.Random(2)
@@ -151,8 +181,9 @@ def measure(root: Path, quick: bool, contiguous_commit: str = CONTIGUOUS_COMMIT)
               "kv_memory": work.shared_slots * work.shared_context * per_position, "warm": [system + [7] * 16],
               "requests": [(system + prompt, work.shared_new) for prompt, _ in
                            _draw(3, work.shared_requests, work.user_prompt, (1, 1))]}  # fmt: skip
-    found["shared"] = {"without": run_side({**shared, "prefix_caching": False}, out, "no prefix caching"),
-                       "with": run_side(shared, out, "prefix caching")}  # fmt: skip
+    found["shared"] = compare({"prefix caching": (shared, None),
+                               "no prefix caching": ({**shared, "prefix_caching": False}, None)},
+                              rounds, out, order)  # fmt: skip
 
     today = real_model.RealWorkload(requests=8, shortest=4, longest=12, slots=4) if quick else real_model.RealWorkload()
     kv_today = today.slots * shape["max_position_embeddings"] * per_position
@@ -160,57 +191,53 @@ def measure(root: Path, quick: bool, contiguous_commit: str = CONTIGUOUS_COMMIT)
     same: SideSpec = {**base, "checkpoint": str(today_dir), "max_seq_len": shape["max_position_embeddings"],
                       "slots": today.slots, "kv_memory": kv_today, "prefill_chunk": 64,
                       "requests": today.build()}  # fmt: skip
-    sides = {"paged pool": run_side(same, out, "paged pool, kv_memory bytes"),
-             "whole context": run_side({**same, "kv_memory": None}, out, "paged pool, kv_memory=None")}  # fmt: skip
+    sides: Sides = {"paged pool": (same, None), "kv_memory=None": ({**same, "kv_memory": None}, None),
+                    "transformers": ({**same, "way": "transformers"}, None)}  # fmt: skip
     source = contiguous_source(root, contiguous_commit)
     if source is not None:
-        sides["contiguous"] = run_side({**same, "prefix_caching": None}, out, f"contiguous ({contiguous_commit})",
-                                       pythonpath=source)  # fmt: skip
-    sides["transformers"] = run_side({**same, "way": "transformers"}, out, "transformers continuous batching")
-    found["today"] = sides
+        sides[f"contiguous ({contiguous_commit})"] = ({**same, "prefix_caching": None}, source)
+    found["today"] = compare(sides, rounds, out, order)
+    versus = f"contiguous ({contiguous_commit})" if source is not None else "kv_memory=None"
 
-    versus = sides.get("contiguous", sides["whole context"])
     found["load_end"] = load()
     found["verdicts"] = [
         _ratio(f"(a) sequences decoded at once, paged / reservation, at least {TARGETS['concurrent']:g}x",
-               paged["most_concurrent"] / old["most_concurrent"], TARGETS["concurrent"]),
+               paired(found["short"], "paged pool", "reservation", "most_concurrent"), TARGETS["concurrent"]),
         _ratio(f"(a) tokens/s, paged / reservation, at least {TARGETS['short_tokens_per_s']:g}x",
-               paged["tokens_per_s"] / old["tokens_per_s"], TARGETS["short_tokens_per_s"]),
+               paired(found["short"], "paged pool", "reservation", "tokens_per_s"), TARGETS["short_tokens_per_s"]),
         _ratio(f"(b) median TTFT, without / with prefix caching, at least {TARGETS['ttft']:g}x",
-               found["shared"]["without"]["ttft_s"] / found["shared"]["with"]["ttft_s"], TARGETS["ttft"]),
-        _ratio(f"(c) tokens/s, paged pool / {'contiguous' if 'contiguous' in sides else 'kv_memory=None'}, at least "
-               f"{TARGETS['contiguous']:g}x", sides["paged pool"]["tokens_per_s"] / versus["tokens_per_s"],
-               TARGETS["contiguous"]),
+               paired(found["shared"], "no prefix caching", "prefix caching", "ttft_s"), TARGETS["ttft"]),
+        _ratio(f"(c) tokens/s, paged pool / {versus}, at least {TARGETS['contiguous']:g}x",
+               paired(found["today"], "paged pool", versus, "tokens_per_s"), TARGETS["contiguous"]),
         _ratio(f"(d) tokens/s, ours / transformers' continuous batching, at least {TARGETS['transformers']:g}x",
-               sides["paged pool"]["tokens_per_s"] / sides["transformers"]["tokens_per_s"], TARGETS["transformers"]),
+               paired(found["today"], "paged pool", "transformers", "tokens_per_s"), TARGETS["transformers"]),
     ]  # fmt: skip
-    reference = sides["paged pool"]["outputs"]
-    found["outputs_equal"] = {name: side["outputs"] == reference for name, side in sides.items()}
-    found["short"]["outputs_equal"] = old["outputs"] == paged["outputs"]
-    found["shared"]["outputs_equal"] = found["shared"]["without"]["outputs"] == found["shared"]["with"]["outputs"]
-    for side in (old, paged, found["shared"]["without"], found["shared"]["with"], *sides.values()):
-        side.pop("outputs")
+    whole = paired(found["today"], "paged pool", "kv_memory=None", "tokens_per_s")
+    found["ratios"] = {"(c) paged pool / kv_memory=None, tokens/s": whole}
     return found
 
 
 def report(found: dict[str, Any]) -> None:
     mib = 2**20
-    short, shared, today = found["short"], found["shared"], found["today"]
-    print(f"\npaged KV cache (one rank, one thread; load average {found['load_start']:.1f} at the start, "
-          f"{found['load_end']:.1f} at the end):")  # fmt: skip
+    short = found["short"]
+    print(f"\npaged KV cache, medians of {found['rounds']} round(s), ratios paired by round (one rank, one thread; "
+          f"load average {found['load_start']:.1f} at the start, {found['load_end']:.1f} at the end):")  # fmt: skip
     print(f"(a) KV memory {short['kv_memory'] / mib:,.0f} MiB: {short['pool_holds']:,} sequences of the longest "
-          f"request ({short['longest_request']} tokens) fit the pool; outputs equal: "
-          f"{short['outputs_equal']}")  # fmt: skip
-    rows = [("(a) reservation", short["reservation"]), ("(a) paged pool", short["paged"]),
-            ("(b) no prefix caching", shared["without"]), ("(b) prefix caching", shared["with"]),
-            *((f"(c/d) {name}", side) for name, side in today.items())]  # fmt: skip
-    print(f"  {'side':<34}{'tokens/s':>10}{'TTFT ms':>10}{'at once':>9}{'KV MiB':>9}{'peak MiB':>10}{'hits':>8}")
-    for name, side in rows:
-        kv = f"{side['kv_bytes'] / mib:.0f}" if side["kv_bytes"] >= 0 else "?"
-        at_once = str(side["most_concurrent"]) if side["most_concurrent"] >= 0 else "-"
-        print(f"  {name:<34}{side['tokens_per_s']:>10.1f}{side['ttft_s'] * 1e3:>10.0f}{at_once:>9}{kv:>9}"
-              f"{side['peak_bytes'] / mib:>10.0f}{side['hit_tokens']:>8}")  # fmt: skip
-    print(f"(b) outputs equal with and without prefix caching: {shared['outputs_equal']}; (c/d) outputs equal to the "
-          f"paged pool's: {found['outputs_equal']}")  # fmt: skip
+          f"request ({short['longest_request']} tokens) fit the pool")  # fmt: skip
+    print(f"  {'side':<30}{'tokens/s':>9}{'TTFT ms':>9}{'at once':>8}{'steps':>7}{'step ms':>9}{'KV MiB':>8}"
+          f"{'peak MiB':>9}{'hits':>7}")  # fmt: skip
+    for part, label in (("short", "(a)"), ("shared", "(b)"), ("today", "(c/d)")):
+        for name, side in found[part].items():
+            if not isinstance(side, dict):
+                continue
+            kv = f"{side['kv_bytes'] / mib:.0f}" if side["kv_bytes"] >= 0 else "?"
+            at_once = f"{side['most_concurrent']:.0f}" if side["most_concurrent"] >= 0 else "-"
+            print(f"  {label + ' ' + name:<30}{side['tokens_per_s']:>9.1f}{side['ttft_s'] * 1e3:>9.0f}{at_once:>8}"
+                  f"{side['steps']:>7.0f}{side['step_s'] * 1e3:>9.1f}{kv:>8}{side['peak_bytes'] / mib:>9.0f}"
+                  f"{side['hit_tokens']:>7.0f}")  # fmt: skip
+    print(f"outputs equal within each comparison, every round: (a) {short['outputs_equal']}, (b) "
+          f"{found['shared']['outputs_equal']}, (c/d) {found['today']['outputs_equal']}")  # fmt: skip
+    for name, value in found["ratios"].items():
+        print(f"ratio: {name}: {value:.2f}x")
     for verdict in found["verdicts"]:
         print(f"target: {verdict['name']}: {verdict['value']:.2f}x ({'met' if verdict['met'] else 'MISSED'})")

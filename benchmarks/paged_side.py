@@ -16,7 +16,9 @@ Before the clock starts each way serves ``warm`` (prompts of one new token each:
 kernels warmed, and for ours the prefix cache holding what they fed).  Then every
 request arrives at once.  The figures: generated tokens per second, the median time
 to a request's first token from that arrival, the largest decode batch (the most
-sequences decoded at once), the bytes of the KV cache, the process's peak resident set
+sequences decoded at once; ours only), the steps (ours: scheduling steps; transformers':
+forwards of the model) and the median time of a decode step (transformers': of a
+forward, prefill chunks included), the bytes of the KV cache, the process's peak resident set
 (``VmHWM``), every request's tokens, and for ours the prompt tokens found cached and the
 preemptions.
 """
@@ -89,6 +91,8 @@ def ours(spec: SideSpec) -> dict[str, Any]:
         "wall_s": wall,
         "ttft_s": statistics.median(first[i] - started for i in range(len(requests))),
         "most_concurrent": max((step.batch for step in server.decode_steps), default=0),
+        "steps": server.steps,
+        "step_s": statistics.median(step.total_s for step in server.decode_steps),
         "kv_bytes": kv_bytes(model),
         "hit_tokens": blocks.hit_tokens - hits_before if blocks is not None else 0,
         "preemptions": getattr(server, "preemptions", 0),
@@ -115,6 +119,16 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
     )
     first: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
+    forwards: list[float] = []  # each forward's start, then its time
+
+    def started_forward(*_: object) -> None:
+        forwards.append(time.perf_counter())
+
+    def ended_forward(*_: object) -> None:
+        forwards[-1] = time.perf_counter() - forwards[-1]
+
+    model.register_forward_pre_hook(started_forward)
+    model.register_forward_hook(ended_forward)
     with model.continuous_batching_context_manager(
         generation_config=generation, continuous_batching_config=settings, block=True, timeout=30
     ) as manager:
@@ -122,6 +136,7 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
             manager.add_request(prompt, request_id=f"warm{index}", max_new_tokens=1)
         for _ in spec["warm"]:
             manager.get_result(timeout=600)
+        forwards.clear()
         started = time.perf_counter()
         for index, (prompt, new) in enumerate(spec["requests"]):
             manager.add_request(prompt, request_id=str(index), max_new_tokens=new, record_timestamps=True)
@@ -142,6 +157,8 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
         "wall_s": wall,
         "ttft_s": statistics.median(first[key] - started for key in first),
         "most_concurrent": -1,
+        "steps": len(forwards),
+        "step_s": statistics.median(forwards),
         "kv_bytes": held,
         "hit_tokens": 0,
         "preemptions": 0,
