@@ -5,8 +5,8 @@ Two ways, both at one rank:
 
 * ``ours``: :class:`~metrale_model_engine.reference.Server` over ``slots`` slots, its KV
   cache ``kv_memory`` bytes (``None``: every slot's whole context), prefix caching as
-  ``prefix_caching`` says (``None``: the argument not passed, for a build before the paged
-  cache, which ``paged_cache.py`` runs with an older ``src`` on ``PYTHONPATH``: this file
+  ``prefix_caching`` says (``None``: neither argument passed, for the build before the paged
+  cache, which ``paged_cache.py`` runs with its ``src`` first on ``PYTHONPATH``: this file
   uses only what both builds have);
 * ``transformers``: ``transformers``' own continuous batching over its paged cache (its
   ``ContinuousBatchingManager``, what ``generate_batch`` drives), each request with its own
