@@ -163,8 +163,11 @@ class GroupRegroup:
         return self._transport(epoch, members, 0, deadline)
 
     def abandon(self, transport: EpTransport) -> None:
-        """Head: the epoch failed to form: its transport closed (the next epoch leaves its group)."""
+        """Head: the epoch failed to form: its transport closed and its group's connections shut down, as the death
+        of the head would (a survivor still waiting on the head in the epoch's setup agreement goes on to check in for
+        the next epoch, instead of waiting out the re-form's bound); the next epoch leaves its group."""
         transport.close()
+        sever_group_connections(self._store)
 
     def join(
         self, epoch: int, rank: int, gone: Callable[[], Mapping[int, str]], deadline: float
