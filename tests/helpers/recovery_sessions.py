@@ -15,7 +15,9 @@ comes on that rank:
 * ``refuses``: the victim's ``n``-th alloc leaves its slot free (a bug), so it refuses the prefill that follows
   and leaves the run: that request fails, named, and the others go on;
 * ``forming``: the head kills the victim as the first re-form forms its epoch, before the
-  ranks' setup agreement over it (a loss during the recovery).
+  ranks' setup agreement over it (a loss during the recovery);
+* ``late``: not a victim: the rank checks in :data:`LATE` seconds late for the ``n``-th re-form
+  epoch it joins (past the four heartbeats after which the head names a worker silent), alive.
 
 Every rank saves what it saw (``rank_results``): the head each request's tokens, finish
 reason and error, each recovery's line and fields; each worker its summary and place.
@@ -39,13 +41,15 @@ from metrale_model_engine.torch import Collectives, open_link
 
 from helpers.greedy import byte_ids
 from helpers.rank_results import note, save
-from helpers.reform_sessions import kill_as_it_forms
+from helpers.reform_sessions import join_late, kill_as_it_forms
 
 SLOTS = 3
 PREFILL_CHUNK = 8
 NEW_TOKENS = 8
 TIMEOUT = 30.0
 """Seconds a command, an all-reduce and a re-form may take in these programs."""
+LATE = 2.0
+"""Seconds a ``late`` rank waits before it checks in for a re-form's epoch: eight beats of the heartbeat (0.25 s)."""
 TEXTS = ("Licensed under the", "Permission is hereby granted", "THE SOFTWARE IS", "you may not use this file")
 WORKLOAD = (
     *(Request(i, tuple(byte_ids(text)), NEW_TOKENS) for i, text in enumerate(TEXTS)),
@@ -171,6 +175,9 @@ def serve(
     pids = model.ep_link.gather_u32(os.getpid())
     try:
         if rank:
+            regroup = side_of(link).regroup
+            if point == "late" and regroup is not None:
+                join_late(regroup, at, LATE)
             slots: LmSlots = [None] * SLOTS
             summary = run_worker(model, slots, logger=QUIET, reform_timeout=TIMEOUT)
             save(out, rank, reforms=summary.reforms, rank_now=link.rank, world_size=link.world_size, pid=os.getpid())

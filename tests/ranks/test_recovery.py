@@ -80,7 +80,9 @@ def test_a_worker_killed_costs_no_request_and_no_token(
 def test_a_loss_during_the_recovery_begins_it_again_without_that_rank(
     kind: str, unfailed: dict[int, list[int]], tmp_path: Path
 ) -> None:
-    codes, results = served(kind, {3: ("decode", 2), 1: ("forming", 1)}, tmp_path)
+    """Rank 2, whose first try at the new epoch failed with rank 1's death, checks in late for the next one: alive,
+    it is waited for, not named silent."""
+    codes, results = served(kind, {3: ("decode", 2), 1: ("forming", 1), 2: ("late", 2)}, tmp_path)
     assert codes == [0, -9, 0, -9], results
     head = results[0]
     assert head["tokens"] == unfailed
