@@ -28,8 +28,16 @@ Then the main job on real architectures against ``transformers``' own ``generate
 and 2 ranks, with the roofline of a batch-1 decode step), when ``transformers`` is
 installed (the ``test-torch`` extra).
 
-Run: ``python benchmarks/bench_serving.py`` (about 5 minutes on 2 cores; ``--part
-protocol`` or ``--part real`` for one of the two); ``--quick`` for a smoke run.
+Then the paged KV cache (``paged_cache.py``): against the per-slot reservation it replaced
+(many short requests on a 32,768-position context; today's workload against the build
+before it), prefix caching on and off (requests sharing a system prompt), and against
+``transformers``' own continuous batching over its paged cache; each at equal KV memory,
+with the peak memory of each side and the targets' verdicts, written to
+``paged_cache.json`` (when ``transformers`` is installed).
+
+Run: ``python benchmarks/bench_serving.py`` (about 5 minutes on 2 cores, and the paged
+part's several more; ``--part protocol``, ``--part real`` or ``--part paged`` for one of
+them); ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from metrale_model_engine.transport import SoloTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_step
+import paged_cache
 import real_model
 from output import DEFAULT_OUT, plotting_available, say_written
 from serving_report import analyse, report
@@ -291,6 +300,24 @@ def real_part(args: argparse.Namespace) -> dict[str, object]:
     return found
 
 
+def paged_part(args: argparse.Namespace) -> None:
+    """The paged KV cache's comparisons (``paged_cache``), when transformers is installed: printed, and written to
+    ``paged_cache.json``."""
+    if importlib.util.find_spec("transformers") is None:
+        print("\ntransformers is not installed (pip install -e '.[test-torch]'): the paged cache is not measured")
+        return
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="metrale-paged-") as root:
+        found = paged_cache.measure(
+            Path(root), args.quick, 1 if args.quick else args.paged_rounds, args.contiguous_commit
+        )
+    paged_cache.report(found)
+    found["meta"] = {"argv": sys.argv[1:], "torch": torch.__version__, "cpus": os.cpu_count(),
+                     "took_s": round(time.monotonic() - started, 1)}  # fmt: skip
+    (args.out / "paged_cache.json").write_text(json.dumps(found, indent=1) + "\n")
+    say_written(args.out / "paged_cache.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round of a small workload")
@@ -300,9 +327,17 @@ def main() -> None:
     )
     parser.add_argument(
         "--part",
-        choices=["all", "protocol", "real"],
+        choices=["all", "protocol", "real", "paged"],
         default="all",
-        help="the command paths on the reference model, the real architectures, or both (default)",
+        help="the command paths on the reference model, the real architectures, the paged KV cache, or all (default)",
+    )
+    parser.add_argument(
+        "--paged-rounds", type=int, default=2, help="rounds of the paged cache's comparisons (default 2)"
+    )
+    parser.add_argument(
+        "--contiguous-commit",
+        default=paged_cache.CONTIGUOUS_COMMIT,
+        help=f"the build before the paged cache, for the paged part (default {paged_cache.CONTIGUOUS_COMMIT})",
     )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"where the JSON and PNG go (default {DEFAULT_OUT})"
@@ -321,6 +356,10 @@ def main() -> None:
         document.update(protocol_part(args, plots))
     if args.part in ("all", "real"):
         document["real_model"] = real_part(args)
+    if args.part in ("all", "paged"):
+        paged_part(args)
+    if args.part == "paged":
+        return
     document["meta"] = {
         "argv": sys.argv[1:],
         "python": platform.python_version(),

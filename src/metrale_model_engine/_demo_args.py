@@ -151,6 +151,9 @@ def model_options(parser: argparse.ArgumentParser, *, slots: int, world_size: in
     add("--no-prefix-caching", dest="prefix_caching", action="store_false",
         help="compute every prompt whole, even where its first blocks are cached (prefix caching is on by "
              "default)")  # fmt: skip
+    add("--on-lost-rank", choices=["recover", "stop"], default="recover",
+        help="a worker rank lost (killed, exited, its host silent): the ranks left re-form and carry every request "
+             "on (recover, the default), or the run stops (stop)")  # fmt: skip
     add("--check-kv", action="store_true",
         help="deeper sync points: every rank also checks that its KV cache holds what its forwards wrote")  # fmt: skip
 

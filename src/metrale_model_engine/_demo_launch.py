@@ -4,7 +4,11 @@ checked before any rank starts; the ranks run here (one), under torchrun, or as 
 Exit status: what the ranks' function says (0, or 1 after its one ``error:`` line); 2 with one
 ``error: ...`` line when the run could not start (torch missing, a bad argument, a checkpoint
 that cannot be served, a link that could not be set up); 130 with the one line ``interrupted``
-on Ctrl-C, once every rank has gone.
+on Ctrl-C, once every rank has gone.  A worker rank that ended otherwise than with 0 makes it 1
+(``error: worker rank exit codes [...]``), unless the head recovered from its loss: the head's
+function returns the worker ranks whose loss its run recovered from, the head's process sends them
+to this launcher over a pipe of their own, and the launcher's last line names them (``worker rank(s)
+[3] lost and recovered from ...``) instead of failing the run.  Under torchrun, its agent decides.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, TypeVar
 
 from ._core.errors import EpSetupError
@@ -32,7 +38,7 @@ from ._demo_choices import (
 from ._host.launch import INTERRUPTED, stop_resource_tracker
 
 if TYPE_CHECKING:
-    from .reference import Checkpoint, ReferenceLm
+    from .reference import Checkpoint, Recovery, ReferenceLm
 
 W = TypeVar("W")
 """What every rank is asked to do: picklable, for spawned ranks."""
@@ -73,6 +79,25 @@ class Start:
 
 MakeWork = Callable[[Start], W]
 """``make_work(start)``: the work, or a ``ValueError`` whose message is the line to print."""
+Target = Callable[[int, int, W], Sequence[int] | None]
+"""``target(rank, world_size, work)``: one rank's part; the head's returns the worker ranks whose loss its run
+recovered from (``recovered_ranks``), ``None`` or empty when none was lost."""
+
+
+def recovered_ranks(recoveries: Sequence[Recovery]) -> list[int]:
+    """The worker ranks that a server's ``recoveries`` (in order) lost, as they were numbered at the start of the run.
+
+    Each recovery names its lost ranks in the numbering of the epoch before it, and ``Recovery.ranks`` maps the
+    epoch after it back to that one.
+    """
+    if not recoveries:
+        return []
+    first = list(range(recoveries[0].ranks_before))  # by rank in the epoch now, its rank at the start
+    lost: list[int] = []
+    for recovery in recoveries:
+        lost += [first[gone.rank] for gone in recovery.lost]
+        first = [first[rank] for rank in recovery.ranks]
+    return sorted(lost)
 
 
 def ranks_line(
@@ -94,11 +119,7 @@ def ranks_line(
     )
 
 
-def run(
-    parse: Callable[[], argparse.Namespace],
-    make_work: MakeWork[W],
-    target: Callable[[int, int, W], None],
-) -> int:
+def run(parse: Callable[[], argparse.Namespace], make_work: MakeWork[W], target: Target[W]) -> int:
     """Parse the arguments, check the work, run ``target(rank, world_size, work)`` on every rank: the exit status."""
     try:
         with _interrupts_end_it_at_once():  # the start: reading the arguments imports torch, for seconds
@@ -131,7 +152,7 @@ def _start(args: argparse.Namespace, make_work: MakeWork[W]) -> tuple[W, str] | 
     return work, backend
 
 
-def _launch(world_size: int, target: Callable[[int, int, W], None], work: W, backend: str) -> int:
+def _launch(world_size: int, target: Target[W], work: W, backend: str) -> int:
     try:
         if under_torchrun_env():
             return _under_torchrun(backend, target, work)
@@ -139,14 +160,45 @@ def _launch(world_size: int, target: Callable[[int, int, W], None], work: W, bac
             return _exit_code(lambda: target(0, 1, work))
         from .torch import run_group
 
-        codes = run_group(target, world_size, work, backend=backend)
+        heard, told = Pipe(duplex=False)  # the head's word to this launcher: the ranks it recovered from
+        with heard, told:
+            codes = run_group(_telling, world_size, target, work, told, backend=backend)
+            recovered: list[int] = heard.recv() if heard.poll() else []
     except EpSetupError as error:  # the ranks' link could not be set up; they exited 2 without a word
         return _cannot_start(error)
     if INTERRUPTED in codes:  # a rank was interrupted (a signal to the ranks alone)
         return interrupted()
-    if codes[0] == 0 and any(codes):  # the head said nothing: say which ranks failed
-        print(f"error: worker rank exit codes {codes[1:]}", file=sys.stderr)
-    return 1 if any(codes) else 0
+    return verdict(codes, recovered)
+
+
+def _telling(rank: int, world_size: int, target: Target[W], work: W, launcher: Connection) -> None:
+    """One rank's part under ``_launch``: ``target``'s; then the head tells ``launcher`` the ranks it recovered from."""
+    try:
+        recovered = target(rank, world_size, work)
+        if rank == 0 and recovered:
+            launcher.send(sorted(recovered))
+    finally:
+        launcher.close()
+
+
+def verdict(codes: Sequence[int], recovered: Sequence[int]) -> int:
+    """The exit status of a run whose ranks exited with ``codes`` (by rank), its head having recovered from the loss
+    of the worker ranks ``recovered``; when the head exited 0, a last line on the workers.
+
+    0 when every rank exited 0 but those the head recovered from (the line names them, on stdout); else 1, and
+    when the head said nothing (it exited 0), ``error: worker rank exit codes [...]`` names the workers' codes.
+    """
+    failed = [rank for rank, code in enumerate(codes) if code and rank not in recovered]
+    if codes[0] == 0 and failed:
+        also = f"; worker rank(s) {list(recovered)} lost and recovered from" if recovered else ""
+        print(f"error: worker rank exit codes {list(codes[1:])}{also}", file=sys.stderr)
+    elif codes[0] == 0 and recovered:
+        print(
+            f"worker rank(s) {list(recovered)} lost and recovered from: the run went on over the ranks left "
+            f"(worker rank exit codes {list(codes[1:])})",
+            flush=True,
+        )
+    return 1 if failed else 0
 
 
 @contextmanager
@@ -193,7 +245,7 @@ def _cannot_start(error: Exception) -> int:
     return 2
 
 
-def _exit_code(run: Callable[[], None]) -> int:
+def _exit_code(run: Callable[[], object]) -> int:
     try:
         run()
     except SystemExit as exit_:
@@ -203,7 +255,7 @@ def _exit_code(run: Callable[[], None]) -> int:
     return 0
 
 
-def _under_torchrun(backend: str | None, target: Callable[[int, int, W], None], work: W) -> int:
+def _under_torchrun(backend: str | None, target: Target[W], work: W) -> int:
     import torch.distributed as dist
 
     from .torch import init_group_from_env

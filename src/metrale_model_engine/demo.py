@@ -15,8 +15,9 @@ generated text (its ids, without a tokenizer), then tokens/s and how the head's
 decode step splits into compute, collectives and protocol (``--json PATH`` writes it
 all too).  Sync points compare every rank's KV bookkeeping as it goes and at the end.
 
-Exit status: 0 when every rank served and agreed; 1 with one ``error: ...`` line
-when the run failed (a rank died or diverged); 2 with one ``error: ...`` line when
+Exit status: 0 when every rank served and agreed, or every worker rank lost was recovered from (``--on-lost-rank
+recover``, the default: the last line names them); 1 with one ``error: ...`` line
+when the run failed (a rank died and was not recovered from, or diverged); 2 with one ``error: ...`` line when
 it could not start: torch is missing, an argument or ``METRALE_EP_PROTOCOL`` is bad,
 the checkpoint cannot be served (a missing or malformed file, an unsupported
 architecture or field, a missing or misshapen tensor: the line names which and
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NoReturn, TextIO
+from typing import TYPE_CHECKING, Final, Literal, NoReturn, TextIO
 
 
 def _interrupted_while_importing(signum: int, frame: object) -> None:
@@ -56,7 +57,7 @@ from ._core.protocol import ProtocolVersion
 from ._demo_args import PROMPT_TEXT
 from ._demo_args import parse_args as _parse_args
 from ._demo_choices import default_threads, prompt_ids, under_torchrun_env
-from ._demo_launch import Start, ranks_line, run
+from ._demo_launch import Start, ranks_line, recovered_ranks, run
 
 if TYPE_CHECKING:
     from . import EpLink
@@ -122,6 +123,8 @@ class Work:
     """Each rank's KV cache (``ReferenceLm``'s ``kv_memory``); ``None``: every slot's whole context."""
     block_size: int = 16
     prefix_caching: bool = True
+    on_lost_rank: Literal["recover", "stop"] = "recover"
+    """What a lost worker rank does (``Server``'s ``on_lost_rank``)."""
 
 
 def _say(line: str, stream: TextIO | None = None) -> None:
@@ -138,26 +141,30 @@ def _fail(line: str) -> NoReturn:
 
 
 class _OneLine(logging.Handler):
-    """The worker loop's log, one line per record (the error, never a traceback)."""
+    """A log of a rank, one line per record (the error, never a traceback), after ``who``: ``[worker N]``,
+    ``[head]``."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, who: str) -> None:
         super().__init__(logging.INFO)
-        self._rank = rank
+        self._who = who
 
     def emit(self, record: logging.LogRecord) -> None:
         error = f": {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else ""
-        _say(f"[worker {self._rank}] {record.getMessage()}{error}", sys.stderr)
+        _say(f"{self._who} {record.getMessage()}{error}", sys.stderr)
 
 
-Head = Callable[["ReferenceLm", Work, Sequence[int]], None]
-"""``head(model, work, pids)``: what rank 0 does with the model, every rank's pid at hand."""
+Head = Callable[["ReferenceLm", Work, Sequence[int]], "Sequence[int] | None"]
+"""``head(model, work, pids)``: what rank 0 does with the model, every rank's pid at hand; it returns the worker
+ranks whose loss its run recovered from (numbered as at the start; ``None``: none)."""
 
 
-def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> None:
+def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> tuple[int, ...]:
     """One rank's part: build the model over a link, then drive it (head) or serve it (worker).
 
     ``head`` is what rank 0 does with the model (default: serve the work's prompts and
-    report them); the run fails on this rank, in one line, when it raises.
+    report them); the run fails on this rank, in one line, when it raises.  Returns, on rank 0, the
+    worker ranks whose loss its run recovered from (``head``'s answer), for the launcher to count them
+    as recovered rather than failed; ``()`` on a worker.
 
     Raises ``SystemExit(1)`` after one line on stderr when the run fails on this rank,
     and lets [`EpSetupError`][metrale_model_engine.EpSetupError] (the link's setup failed, the
@@ -195,20 +202,21 @@ def serve(rank: int, world_size: int, work: Work, head: Head | None = None) -> N
         slots: list[LmState | None] = [None] * work.slots
         if rank == 0:
             try:
-                (head or _drive)(model, work, pids)
+                recovered = (head or _drive)(model, work, pids)
             except Exception as error:  # noqa: BLE001
                 _fail(f"error: {type(error).__name__}: {error}")
-            return
+            return tuple(recovered or ())
         from . import run_worker
 
         logger = logging.getLogger(f"metrale_model_engine.demo.worker{rank}")
-        logger.addHandler(_OneLine(rank))
+        logger.addHandler(_OneLine(f"[worker {rank}]"))
         logger.propagate = False
         try:
             served = run_worker(model, slots, logger=logger)
         except Exception:  # noqa: BLE001  (the logger said it, in one line)
             raise SystemExit(1) from None
         _say(f"[worker {rank}] served {served.commands_run} commands, {served.commands_failed} failed")
+        return ()
 
 
 def _open_link(world_size: int, work: Work) -> EpLink:
@@ -222,7 +230,7 @@ def _open_link(world_size: int, work: Work) -> EpLink:
     return open_link(work.transport, num_slots=work.slots, protocol=work.protocol)
 
 
-def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
+def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> list[int]:
     from .reference import GREEDY, Request, Server, Tokenizer, run_summary, summary_lines
 
     link = model.ep_link
@@ -243,8 +251,12 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         _say(f"[request {request.id}{late}] {shown(request.prompt)} -> {shown(completion.tokens)}{ended}")
 
     server = Server(
-        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
-    )
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching,
+        on_lost_rank=work.on_lost_rank,
+    )  # fmt: skip
+    said = logging.getLogger("metrale_model_engine.reference")  # a recovery's one line
+    said.addHandler(_OneLine("[head]"))
+    said.propagate = False
     sampling = work.sampling or GREEDY
     requests = [Request(i, prompt, work.max_new_tokens, sampling) for i, prompt in enumerate(work.prompts)]
     split = len(requests) - work.late
@@ -277,6 +289,7 @@ def _drive(model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
         _say("[head] one rank: the single-GPU path, no command sent (is_ep() is false)")
     if work.json_path is not None:
         work.json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    return recovered_ranks(server.recoveries)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,6 +332,7 @@ def _work(start: Start) -> Work:
         kv_memory=kv_memory,
         block_size=args.block_size,
         prefix_caching=args.prefix_caching,
+        on_lost_rank=args.on_lost_rank,
     )
 
 

@@ -41,8 +41,15 @@ class RemoteServer:
         self.lines: list[str] = []
         self.errors: list[str] = []
         said: queue.SimpleQueue[str] = queue.SimpleQueue()
-        for stream, kept, tell in ((self.process.stdout, self.lines, said), (self.process.stderr, self.errors, None)):
-            threading.Thread(target=_read, args=(stream, kept, tell), daemon=True).start()
+        self._readers = [
+            threading.Thread(target=_read, args=(stream, kept, tell), daemon=True)
+            for stream, kept, tell in (
+                (self.process.stdout, self.lines, said),
+                (self.process.stderr, self.errors, None),
+            )
+        ]
+        for reader in self._readers:
+            reader.start()
         deadline = time.monotonic() + READY_S
         self.pids: list[int] = []
         while True:
@@ -85,13 +92,15 @@ class RemoteServer:
                 os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> int:
-        """SIGTERM, and its exit status (killed after 60 s)."""
+        """SIGTERM, and its exit status (killed after 60 s), once its output was read to its end (5 s at most more)."""
         if self.process.poll() is None:
             self.terminate()
             try:
-                return self.process.wait(60)
+                self.process.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill()
+        for reader in self._readers:
+            reader.join(5)
         return self.process.wait()
 
 

@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from pathlib import Path
 
 import torch
@@ -164,6 +164,24 @@ def kill_as_it_forms(regroup: Regroup, pid: int, out: str, victim: int) -> None:
         return transport
 
     kind.form = forming  # type: ignore[method-assign]  # this process's head alone
+
+
+def join_late(regroup: Regroup, at: int, seconds: float) -> None:
+    """Worker: check in ``seconds`` late for the ``at``-th re-form epoch it joins (1: the first), alive and beating
+    or having left its transport (its class's ``join`` wrapped, in this process alone)."""
+    kind = type(regroup)
+    join = kind.join
+    joins = [0]
+
+    def joining(
+        self: Regroup, epoch: int, rank: int, gone: Callable[[], Mapping[int, str]], deadline: float
+    ) -> tuple[int, list[int]]:
+        joins[0] += 1
+        if joins[0] == at:
+            time.sleep(seconds)
+        return join(self, epoch, rank, gone, deadline)
+
+    kind.join = joining  # type: ignore[method-assign]  # this process's worker alone
 
 
 def losses(

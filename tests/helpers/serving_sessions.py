@@ -149,7 +149,7 @@ def fault(rank: int, world_size: int, kind: str, victim: int, how: str, out: str
     model = cls(link)
     try:
         if rank == 0:
-            Server(model, prefill_chunk=PREFILL_CHUNK).run(WORKLOAD)
+            Server(model, prefill_chunk=PREFILL_CHUNK, on_lost_rank="stop").run(WORKLOAD)
             model.ep_link.shutdown_workers()
         else:
             slots: list[LmState | None] = [None] * SLOTS

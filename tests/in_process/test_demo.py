@@ -10,8 +10,10 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
+from metrale_model_engine._demo_launch import recovered_ranks, verdict
 from metrale_model_engine.demo import main, parse_args
-from metrale_model_engine.reference import Checkpoint
+from metrale_model_engine.reference import Checkpoint, Recovery
+from metrale_model_engine.reform import LostRank
 
 from helpers.demo_env import leave_torchrun
 
@@ -247,3 +249,37 @@ def test_demo_refuses_a_spoilt_checkpoint_in_one_line_naming_it(
     out, err = capsys.readouterr()
     (line,) = err.splitlines()
     assert out == "" and line.startswith(f"error: {message.format(model=model_dir)}"), line
+
+
+def recovery(ranks_before: int, lost: tuple[int, ...]) -> Recovery:
+    """A recovery from ``ranks_before`` ranks that lost ``lost`` (their ranks before it); times of no matter."""
+    left = tuple(rank for rank in range(ranks_before) if rank not in lost)
+    gone = tuple(LostRank(rank, "was killed by SIGKILL") for rank in lost)
+    return Recovery(1, ranks_before, len(left), gone, 0.0, 0.0, 0.0, (), (), 0.0, ranks=left)
+
+
+def test_the_ranks_recovered_from_are_numbered_as_at_the_start_across_recoveries() -> None:
+    """Rank 1 of 4 lost, then rank 2 of the 3 left (rank 3 at the start), then rank 1 of the 2 left (rank 2)."""
+    assert recovered_ranks([]) == []
+    assert recovered_ranks([recovery(4, (1,))]) == [1]
+    assert recovered_ranks([recovery(4, (1,)), recovery(3, (2,)), recovery(2, (1,))]) == [1, 2, 3]
+    assert recovered_ranks([recovery(4, (3, 2)), recovery(2, (1,))]) == [1, 2, 3]
+
+
+def test_the_launcher_counts_a_loss_the_head_recovered_from_as_no_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 0 and a line naming the ranks recovered from; any other rank's failure, or the head's, exits 1."""
+    assert verdict([0, 0, 0, 0], []) == 0 and capsys.readouterr() == ("", "")
+    assert verdict([0, 0, 0, -9], [3]) == 0
+    assert capsys.readouterr() == (
+        "worker rank(s) [3] lost and recovered from: the run went on over the ranks left "
+        "(worker rank exit codes [0, 0, -9])\n",
+        "",
+    )
+    assert verdict([0, 0, 0, -9], []) == 1
+    assert capsys.readouterr() == ("", "error: worker rank exit codes [0, 0, -9]\n")
+    assert verdict([0, 1, 0, -9], [3]) == 1
+    assert capsys.readouterr() == (
+        "",
+        "error: worker rank exit codes [1, 0, -9]; worker rank(s) [3] lost and recovered from\n",
+    )
+    assert verdict([1, 0, -9], [2]) == 1 and capsys.readouterr() == ("", "")  # the head said why, itself

@@ -6,7 +6,8 @@ again is not; the watch ends the head's wait by shutting down gloo's connections
 alone.  A store of another kind gives no heartbeat; bad arguments are refused
 before any group is touched.  A worker ending its process when the store is lost:
 ``tests/programs/test_heartbeat.py``; the head ending its wait on lost workers in a
-group: ``tests/ranks/test_torch.py``.
+group: ``tests/ranks/test_torch.py``.  The head waiting for a re-form's check-ins reads the
+beats where the workers beat: a live worker late to check in is waited for.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import cast
@@ -28,6 +30,7 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from metrale_model_engine._torch import heartbeat
 from metrale_model_engine._torch.heartbeat import Heartbeat, connect_to
+from metrale_model_engine._torch.regroup import GroupRegroup, beats_of
 from metrale_model_engine._torch.severing import sever_group_connections
 from metrale_model_engine._torch.watch import HeadWatch
 from metrale_model_engine.torch import TorchTransport, free_port, open_link, open_transport
@@ -163,6 +166,45 @@ def test_the_first_worker_past_the_bound_is_named_with_every_worker_silent_by_th
     assert lost[1] >= 10 * period and lost[2] >= 4 * period, lost
     watch.stop()
     live.stop()
+
+
+@pytest.mark.serial  # a live worker's beats must keep their period
+def test_the_head_waiting_for_a_re_forms_check_ins_names_only_the_workers_whose_beat_stopped(store: TCPStore) -> None:
+    """Worker 1 beats and worker 3 left its transport (``left``), both check in late; worker 2 never beats: only it
+    is lost, though the group's store (where the transports beat) is the ``TCPStore`` under prefixes."""
+    period, late = 0.1, 1.2  # late: three times the silence the head allows (four beats)
+    dist.init_process_group("gloo", store=PrefixStore("link/0/world/", store), rank=0, world_size=1)
+    transport = TorchTransport(heartbeat=period, head_lost_after=None)
+    world = dist.group.WORLD
+    assert world is not None
+    beating, leaving = (Heartbeat.start(world.group_name, world.get_group_store(), r, period, None) for r in (1, 3))
+    assert beating is not None and leaving is not None
+    leaving.stop()
+    idle = datetime.timedelta(seconds=5)
+    regroups = [GroupRegroup(connect_to(store) if rank else store, "link", rank, period, beats_of(transport, period),
+                             lambda: transport, "gloo", None, idle) for rank in (0, 1, 3)]  # fmt: skip
+    told: dict[int, tuple[int, list[int]]] = {}
+
+    def check_in(regroup: GroupRegroup, rank: int) -> None:
+        time.sleep(late)
+        told[rank] = regroup.join(1, rank, dict, time.monotonic() + 10.0)
+
+    workers = [threading.Thread(target=check_in, args=(regroups[i], rank)) for i, rank in ((1, 1), (2, 3))]
+    for worker in workers:
+        worker.start()
+    lost: dict[int, str] = {}
+    try:
+        members = regroups[0].survivors(1, [0, 1, 2, 3], lost, dict, time.monotonic() + 10.0)
+    finally:
+        regroups[0].end()  # the workers' wait for the members ends
+        for worker in workers:
+            worker.join(15.0)
+        beating.stop()
+        transport.close()
+        dist.destroy_process_group()
+    assert members == [0, 1, 3], lost
+    assert list(lost) == [2] and lost[2].startswith("fell silent: no heartbeat for "), lost
+    assert told == {1: (1, []), 3: (1, [])}
 
 
 def test_the_watch_shuts_down_gloos_connections_and_no_other(store: TCPStore) -> None:

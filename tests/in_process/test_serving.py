@@ -623,3 +623,20 @@ def test_a_report_older_than_its_slots_allocation_leaves_the_new_request_alone()
         server.run(REQUESTS[1:2])  # slot 0 again, allocated after command 1
     done = server.run()
     assert done[1].finish_reason == "length" and len(done[1].tokens) == 6  # untouched by the old report
+
+
+def test_on_lost_rank_is_recover_or_stop() -> None:
+    model = solo_model()
+    assert Server(model).on_lost_rank == "recover" and Server(model, on_lost_rank="stop").on_lost_rank == "stop"
+    with pytest.raises(ValueError, match="on_lost_rank must be 'recover' or 'stop', got 'retry'"):
+        Server(model, on_lost_rank="retry")  # type: ignore[arg-type]
+
+
+def test_a_model_over_a_group_of_its_own_refuses_to_reshard() -> None:
+    from metrale_model_engine.reform import Reform
+
+    model = solo_model()
+    model._own_group = True  # as built with group=...: a re-form does not carry that group over
+    reform = Reform(0, 0, 1, (0,), (), (), (), 0.0, 0.0, 0.0, 1)
+    with pytest.raises(ValueError, match="reduces over a group of its own"):
+        model.ep_reformed(reform, [None] * 4)

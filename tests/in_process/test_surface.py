@@ -152,6 +152,7 @@ REFERENCE_SURFACE = [
     "LmSlots",
     "LmState",
     "OpCount",
+    "Recovery",
     "ReferenceLm",
     "Request",
     "SHIPPED_MODEL",

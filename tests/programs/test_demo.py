@@ -90,7 +90,7 @@ def test_a_bad_checkpoint_ends_the_program_with_one_line_and_exit_2(tmp_path: Pa
 
 def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "200"],
+        [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "200", "--on-lost-rank", "stop"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -107,7 +107,51 @@ def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
     assert process.returncode == 1
     (line,) = stderr.strip().splitlines()
     assert line.startswith("error: ") and "rank(s) [1]" in line, line
-    assert "[head] 6 requests" not in stdout
+    assert "[head] 6 requests" not in stdout and "recovered from" not in stdout + stderr
+
+
+def test_a_worker_killed_mid_run_is_recovered_from_and_the_demo_exits_0_naming_it(tmp_path: Path) -> None:
+    """4 ranks over shared memory, the default ``--on-lost-rank recover``, 2 slots (the six prompts run two at a
+    time): worker 3 killed (SIGKILL) as soon as the first request has ended, the others running or waiting.  The
+    recovery carries the running requests on; every request's tokens equal a run that lost nothing (one rank); the
+    summary counts one recovery; the demo exits 0, its last line naming the rank it recovered from."""
+    unfailed = demo("--world-size", "1", "--slots", "2", "--json", str(tmp_path / "unfailed.json"))
+    assert unfailed.returncode == 0, unfailed.stderr
+    command = [sys.executable, "-m", "metrale_model_engine.demo", "--world-size", "4", "--transport", "shm"]
+    command += ["--slots", "2", "--json", str(tmp_path / "recovered.json")]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert process.stdout is not None
+        said = [process.stdout.readline()]
+        pids = [int(pid) for pid in said[0].rsplit("pids ", 1)[1].split()]
+        for line in process.stdout:
+            said.append(line)
+            if line.startswith("[request "):
+                os.kill(pids[3], signal.SIGKILL)
+                break
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    lines = "".join(said).splitlines() + stdout.splitlines()
+    assert process.returncode == 0, stderr
+    assert lines[-1] == (
+        "worker rank(s) [3] lost and recovered from: the run went on over the ranks left "
+        "(worker rank exit codes [0, 0, -9])"
+    )
+    assert "[head] recovered from lost workers (worker rank 3 was killed by SIGKILL): 4 -> 3 rank(s)" in stderr
+    assert not [line for line in stderr.splitlines() if line.startswith("error")], stderr
+    assert any(line.startswith("[head] all 3 ranks agree: KV bookkeeping compared at") for line in lines), lines
+    summary = json.loads((tmp_path / "recovered.json").read_text())
+    (recovery,) = summary["recoveries"]
+    assert (recovery["ranks_before"], recovery["ranks"], recovery["lost"][0]["rank"]) == (4, 3, 3)
+    assert recovery["carried_on"] and recovery["failed"] == []  # the kill landed mid-run: requests in flight
+    assert "[head] 1 recovery from lost workers (4 -> 3 ranks)" in "\n".join(lines)
+    want = json.loads((tmp_path / "unfailed.json").read_text())["requests"]
+    assert [r["tokens"] for r in summary["requests"]] == [r["tokens"] for r in want]
+    assert len(want) == len(PROMPTS) and all(len(r["tokens"]) == 48 for r in want)
 
 
 def test_demo_runs_under_torchrun() -> None:
@@ -197,7 +241,7 @@ def test_ctrl_c_during_the_start_up_ends_the_demo_at_once_with_one_line_and_leav
 
 
 def test_a_worker_killed_the_demo_exits_only_once_every_process_it_started_has_ended() -> None:
-    found = outlived("kill-worker", 0.0, "--max-new-tokens", "200", "--transport", "torch")
+    found = outlived("kill-worker", 0.0, "--max-new-tokens", "200", "--transport", "torch", "--on-lost-rank", "stop")
     assert found["code"] == 1 and len(found["stderr"]) == 1, found  # type: ignore[arg-type]
     assert found["left"] == {} and found["shm"] == [], found
 

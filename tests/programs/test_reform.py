@@ -5,11 +5,14 @@ unreaped while the head runs, so the head says how it ended (``was killed by
 SIGKILL``), which the ranks forked from the test suite's start server cannot show
 (it reaps at once).  Across two simulated hosts
 (root only: :mod:`helpers.hosts`), a host's leader dies, then the whole other host:
-the head goes on with its own host's rank, the leaders chosen again in between.
+the head goes on with its own host's rank, the leaders chosen again in between; and the
+reference model served by ``Server`` loses the other host whole mid-run: every request
+completes on the head's host, with the tokens of a run that lost nothing.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +23,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
+from helpers import recovery_sessions
 from helpers import reform_host_programs as host_programs
 from helpers import reform_sessions as sessions
 from helpers.bounded import finish
@@ -59,19 +63,25 @@ def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_end
     assert " ms (worker rank 3 was killed by SIGKILL)" in stderr
 
 
-@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
-def test_a_leader_killed_then_the_other_host_whole_and_the_head_goes_on_with_its_own_host(tmp_path: Path) -> None:
+def kill_the_other_host(program: str, out: Path) -> tuple[int, str, str]:
+    """Run ``python -m program OUT`` on 2 simulated hosts of 2 ranks; kill the other host whole once the head asks
+    (it notes ``host-please``; then ``host-gone``).  The head's host's exit code, stdout and stderr."""
     with SimulatedHosts(2) as simulated:
-        argv = ["-m", "helpers.reform_host_programs", str(tmp_path)]
-        head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
+        head_host, other = (simulated.ranks(host, 2, ["-m", program, str(out)]) for host in range(2))
         deadline = time.monotonic() + RUN_BOUND
-        while not (tmp_path / "host-please.pkl").exists():
+        while not (out / "host-please.pkl").exists():
             assert time.monotonic() < deadline and head_host.poll() is None, "the head never asked"
             time.sleep(0.02)
         simulated.kill_all(other)
-        (tmp_path / "host-gone").touch()
+        (out / "host-gone").touch()
         code, stdout, stderr = finish(head_host, RUN_BOUND)
         finish(other, RUN_BOUND)
+    return code, stdout, stderr
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_a_leader_killed_then_the_other_host_whole_and_the_head_goes_on_with_its_own_host(tmp_path: Path) -> None:
+    code, stdout, stderr = kill_the_other_host("helpers.reform_host_programs", tmp_path)
     assert code == 0, stderr
     assert exit_codes(stdout) == {0: 0, 1: 0}, stdout
     results: dict[int, Any] = load(tmp_path, 4)
@@ -85,3 +95,25 @@ def test_a_leader_killed_then_the_other_host_whole_and_the_head_goes_on_with_its
     ((rank, how),) = second["lost"]
     assert rank == 2 and how.startswith("fell silent: no heartbeat for "), second  # the whole host, killed
     assert own["reforms"] == [(1, 1, 3), (second["epoch"], 1, 2)] and own["transport"] == "ShmTransport"
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_the_served_model_loses_the_other_host_whole_and_every_request_completes_on_its_own(tmp_path: Path) -> None:
+    """2 hosts of 2 ranks over a ``HostsTransport``; the other host killed whole before step 4 (requests in flight):
+    one recovery, 4 -> 2 ranks over the head's own ring, every request's tokens those of a run that lost nothing (the
+    greedy ones and the seeded sampled one alike), no request failed."""
+    code, stdout, stderr = kill_the_other_host("helpers.recovery_host_programs", tmp_path)
+    assert code == 0, stderr
+    assert exit_codes(stdout) == {0: 0, 1: 0}, stdout
+    results: dict[int, Any] = load(tmp_path, 4)
+    head, own = results[0], results[1]
+    assert head["tokens"] == recovery_sessions.unfailed()
+    assert set(head["reasons"].values()) == {"length"} and set(head["errors"].values()) == {None}
+    ((line, world_size, lost, _),) = head["recoveries"]
+    assert (world_size, sorted(lost), head["world_size"]) == (2, [2, 3], 2), line
+    assert line.startswith("recovered from lost workers (worker rank 2 ") and "4 -> 2 rank(s) at epoch 1" in line
+    assert "failed: none" in line and line.count("fell silent: no heartbeat") == 2, line  # the host, silent
+    assert head["transports"] == own["transports"] == ["HostsTransport", "ShmTransport"]
+    assert own["reforms"] == 1
+    carried = re.search(r"; (\d+) request\(s\) carried on", line)
+    assert carried is not None and int(carried.group(1)) > 0, line  # the loss met requests in flight

@@ -27,7 +27,7 @@ from metrale_model_engine.reference import ReferenceLm, Request, Server
 from metrale_model_engine.transport import SoloTransport
 
 from helpers.chars import text_of
-from helpers.openai_server import RemoteServer, chat_checkpoint
+from helpers.openai_server import RemoteServer, chat_checkpoint, metric
 from helpers.oracle import reference_tokens
 from helpers.serial import Alone
 
@@ -140,7 +140,9 @@ def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_ser
     Seen here (2 cores, load average 8 to 10): the error events 20-80 ms after the kill, the process's exit 0.30-0.41 s
     after it.  The bounds below are loose, for a busy machine; the test prints the times it saw.
     """
-    server = RemoteServer("--model", str(checkpoint), "--world-size", "2", "--slots", "4", "--transport", "shm")
+    server = RemoteServer(
+        "--model", str(checkpoint), "--world-size", "2", "--slots", "4", "--transport", "shm", "--on-lost-rank", "stop"
+    )  # fmt: skip
     try:
         killed: list[float] = []
 
@@ -177,7 +179,57 @@ def test_a_worker_killed_mid_stream_ends_every_stream_with_its_cause_and_the_ser
         unhealthy = next(at for at, status in seen if status == 503) - killed[0]
         print(f"from the kill: error events {events:.3f} s, /health 503 {unhealthy:.3f} s, exit {exited:.3f} s")
         assert code == 1, server.output()
+        assert "recovered from" not in server.output()
         assert events < 2.0 and exited < 3.0, f"error events {events:.3f} s, exit {exited:.3f} s after the kill"
         assert "error: RuntimeError: the run stopped: RunStopped" in server.output()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_worker_killed_mid_stream_costs_no_stream_and_no_token(checkpoint: Path, kind: str) -> None:
+    """4 ranks, the default --on-lost-rank recover: worker 3 killed once stream 0 has its first text; every stream
+    ends as it would have (its greedy text that of the same request asked before the kill), /metrics counts one
+    recovery, and the server then drains and exits 0, its launcher's last line naming the rank recovered from."""
+    server = RemoteServer("--model", str(checkpoint), "--world-size", "4", "--slots", "4", "--transport", kind)
+    try:
+        with server.client() as client:
+            unfailed = [
+                client.completions.create(model="tiny-chat", prompt=[i + 1], max_tokens=40, temperature=0).choices[0]
+                for i in range(3)
+            ]
+        killed: list[float] = []
+
+        async def streams() -> list[tuple[str, str | None]]:
+            async with server.async_client() as client:
+
+                async def one(index: int) -> tuple[str, str | None]:
+                    answer = await client.completions.create(
+                        model="tiny-chat", prompt=[index + 1], max_tokens=40, temperature=0, stream=True
+                    )
+                    text, reason = "", None
+                    async for chunk in answer:
+                        if chunk.choices:
+                            text += chunk.choices[0].text
+                            reason = chunk.choices[0].finish_reason or reason
+                            if index == 0 and chunk.choices[0].text and not killed:
+                                killed.append(time.monotonic())
+                                os.kill(server.pids[3], signal.SIGKILL)
+                    return text, reason
+
+                return await asyncio.gather(*(one(index) for index in range(3)))
+
+        ended = asyncio.run(streams())
+        assert killed
+        assert ended == [(choice.text, choice.finish_reason) for choice in unfailed]
+        assert metric(server, "metrale_recoveries_total") == 1.0
+        assert server.stop() == 0, server.output()
+        assert "recovered from lost workers (worker rank 3 " in server.output()
+        assert server.lines[-1] == (
+            "worker rank(s) [3] lost and recovered from: the run went on over the ranks left "
+            "(worker rank exit codes [0, 0, -9])"
+        ), server.output()
+        assert "error:" not in server.output()
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in server.pids[:3])
     finally:
         server.kill()

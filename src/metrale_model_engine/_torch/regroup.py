@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from .._core.reform import Regroup
 from .._core.transport import EpTransport, PeerLost, SoloTransport, TransportTimeout
-from .heartbeat import SILENT_AFTER_BEATS, beat_key
+from .heartbeat import SILENT_AFTER_BEATS, beat_key, tcp_store
 from .hosts import HostsTransport
 from .severing import sever_group_connections
 from .transport import TorchTransport
@@ -45,11 +45,17 @@ Beats = tuple[Store, str, float]
 
 def beats_of(transport: EpTransport, period: float | None) -> Beats | None:
     """Where the workers of ``transport`` (over the default group) beat every ``period`` seconds; ``None`` where
-    they do not (a ring on one host, heartbeats off)."""
+    they do not (a ring on one host, heartbeats off, a group store other than a ``TCPStore``).
+
+    The store is the ``TCPStore`` under the group store's prefixes, where each worker's ``Heartbeat`` beats (read
+    through the prefixes, no counter would move and no ``left`` show: a live worker slow to check in for an epoch
+    would be named silent).
+    """
     world = dist.group.WORLD
     if period is None or world is None or not isinstance(transport, (TorchTransport, HostsTransport)):
         return None
-    return world.get_group_store(), world.group_name, period
+    store = tcp_store(world.get_group_store())
+    return None if store is None else (store, world.group_name, period)
 
 
 class GroupRegroup:
@@ -157,8 +163,11 @@ class GroupRegroup:
         return self._transport(epoch, members, 0, deadline)
 
     def abandon(self, transport: EpTransport) -> None:
-        """Head: the epoch failed to form: its transport closed (the next epoch leaves its group)."""
+        """Head: the epoch failed to form: its transport closed and its group's connections shut down, as the death
+        of the head would (a survivor still waiting on the head in the epoch's setup agreement goes on to check in for
+        the next epoch, instead of waiting out the re-form's bound); the next epoch leaves its group."""
         transport.close()
+        sever_group_connections(self._store)
 
     def join(
         self, epoch: int, rank: int, gone: Callable[[], Mapping[int, str]], deadline: float

@@ -87,6 +87,7 @@ from .model import ShardedLm, decode_span
 from .rank.checks import check_decode, check_prefill, check_prompt
 from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
 from .rank.digest import kv_digest
+from .rank.recovery import Recovery
 from .rank.slots import LmSlots, LmState
 from .rank.timing import TimeSpent
 from .requests import GREEDY, Completion, FinishReason, Request, Sampler, Sampling, TokenLogprobs, token_logprobs
@@ -114,6 +115,7 @@ __all__ = [
     "LmSlots",
     "LmState",
     "OpCount",
+    "Recovery",
     "ReferenceLm",
     "Request",
     "Sampler",

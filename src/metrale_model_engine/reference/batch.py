@@ -19,10 +19,11 @@ token that follows, so its stream pauses and resumes, its tokens unchanged.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .. import EpLink, EpWorkerFailed
+from .. import EpLink, EpWorkerFailed, WorkerFailure
 from ..batching import prefill_chunks
 from .blocks import KvBlocks
 from .config import LmConfig
@@ -58,7 +59,8 @@ class Running:
     """The prompt's chunks still to feed, ``(start, length)``."""
     sampler: Sampler
     prompt: tuple[int, ...] = ()
-    """What its prefill feeds: the request's prompt, and after a preemption every token it generated too."""
+    """What its prefill feeds: the request's prompt, and after a preemption or a recovery every token it generated
+    too."""
     pending: int | None = None
     """The last token chosen, which the next decode feeds."""
     ended: FinishReason | None = None
@@ -95,7 +97,7 @@ class Batch:
         """Requests preempted so far."""
         self._allocated_at: dict[int, int] = {}  # by slot: the link's command count when it was last allocated
         self._to_reset: set[int] = set()  # slots whose failed command left the workers' state unknown
-        self._paused: dict[int, Sampler] = {}  # by request id: a preempted request's sampler, for its return
+        self._paused: dict[int, Sampler] = {}  # by request id: a re-queued request's sampler, for its return
 
     @property
     def busy(self) -> bool:
@@ -153,6 +155,35 @@ class Batch:
         decoding = [running for running in self.running if running.pending is not None and not self._ends(running)]
         return sorted(decoding, key=lambda running: running.seq_id)
 
+    def requeue(self, running: Running) -> None:
+        """Put ``running`` back at the front of the queue with every token it has and its sampler (its generator's
+        state), its slot left as it is: recomputed when admitted again.  ``preempt`` frees the slot first; after a
+        re-form the slots are gone already (``carry_on``)."""
+        self.running.remove(running)
+        self._paused[running.completion.request.id] = running.sampler
+        self.waiting.appendleft(running.completion)
+
+    def carry_on(self, failures: Sequence[WorkerFailure], step: int) -> tuple[list[Completion], list[Completion]]:
+        """After the link re-formed (every rank's slots are empty): fail the requests whose commands ``failures``
+        names (reported failing by a worker before the loss), end those that had ended, and put every other
+        running request back at the front of the queue, in admission order, to be computed again
+        (``requeue``).  Returns the requests re-queued and those failed."""
+        failed: list[Completion] = []
+        for running in self.running[:]:
+            since = self._allocated_at.get(running.seq_id, 0)
+            named = [failure for failure in failures if failure.seq_id == running.seq_id and failure.command >= since]
+            if named:
+                running.ended, running.completion.error = "error", "; ".join(map(str, named))
+                failed.append(running.completion)
+            if self._ends(running):
+                self._finish(running, running.ended or self._limit(running), step)
+        requeued = [running.completion for running in self.running]
+        for running in reversed(self.running[:]):
+            self.requeue(running)
+        self._allocated_at.clear()
+        self._to_reset.clear()
+        return requeued, failed
+
     def make_room(self, decoding: list[Running], step: int) -> list[Running]:
         """Free the blocks a decode of ``decoding`` needs: the ended requests released, then the newest running
         ones preempted (see the module) until the blocks their next tokens start are free; the decoding ones left."""
@@ -169,9 +200,7 @@ class Batch:
         """Free ``running``'s slot and blocks on every rank (one ``free``) and put it back at the front of the queue,
         with every token it has and its sampler."""
         self.model.free(self.slots, running.seq_id)
-        self.running.remove(running)
-        self._paused[running.completion.request.id] = running.sampler
-        self.waiting.appendleft(running.completion)
+        self.requeue(running)
         running.completion.preemptions += 1
         self.preemptions += 1
 
@@ -240,8 +269,8 @@ class Batch:
         completion = running.completion
         if len(completion.tokens) >= completion.request.max_new_tokens:
             return "length"
-        state = self.slots[running.seq_id]
-        assert isinstance(state, LmState)
-        if running.pending is not None and state.length >= self.model.config.max_seq_len:
+        state = self.slots[running.seq_id]  # None once a re-form emptied the slots: the tokens it had fed then
+        fed = len(completion.request.prompt) + len(completion.tokens) - 1 if state is None else state.length
+        if running.pending is not None and fed >= self.model.config.max_seq_len:
             return "context"
         return None

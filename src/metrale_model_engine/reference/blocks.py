@@ -173,6 +173,15 @@ class KvBlocks:
             if not self._refs[block]:
                 self._free[block] = None
 
+    def clear(self) -> None:
+        """Every rank's cache was made again, empty (the link re-formed over the ranks left): every block free, none
+        held or cached.  The counts (``hit_tokens``, ``query_tokens``, ``peak_used``) are kept."""
+        self._refs = [0] * self.num_blocks
+        self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self._key_of.clear()
+        self._cached.clear()
+        self._held.clear()
+
     def _take(self, block: int) -> None:
         if not self._refs[block]:
             del self._free[block]

@@ -39,16 +39,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
-from .. import EpLink, EpWorkerFailed
+from .. import EpLink, EpWorkerFailed, LinkedEp, RunStopped
 from .._core.namespace import PublicDir, public_dir
+from ..reform import reform_link
 from .batch import Batch, Running
 from .blocks import KvBlocks
 from .config import LmConfig
 from .rank.checks import check_prompt
+from .rank.recovery import Recovering, Recovery
 from .rank.runner import Chunk
 from .rank.slots import LmSlots
 from .rank.timing import TimeSpent
@@ -142,11 +144,18 @@ class Server:
             their commands runs its own forward.
         prefix_caching: whether a prompt whose first blocks are cached shares them (the
             head's ``kv_blocks``), and feeds only the rest; default on.
+        on_lost_rank: what a lost worker rank does (a model that re-forms, ``LinkedEp.ep_reforms``):
+            ``"recover"`` (the default), the step that met it forms the link again over the ranks left
+            ([`reform_link`][metrale_model_engine.reform.reform_link]), fails the requests whose commands a worker
+            reported failing before it went, and carries every other request on, its keys and values computed again
+            on the new group from its prompt and the tokens it generated (``reference.rank.recovery``; each recovery
+            in ``recoveries``, said in one log line); ``"stop"``, the step raises the
+            [`RunStopped`][metrale_model_engine.RunStopped], as with a model that does not re-form.
 
     Raises:
         TypeError, ValueError: ``prefill_chunk`` or ``sync_every`` (unless ``None``) is not an int ``>= 1``,
             or an ``eos_token_ids`` entry is not an int.
-        ValueError: ``fuse=True`` for a model of several ranks.
+        ValueError: ``fuse=True`` for a model of several ranks; ``on_lost_rank`` neither ``"recover"`` nor ``"stop"``.
 
     A step that raises leaves every request untouched or failed (see the module);
     after a [`RunStopped`][metrale_model_engine.RunStopped] the run is over, and after
@@ -163,8 +172,11 @@ class Server:
         eos_token_ids: Iterable[int] | None = None,
         fuse: bool | None = None,
         prefix_caching: bool = True,
+        on_lost_rank: Literal["recover", "stop"] = "recover",
     ) -> None:
         check_count("prefill_chunk", prefill_chunk)
+        if on_lost_rank not in ("recover", "stop"):
+            raise ValueError(f"on_lost_rank must be 'recover' or 'stop', got {on_lost_rank!r}")
         if sync_every is not None:
             check_count("sync_every", sync_every)
         stops = model.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
@@ -192,6 +204,12 @@ class Server:
         """The head's time in each batched decode so far."""
         self.completions: dict[int, Completion] = {}
         """Every request submitted, by id, finished or not."""
+        self.on_lost_rank: Literal["recover", "stop"] = on_lost_rank
+        """What a lost worker rank does: ``"recover"``, the run goes on over the ranks left (``recoveries``);
+        ``"stop"``, the run stops (``RunStopped``)."""
+        self.recoveries: list[Recovery] = []
+        """Every recovery from lost worker ranks so far, in order (the last one's ``recompute_s`` may be pending)."""
+        self._recovering: Recovering | None = None
         self._shut_down = False
 
     @property
@@ -250,11 +268,25 @@ class Server:
             RuntimeError: the server was shut down.
             EpWorkerFailed: workers reported failed commands: the requests of those
                 slots failed, and their slots were reset (the server can step on).
-            RunStopped: the run is over (see the module).
+            RunStopped: the run is over (see the module): with ``on_lost_rank="recover"``, only when it stopped for
+                another reason than lost workers, or the link could not re-form (the message says why).
             Exception: what the model raised; every request is untouched or failed.
         """
         self._check_open()
         self.steps += 1
+        began = time.monotonic()
+        try:
+            self._step()
+        except RunStopped as stopped:
+            self._recover(stopped, began)
+            return
+        if self._recovering is not None:
+            prefilled = {r.completion.request.id for r in self._batch.running if not r.chunks}
+            if self._recovering.back(prefilled):
+                self._recovering = None
+
+    def _step(self) -> None:
+        """The body of ``step``: admit, feed, decode, release, and a sync point when one is due."""
         try:
             self._batch.reset()
             self._batch.admit(self.steps, self.prefill_chunk)
@@ -276,6 +308,38 @@ class Server:
                 self._batch.fail_reported(reported, self.steps)
                 raise
 
+    def _recover(self, stopped: RunStopped, began: float) -> None:
+        """After ``stopped``: with ``on_lost_rank="recover"`` and a model that re-forms, form the link again over the
+        ranks left and carry every request on (``reference.rank.recovery``); else raise ``stopped``."""
+        model = self.model
+        if self.on_lost_rank == "stop" or not (isinstance(model, LinkedEp) and model.ep_reforms):
+            raise stopped
+        if self._recovering is not None:
+            self._recovering.cut_short()
+            self._recovering = None
+        reform = reform_link(model, self.slots)  # RunStopped, one line, where it cannot: the run is over
+        requeued, failed = self._batch.carry_on(reform.failures, self.steps)
+        self._recovering = Recovering(reform, began, requeued, failed)
+        self.recoveries.append(self._recovering.recovery)
+        if not requeued:  # nothing to compute again
+            self._recovering.back(set())
+            self._recovering = None
+
+    def check_workers(self) -> None:
+        """Between steps, with nothing to run: whether every worker still lives
+        ([`EpLink.check_workers`][metrale_model_engine.EpLink.check_workers]); a lost one is recovered from at once,
+        as in ``step``.
+
+        Raises:
+            RuntimeError: the server was shut down.
+            RunStopped: as ``step``.
+        """
+        self._check_open()
+        try:
+            self.model.ep_link.check_workers()
+        except RunStopped as stopped:
+            self._recover(stopped, time.monotonic())
+
     def cancel(self, request_id: int) -> Completion:
         """End request ``request_id`` now, between steps: its ``finish_reason`` becomes ``"cancelled"``.
 
@@ -286,12 +350,17 @@ class Server:
         Raises:
             KeyError: no request of that id is in ``completions``.
             RuntimeError: the server was shut down.
-            EpSendError, EpWorkerFailed, RunStopped: as the free's send; the request is left as it was.
+            EpSendError, EpWorkerFailed, RunStopped: as the free's send; the request is left as it was.  A lost
+                worker is recovered from first, as in ``step``.
         """
         self._check_open()
         completion = self.completions[request_id]
         if completion.finish_reason is None:
-            self._batch.cancel(completion, self.steps)
+            try:
+                self._batch.cancel(completion, self.steps)
+            except RunStopped as stopped:  # recovered (or raised): the request waits now, and leaves the queue
+                self._recover(stopped, time.monotonic())
+                self._batch.cancel(completion, self.steps)
         return completion
 
     def shutdown(self) -> None:

@@ -46,6 +46,7 @@ from torch import nn
 from .. import EpLink, LinkedEp
 from .. import RunStopped as _RunStopped
 from .._core.namespace import moved_names
+from ..reform import Reform
 from ..torch import DEFAULT_COLLECTIVE_TIMEOUT
 from ..torch import EXIT_GRACE as _EXIT_GRACE
 from .blocks import KvBlocks
@@ -134,6 +135,13 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
     ep_collective_commands: ClassVar[frozenset[int]] = COLLECTIVE_COMMANDS
     """Prefill and decode run the forward's all-reduces: a failure of either stops the run on every rank."""
 
+    ep_reforms: ClassVar[bool] = True
+    """A lost worker rank stops the run wherever the head finds it; the head's
+    [`reform_link`][metrale_model_engine.reform.reform_link] (which [`Server`][metrale_model_engine.reference.Server]
+    calls) forms the link again over the ranks left, and every rank reshards in
+    [`ep_reformed`][metrale_model_engine.reference.ReferenceLm.ep_reformed].  A head that does not re-form ends the
+    run as before: its workers end once it closes its link."""
+
     def __init__(
         self,
         link: EpLink,
@@ -152,6 +160,10 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         block_size: int = 16,
     ) -> None:
         super().__init__()
+        self._own_group = group is not None  # a group the link's re-form does not carry over
+        self.reloaded_bytes: int = 0
+        """The bytes the last reshard ([`ep_reformed`][metrale_model_engine.reference.ReferenceLm.ep_reformed]) read
+        from the checkpoint: the slices this rank did not hold before; 0 before any."""
         self.ep_link = link
         self.spent: TimeSpent = TimeSpent()
         reduce = ServedAllReduce(link, self.spent, group=group, all_reduce=all_reduce, timeout=collective_timeout)
@@ -294,6 +306,37 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         has written their keys and values.
         """
         return self._runner.decode(states, tokens)
+
+    # -- every rank: a re-form ------------------------------------------------------
+
+    def ep_reformed(self, reform: Reform, slots: MutableSequence[LmState | None]) -> None:
+        """Every rank, once the link re-formed over the ranks left: become rank ``reform.rank`` of
+        ``reform.world_size``.
+
+        The new shard keeps the slices this rank held already and reads only the others from the checkpoint
+        ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] with ``held``: the bytes read are
+        ``reloaded_bytes``); the KV cache is made again for the new shard with as many blocks (a block holds more
+        heads now, so more bytes), empty: every slot is emptied and every block freed, the prefix cache with them
+        (the head's [`Server`][metrale_model_engine.reference.Server] computes its requests' keys and values again);
+        the ledger (``check_kv_values``) starts again.  The all-reduces follow the link into its new epoch by
+        themselves.
+
+        Raises:
+            ValueError: the model was built over a ``group`` of its own, which the re-form does not carry over.
+            OSError: a weights file cannot be read.
+        """
+        if self._own_group:
+            raise ValueError(
+                "this ReferenceLm reduces over a group of its own (group=...), which a re-form of the link does not "
+                "carry over: build it over the default group to go on past a lost worker"
+            )
+        self.reloaded_bytes = self._runner.reshard(reform.rank, reform.world_size)
+        self.lm = self._runner.lm
+        self.kv_ledger = self._runner.ledger
+        self.ep_link.state_digest = kv_digest if self.kv_ledger is None else self.kv_ledger.state_digest
+        self.kv_blocks.clear()
+        for seq_id in range(len(slots)):
+            slots[seq_id] = None
 
     # -- worker ----------------------------------------------------------------
 

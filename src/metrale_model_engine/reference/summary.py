@@ -15,7 +15,9 @@ def run_summary(
 ) -> dict[str, object]:
     """The run of ``server`` over ``model`` that took ``wall_s`` seconds: its link, its steps, every request.
 
-    ``decode_step`` splits the head's decode steps into compute, collectives and
+    ``recoveries`` lists the run's recoveries from lost worker ranks (``Server.recoveries``): the ranks before and
+    after, the ranks lost and how, each part's milliseconds, the requests carried on and failed.  ``decode_step``
+    splits the head's decode steps into compute, collectives and
     protocol (shares of their total time); it counts none when every request ended
     with its prefill.  ``kv_cache`` gives the pool (its blocks, their size), the most
     blocks held at once, the prompt tokens looked up in the prefix cache and found
@@ -71,6 +73,20 @@ def run_summary(
             "prefix_hit_tokens": blocks.hit_tokens,
             "preemptions": server.preemptions,
         },
+        "recoveries": [
+            {
+                "ranks_before": r.ranks_before,
+                "ranks": r.world_size,
+                "lost": [{"rank": lost.rank, "how": lost.how} for lost in r.lost],
+                "detect_ms": round(r.detect_s * 1e3, 1),
+                "reform_ms": round(r.reform_s * 1e3, 1),
+                "reload_ms": round(r.reload_s * 1e3, 1),
+                "recompute_ms": None if r.recompute_s is None else round(r.recompute_s * 1e3, 1),
+                "carried_on": list(r.requeued),
+                "failed": list(r.failed),
+            }
+            for r in server.recoveries
+        ],
         "requests": [
             {
                 "id": c.request.id,
@@ -100,6 +116,16 @@ def summary_lines(summary: dict[str, object]) -> list[str]:
         f"[head] {len(requests)} requests, {summary['tokens']} tokens in {summary['wall_s']:.2f} s: "
         f"{summary['tokens_per_s']:.0f} tokens/s"
     ]
+    recoveries = summary.get("recoveries") or []
+    assert isinstance(recoveries, list)
+    if recoveries:
+        sizes = " -> ".join(str(size) for size in [recoveries[0]["ranks_before"], *(r["ranks"] for r in recoveries)])
+        carried = sum(len(r["carried_on"]) for r in recoveries)
+        failed = sum(len(r["failed"]) for r in recoveries)
+        lines.append(
+            f"[head] {len(recoveries)} recover{'y' if len(recoveries) == 1 else 'ies'} from lost workers "
+            f"({sizes} ranks): {carried} request(s) carried on, {failed} failed"
+        )
     if not step["count"]:
         lines.append("[head] no decode step: every request ended with its prefill")
     else:

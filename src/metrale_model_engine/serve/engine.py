@@ -81,6 +81,7 @@ class Engine:
         self._open: dict[int, _Open] = {}  # by request id; the scheduler's thread alone
         self._next_id = 0
         self._counted = (0, 0, 0)  # the server's preemptions, prefix queries and hits, as far as the metrics have them
+        self._recoveries = 0  # the server's recoveries counted in the metrics
         self.held: int = 0
         """Requests taken and not yet ended, running or waiting (the event loop's count)."""
         self.state: RunState = "serving"
@@ -148,7 +149,8 @@ class Engine:
                     server.decode_steps.clear()  # the step's timing is kept by the metrics
                     self._publish()
                 else:
-                    server.model.ep_link.check_workers()
+                    server.check_workers()
+                    self._publish()
         except BaseException as error:  # noqa: BLE001  (anything else stops the run: say why to every stream)
             self._stop(error)
         else:
@@ -223,6 +225,9 @@ class Engine:
             if completion.finish_reason is not None:
                 del self._open[request_id]
                 self._forget(request_id)
+        recoveries = len(self._server.recoveries)
+        metrics.recoveries.inc(recoveries - self._recoveries)
+        self._recoveries = recoveries
         self._gauges()
         if updates:
             self._call(self._deliver, updates)

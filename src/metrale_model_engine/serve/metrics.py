@@ -3,7 +3,7 @@
 Gauges ``metrale_requests_running``, ``metrale_requests_waiting``, ``metrale_slots_used``,
 ``metrale_kv_blocks_used``; counters ``metrale_prompt_tokens_total``, ``metrale_generation_tokens_total``,
 ``metrale_requests_cancelled_total``, ``metrale_preemptions_total``, ``metrale_prefix_cache_queries_total``,
-``metrale_prefix_cache_hits_total``; histograms
+``metrale_prefix_cache_hits_total``, ``metrale_recoveries_total`` (recoveries from lost worker ranks); histograms
 ``metrale_time_to_first_token_seconds`` (from a request's arrival) and
 ``metrale_inter_token_latency_seconds``; the enum ``metrale_run_state``
 (``serving``, ``draining``, ``stopped``).  Each app has its own registry.
@@ -41,6 +41,10 @@ class Metrics:
         self.generation_tokens: Counter = counter("metrale_generation_tokens", "Tokens generated.")
         self.cancelled: Counter = counter(
             "metrale_requests_cancelled", "Requests cancelled (a client gone, or a stop string)."
+        )
+        self.recoveries: Counter = counter(
+            "metrale_recoveries",
+            "Recoveries from lost worker ranks: the ranks left re-formed and carried every request on.",
         )
         self.preemptions: Counter = counter(
             "metrale_preemptions",

@@ -8,11 +8,12 @@ address it serves, and serves until it is told to stop; the other ranks run
 [`run_worker`][metrale_model_engine.run_worker].
 
 Signals: SIGTERM stops taking requests (503), lets the running ones finish within
-``--drain-timeout`` seconds (those left end with an error), shuts the workers down and exits 0; a
+``--drain-timeout`` seconds (those left end with an error), shuts the workers down and exits 0 (also after
+recovering from lost workers: the launching process's last line names them); a
 second SIGTERM, or Ctrl-C, ends every rank at once (exit 143, or 130).  With local ranks the
 launching process passes SIGTERM on to them (the workers ignore it: the head ends them).  A
-stopped run (a lost worker, a failed collective) ends every open stream with an error event naming
-the cause, turns ``/health`` to 503 at once, and exits 1 with one ``error:`` line as soon as the
+stopped run (a lost worker not recovered from, a failed collective) ends every open stream with an error event
+naming the cause, turns ``/health`` to 503 at once, and exits 1 with one ``error:`` line as soon as the
 streams have their events: a rank that failed, and the launching process once its ranks have
 ended, leave at once (``os._exit``) rather than through the interpreter's teardown, which takes
 seconds with torch loaded on a busy machine.
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn
 
 from .._demo_choices import default_threads
-from .._demo_launch import Start, ranks_line, run
+from .._demo_launch import Start, ranks_line, recovered_ranks, run
 from ..demo import Work
 from ..demo import serve as serve_rank_of_demo
 from .args import parse_args
@@ -73,8 +74,9 @@ class ServeWork:
     http: HttpOptions
 
 
-Head = Callable[["HttpOptions", "ReferenceLm", Work, Sequence[int]], None]
-"""``head(http, model, work, pids)``: what rank 0 does with the model; by default ``serve_http``."""
+Head = Callable[["HttpOptions", "ReferenceLm", Work, Sequence[int]], "Sequence[int] | None"]
+"""``head(http, model, work, pids)``: what rank 0 does with the model; by default ``serve_http``.  It returns the
+worker ranks whose loss it recovered from (the demo's ``Head``)."""
 
 
 def main(argv: Sequence[str] | None = None, *, head: Head | None = None) -> int:
@@ -120,15 +122,16 @@ def _make_work(start: Start) -> ServeWork:
         start.protocol, args.transport, args.slots, 1, args.prefill_chunk, args.sync_every, None, args.check_kv,
         device=start.device, cuda_graphs=args.cuda_graphs, threads=args.threads or default_threads(start.local_ranks),
         model=args.model, dtype=args.dtype, max_seq_len=args.max_seq_len, kv_memory=kv_memory,
-        block_size=args.block_size, prefix_caching=args.prefix_caching,
+        block_size=args.block_size, prefix_caching=args.prefix_caching, on_lost_rank=args.on_lost_rank,
     )  # fmt: skip
     name = args.served_model_name or checkpoint.directory.resolve().name
     http = HttpOptions(args.host, args.port, name, args.max_waiting, args.chat_template, args.drain_timeout)
     return ServeWork(work, http)
 
 
-def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence[int]) -> None:
-    """Rank 0: serve ``model`` over HTTP until a SIGTERM's drain ends (returns) or the run stops (raises)."""
+def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence[int]) -> list[int]:
+    """Rank 0: serve ``model`` over HTTP until a SIGTERM's drain ends (returns the worker ranks whose loss it
+    recovered from, numbered as at the start) or the run stops (raises)."""
     from ..reference import Tokenizer
     from .chat import ChatTemplate
 
@@ -144,17 +147,19 @@ def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence
     cause = asyncio.run(_serve(http, server, tokenizer, template))
     if cause is not None:
         raise RuntimeError(f"the run stopped: {cause}")
+    return recovered_ranks(server.recoveries)
 
 
-def serve_rank(rank: int, world_size: int, served: ServeWork, head: Head = serve_http) -> None:
+def serve_rank(rank: int, world_size: int, served: ServeWork, head: Head = serve_http) -> tuple[int, ...]:
     """One rank: rank 0 serves HTTP over the model (``head``); a worker runs its commands (and ignores SIGTERM).
 
-    A rank whose run failed (its one line said) leaves at once with its status, its link closed.
+    A rank whose run failed (its one line said) leaves at once with its status, its link closed.  Returns what the
+    demo's ``serve`` does: on rank 0, the worker ranks whose loss it recovered from.
     """
     if rank > 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        serve_rank_of_demo(rank, world_size, served.work, head=functools.partial(head, served.http))
+        return serve_rank_of_demo(rank, world_size, served.work, head=functools.partial(head, served.http))
     except SystemExit as failed:
         if failed.code:
             leave_now(int(failed.code))
@@ -169,12 +174,14 @@ def leave_now(code: int) -> NoReturn:
 
 
 def make_server(model: ReferenceLm, work: Work) -> Server:
-    """The scheduler rank 0 serves with: ``work``'s prefill chunks, sync points and prefix caching."""
+    """The scheduler rank 0 serves with: ``work``'s prefill chunks, sync points, prefix caching and
+    ``on_lost_rank``."""
     from ..reference import Server
 
     return Server(
-        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching
-    )
+        model, prefill_chunk=work.prefill_chunk, sync_every=work.sync_every, prefix_caching=work.prefix_caching,
+        on_lost_rank=work.on_lost_rank,
+    )  # fmt: skip
 
 
 async def _serve(

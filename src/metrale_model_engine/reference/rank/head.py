@@ -34,7 +34,6 @@ class HeadCommands:
         self._forwards = forwards
         self._spent = spent
         self._blocks = blocks
-        self._sends = link.world_size > 1  # one rank is the single-GPU model: no command to send
 
     def alloc(self, slots: LmSlots, seq_id: int) -> None:
         """Give slot ``seq_id`` a new, empty sequence on every rank (what it held is freed, its blocks with it; a
@@ -88,7 +87,7 @@ class HeadCommands:
               ) -> torch.Tensor:  # fmt: skip
         """One rank: ``chunks`` prefilled and a decode step, in one forward, everything checked before anything
         runs (see ``ReferenceLm.fused_step``)."""
-        if self._sends:
+        if self._link.world_size > 1:
             raise RuntimeError(
                 "fused_step is the one-rank path: with several ranks (is_ep()) each prefill and decode is a command "
                 "of its own"
@@ -147,7 +146,7 @@ class HeadCommands:
 
     def _send(self, send: Callable[..., None], *args: object) -> None:
         """``send(link, *args)``, one command to the workers, its time counted as protocol (one rank: nothing)."""
-        if self._sends:
+        if self._link.world_size > 1:  # one rank is the single-GPU model (at the start, or all that is left)
             started = time.perf_counter()
             send(self._link, *args)
             self._spent.protocol_s += time.perf_counter() - started

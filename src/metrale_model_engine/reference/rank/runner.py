@@ -12,6 +12,7 @@ are only followed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -73,17 +74,18 @@ class LmRunner:
         cuda_graphs: bool,
         check_kv_values: bool,
     ) -> None:
-        self.lm: ShardedLm = ShardedLm(
+        self._checkpoint = checkpoint
+        self._build = functools.partial(
+            ShardedLm,
             checkpoint.config,
             num_blocks=num_blocks,
             block_size=block_size,
-            rank=rank,
-            world_size=world_size,
             all_reduce=all_reduce,
             dtype=checkpoint.dtype if dtype is None else dtype,
             device=device,
             expert_routing=expert_routing,
         )
+        self.lm: ShardedLm = self._build(rank=rank, world_size=world_size)
         load_shard(self.lm, checkpoint)
         self._device = self.lm.embed.device
         self._graphs = DecodeGraphs(self.lm) if cuda_graphs else None
@@ -91,6 +93,31 @@ class LmRunner:
         """The digests of what the forwards wrote, with ``check_kv_values``; else ``None``."""
         self.pool: Pool = Pool(num_blocks, block_size)
         """The shape of the cache, the same on every rank."""
+
+    def reshard(self, rank: int, world_size: int) -> int:
+        """Become rank ``rank`` of ``world_size`` (the group changed: ranks were lost): a new ``lm`` of that shard, the
+        slices the old one held copied from it and only the others read from the checkpoint
+        ([`load_shard`][metrale_model_engine.reference.checkpoint.load_shard] with ``held``), a new KV cache of as
+        many blocks (every sequence's keys and values are gone: the slots and the head's block manager must be
+        emptied), the ledger and CUDA graphs made again.
+
+        Returns:
+            The bytes read from the checkpoint's files.
+
+        Raises:
+            ValueError: ``world_size`` ranks cannot split the model, or ``rank`` is not one of them.
+            OSError: a file cannot be read.  ``lm`` is then the old one still.
+        """
+        old = self.lm
+        new = self._build(rank=rank, world_size=world_size)
+        read = load_shard(new, self._checkpoint, held=old)
+        self.lm = new
+        del old  # its weights and cache go before the graphs are recorded again
+        if self._graphs is not None:
+            self._graphs = DecodeGraphs(new)
+        if self.ledger is not None:
+            self.ledger = KvLedger(new)
+        return read
 
     @property
     def config(self) -> LmConfig:

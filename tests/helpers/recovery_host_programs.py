@@ -1,0 +1,63 @@
+"""The reference model served across simulated hosts, one host lost whole: ``python -m helpers.recovery_host_programs
+OUT``.
+
+Two hosts of two ranks under :mod:`helpers.host_launch` (``auto``: a ``HostsTransport``,
+rank 2 leading the other host).  The head serves the recovery tests' workload
+(:data:`helpers.recovery_sessions.WORKLOAD`: four greedy requests and a seeded sampled
+one for three slots) with ``Server``'s default ``on_lost_rank="recover"``.  Before step
+``HOST_GOES`` it asks the test to kill the other host whole (it notes ``host-please``;
+the test kills the host, then creates ``host-gone``): the step that follows meets the
+loss, the link forms again over the head's own host (2 ranks, its ring) and every
+request carries on.  Every rank saves what it saw (:mod:`helpers.rank_results`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from metrale_model_engine import run_worker
+from metrale_model_engine.reference import LmSlots, ReferenceLm, Server
+from metrale_model_engine.torch import init_group_from_env, open_link
+
+from helpers.rank_results import note, save
+from helpers.recovery_sessions import PREFILL_CHUNK, QUIET, SLOTS, TIMEOUT, WORKLOAD, served
+
+HOST_GOES = 4
+"""The step before which the test kills the other host: requests are in flight (prefilled, decoding)."""
+HEAD_LOST_AFTER = 5.0
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    init_group_from_env(backend="gloo")
+    link = open_link("auto", num_slots=SLOTS, command_timeout=TIMEOUT, head_lost_after=HEAD_LOST_AFTER)
+    model = ReferenceLm(link)
+    origin, first = link.rank, type(link.transport).__name__
+    if link.rank:
+        slots: LmSlots = [None] * SLOTS
+        summary = run_worker(model, slots, logger=QUIET, reform_timeout=TIMEOUT)
+        save(out, origin, reforms=summary.reforms, transports=[first, type(link.transport).__name__])
+        link.close()
+        return
+    server = Server(model, prefill_chunk=PREFILL_CHUNK, sync_every=1)
+    for request in WORKLOAD:
+        server.submit(request)
+    while server.busy:
+        if server.steps + 1 == HOST_GOES and not (Path(out) / "host-gone").exists():
+            note(out, "host-please", at=time.monotonic())
+            deadline = time.monotonic() + 60.0
+            while not (Path(out) / "host-gone").exists():
+                assert time.monotonic() < deadline, "the test never killed the other host"
+                time.sleep(0.01)
+        server.step()
+    server.shutdown()
+    save(out, 0, **served(server), transports=[first, type(link.transport).__name__])
+    link.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
