@@ -34,6 +34,7 @@ import torch
 
 from metrale_model_engine.reference import Checkpoint, ExpertRouting, LmConfig, ShardedLm, count_ops, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
+from metrale_model_engine.reference.layers import span_groups
 
 from helpers.greedy import LOGIT_TOLERANCE, Greedy, byte_ids, greedy_session, ints, shipped_model, table, tables
 from helpers.threaded import ThreadGroup
@@ -220,8 +221,8 @@ def _blocks(config: LmConfig) -> int:
     return -(-config.max_seq_len // 16)
 
 
-def _random_model(config: LmConfig, seed: int = 0) -> ShardedLm:
-    model = ShardedLm(config, num_blocks=2 * _blocks(config))
+def _random_model(config: LmConfig, seed: int = 0, sequences: int = 2) -> ShardedLm:
+    model = ShardedLm(config, num_blocks=sequences * _blocks(config))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -347,6 +348,34 @@ def test_every_call_makes_two_all_reduces_per_layer(shipped: Checkpoint) -> None
     per_call = 2 * config.n_layers
     d = config.d_model
     assert calls == [(2, 3, d)] * per_call + [(3, d)] * per_call + [(2, d)] * per_call  # tokens, flattened
+
+
+def test_a_fused_step_attends_in_groups_of_like_lengths_as_the_training_path() -> None:
+    """Decode rows of five sequences whose blocks are scattered over the pool, at positions far apart and out of
+    order, with a prefill chunk, in one fused step of a grouped-query model (8 heads of 2 KV heads): the rows attend
+    longest first in groups, each over its own span, and every row's logits are the training path's on its sequence,
+    in the caller's order."""
+    assert span_groups([300, 290, 40, 30], 16, 512) == [(0, 2, 304), (2, 4, 48)]
+    assert span_groups([73, 70, 43, 13, 7], 16, 100) == [(0, 5, 80)]  # splitting would spare 37 * 3 positions
+    assert span_groups([100, 99], 16, 100) == [(0, 2, 100)] and span_groups([], 16, 100) == []
+    config = LmConfig(d_model=64, n_heads=8, n_kv_heads=2, head_dim=16, n_experts=4, d_expert=32, max_seq_len=256)
+    model = _random_model(config, sequences=6)
+    generator = torch.Generator().manual_seed(1)
+    blocks = torch.randperm(model.num_blocks, generator=generator).view(6, _blocks(config))
+    lengths = [7, 43, 13, 200, 180]
+    assert span_groups(sorted(lengths, reverse=True), 16, 256) == [(0, 2, 208), (2, 5, 48)]
+    sequences = [torch.randint(config.vocab_size, (length,), generator=generator) for length in lengths]
+    for held in blocks:  # stale entries past every row's position, which no row may see
+        model.prefill(held, torch.randint(config.vocab_size, (230,), generator=generator), 0)
+    for held, sequence in zip(blocks, sequences, strict=False):
+        model.prefill(held, sequence[:-1], 0)
+    chunk = torch.randint(config.vocab_size, (9,), generator=generator)
+    rows = [(held.tolist(), int(sequence[-1]), len(sequence) - 1)
+            for held, sequence in zip(blocks, sequences, strict=False)]  # fmt: skip
+    logits = model.fused_step([(blocks[5].tolist(), 0, chunk.tolist())], rows)
+    for row, sequence in enumerate([*sequences, chunk]):
+        expected = model(sequence[None])[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=LOGIT_TOLERANCE, rtol=0)
 
 
 def _prefill_prompts(model: ShardedLm, slots: list[int]) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ of the pool, ``P`` the positions of a block, ``W`` the positions a decode step a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +179,29 @@ def cache_rows(offsets: torch.Tensor, tables: torch.Tensor, width: int) -> torch
     return rows if rows.shape[1] == width else rows[:, :width].contiguous()
 
 
+SPLIT_POSITIONS: Final = 256
+"""What ``span_groups`` weighs a group against: the positions a split must spare every row after it, together."""
+
+
+def span_groups(needed: Sequence[int], block_size: int, max_seq_len: int) -> list[tuple[int, int, int]]:
+    """The groups of a fused step's decode rows, longest first (``needed``: the positions each row attends over,
+    descending), that each gather their rows' blocks over their own span: ``(first, end, span)``, in order, together
+    covering every index; ``span`` the group's first ``needed`` rounded up to whole blocks, at most ``max_seq_len``.
+
+    A group ends before a row when what its remaining rows would gather past their own span, together, reaches
+    ``SPLIT_POSITIONS`` (a gathered position costs about what its attention does, and each group launches its own
+    kernels): ``[300, 290, 40, 30]`` of blocks of 16 -> ``[(0, 2, 304), (2, 4, 48)]``.
+    """
+    groups: list[tuple[int, int, int]] = []
+    first = 0
+    for index in range(1, len(needed) + 1):
+        span = min(max_seq_len, -(-needed[first] // block_size) * block_size)
+        if index == len(needed) or (span - needed[index]) * (len(needed) - index) >= SPLIT_POSITIONS:
+            groups.append((first, index, span))
+            first = index
+    return groups
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """``[..., T, h, d]`` as ``[..., h, T, d]``, the layout of ``scaled_dot_product_attention``."""
     return x.transpose(-3, -2)
@@ -225,14 +249,16 @@ def attend_decode(
     positions of its sequence, gathered from the cache rows ``read[i]`` (``[B, W]``,
     ``W >= positions[i] + 1`` for every row), the positions past its own masked out by
     ``mask`` (``[B, 1, 1, W]``, added to the scores: 0 or ``-inf``), so every batch of one
-    ``W`` has one shape.
+    ``W`` has one shape.  The query heads of one KV head attend as that head's queries
+    (``[B, g, h / g, d]``, the grouping ``enable_gqa`` makes): each key and value gathered
+    is read once for the group, not once per query head.
     """
     rows = layer.cache_rows
     rows.index_copy_(0, written, kv)
     gathered = rows.index_select(0, read.flatten()).view(*read.shape, *rows.shape[1:])  # [B, W, 2, g, d]
     keys, values = (_heads_first(part) for part in gathered.unbind(2))  # [B, g, W, d]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
-    return out[:, :, 0]  # [B, h, d]
+    grouped = q.view(q.shape[0], layer.kv_heads, -1, q.shape[-1])  # [B, g, h / g, d]
+    return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).flatten(1, 2)  # [B, h, d]
 
 
 def attend_split(

@@ -27,6 +27,7 @@ from .layers import (
     attend_split,
     cache_rows,
     rms_norm,
+    span_groups,
 )
 
 Table = Sequence[int]
@@ -355,41 +356,53 @@ class ShardedLm(nn.Module):
 
         Each chunk ``(table, start, tokens)`` is a [`prefill`][metrale_model_engine.reference.ShardedLm.prefill], each
         row ``(table, token, position)`` a row of [`decode`][metrale_model_engine.reference.ShardedLm.decode], the
-        tables as lists of block ids; the layers' weights are read once for all of them.  Their values are trusted
+        tables as lists of block ids; the layers' weights are read once for all of them.  The rows attend longest
+        first, in groups of like lengths (``span_groups``), each group gathering its rows' blocks over the positions
+        its own longest row needs: no row's gather padded to the longest row of the step.  Their values are trusted
         (the caller checked them, as [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] does).
 
         Returns:
             The logits ``[len(rows) + len(chunks), vocab]``: the rows', then each chunk's after its last token.
         """
-        tokens = [token for _, token, _ in rows]
-        positions = [position for _, _, position in rows]
+        order = sorted(range(len(rows)), key=lambda row: -rows[row][2])  # longest first
+        ordered = [rows[row] for row in order]
+        tokens = [token for _, token, _ in ordered]
+        positions = [position for _, _, position in ordered]
         for _, start, chunk in chunks:
             tokens.extend(chunk)
             positions.extend(range(start, start + len(chunk)))
-        span = decode_span(max(positions[: len(rows)]) + 1, self.config.max_seq_len) if rows else 0
-        columns = -(-span // self.block_size)  # of each row's table
+        groups = span_groups([position + 1 for position in positions[: len(rows)]], self.block_size,
+                             self.config.max_seq_len)  # fmt: skip
         flat = [*tokens, *positions]  # everything the device needs, in one copy
-        for table, _, _ in rows:
-            flat.extend([*table[:columns], *[0] * (columns - len(table))])
+        for first, end, span in groups:
+            columns = -(-span // self.block_size)  # of each row's table
+            for table, _, _ in ordered[first:end]:
+                flat.extend([*table[:columns], *[0] * (columns - len(table))])
         for table, start, chunk in chunks:
             flat.extend(table[: -(-(start + len(chunk)) // self.block_size)])
         inputs = torch.tensor(flat, dtype=torch.int64).to(self.embed.device, non_blocking=True)
         count = len(tokens)
-        at = 2 * count + len(rows) * columns
+        at = 2 * count
         parts: list[tuple[Attend, int]] = []
-        if rows:
-            row_positions = inputs[count : count + len(rows)]
-            read = cache_rows(self.offsets, inputs[2 * count : at].view(len(rows), columns), span)
+        for first, end, span in groups:
+            columns = -(-span // self.block_size)
+            row_positions = inputs[count + first : count + end]
+            read = cache_rows(self.offsets, inputs[at : at + (end - first) * columns].view(end - first, columns), span)
+            at += (end - first) * columns
             visible = (self.positions[None, :span] <= row_positions[:, None])[:, None, None, :]
             written = read.gather(1, row_positions[:, None])[:, 0]
-            parts.append((functools.partial(attend_decode, written, read, self._bias(visible)), len(rows)))
-        last = list(range(len(rows)))
+            parts.append((functools.partial(attend_decode, written, read, self._bias(visible)), end - first))
+        last = [0] * len(rows)
+        for place, row in enumerate(order):  # each row's logits where the caller put it
+            last[row] = place
+        place = len(rows) - 1
         for _, start, chunk in chunks:
             end = start + len(chunk)
             blocks = -(-end // self.block_size)
             parts.append((self._prefill_attend(inputs[at : at + blocks], start, end), len(chunk)))
             at += blocks
-            last.append(last[-1] + len(chunk) if last else len(chunk) - 1)
+            place += len(chunk)
+            last.append(place)
         hidden = self._layers(
             self._embed(inputs[:count]), self.rotary.table[inputs[count : 2 * count]],
             functools.partial(attend_split, parts),
