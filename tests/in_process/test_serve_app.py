@@ -1,7 +1,7 @@
 """The HTTP server's app and engine in this process, on the shipped model (one rank), through httpx's ASGI
 transport: what a request's fields do to its tokens (``ignore_eos``, ``top_k``, ``top_p``), chat through a
-template given as a file and the sandbox's refusal as a 400, a cancel applied before the next step, and the prefix
-cache's counters in ``/metrics``."""
+template given as a file and the sandbox's refusal as a 400, a cancel applied before the next step, the prefix
+cache's counters in ``/metrics``, and ``/health``'s 503 before a stopped run's error events."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 import httpx
 
-from metrale_model_engine import EpLink
+from metrale_model_engine import EpLink, RunStopped
 from metrale_model_engine.reference import ReferenceLm, Request, Server, Tokenizer
 from metrale_model_engine.serve.app import build_app
 from metrale_model_engine.serve.chat import ChatTemplate
@@ -168,5 +168,37 @@ def test_a_prompt_sent_again_is_counted_in_the_prefix_caches_metrics() -> None:
         assert first["text"] == second["text"] == greedy(prompt, 6)
         text = (await client.get("/metrics")).text
         assert "metrale_prefix_cache_queries_total 92.0" in text and "metrale_prefix_cache_hits_total 32.0" in text
+
+    serve(test)
+
+
+def test_a_stopped_run_turns_health_to_503_before_any_stream_has_its_error_event() -> None:
+    """The order the server keeps (in the process test it is a race with the exit): the state ``/health`` reads
+    first, then the streams' error events, on one event loop."""
+    why = "head: the run stopped: worker rank(s) [1] exited (killed by SIGKILL)"
+
+    def stop() -> None:
+        raise RunStopped(why)
+
+    async def test(client: httpx.AsyncClient, engine: Engine, server: Server) -> None:
+        assert (await client.get("/health")).status_code == 200
+        errors: list[tuple[str | None, str]] = []
+        ended = asyncio.Event()
+
+        def sink(update: Update) -> None:
+            if update.error is None:
+                # The next step stops the run.
+                server.step = stop  # type: ignore[method-assign]
+                return
+            errors.append((update.error, engine.state))
+            ended.set()
+
+        engine.submit([Request(engine.new_id(), tuple(byte_ids(PROMPT)), 200) for _ in range(2)], sink)
+        await ended.wait()
+        await asyncio.sleep(0)  # the other request's error event, delivered in the same callback
+        assert errors == [(f"the run stopped: RunStopped: {why}", "stopped")] * 2
+        health = await client.get("/health")
+        assert health.status_code == 503, health.text
+        assert health.json() == {"status": "stopped", "cause": f"the run stopped: RunStopped: {why}"}
 
     serve(test)

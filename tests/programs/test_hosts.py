@@ -161,6 +161,24 @@ def test_every_process_of_the_heads_host_killed_the_other_hosts_workers_exit_wit
         assert float(str(results[rank]["at"])) - gone_at < COMMAND_TIMEOUT
 
 
+def assert_the_head_lost_on_the_cut_host(
+    codes: dict[int, int], stderr: str, results: dict[int, dict[str, object]]
+) -> None:
+    """Rank 2, the cut host's leader, finds the head lost and exits with ``HEAD_LOST_EXIT_CODE``; so does rank 3,
+    unless its leader's end reaches it first.
+
+    Both watch their own beats, which the cut stopped within a beat of each other, so their verdicts come up to
+    a beat apart; rank 3 reads its leader's ring and shares its collectives, and when the leader's exit is first,
+    rank 3's receive or collective fails (its error saved, the process then ends by itself, status 0).
+    """
+    assert codes[2] == HEAD_LOST_EXIT_CODE, (codes, stderr)
+    assert "worker rank 2: the head is lost: no answer from the group's store" in stderr
+    if codes[3] == HEAD_LOST_EXIT_CODE:
+        assert "worker rank 3: the head is lost: no answer from the group's store" in stderr
+    else:
+        assert codes[3] == 0 and results[3]["error_type"] in ("EpReceiveError", "RunStopped"), (codes, results.get(3))
+
+
 @pytest.mark.parametrize("where", ["command", "sync", "forward"])
 def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
     tmp_path: Path, where: str, alone: Alone
@@ -177,9 +195,7 @@ def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after
             lost_after = time.monotonic() - cut_at
             head = finish(head_host, RUN_BOUND)
         assert code == 0, stderr
-        assert exit_codes(stdout) == {2: HEAD_LOST_EXIT_CODE, 3: HEAD_LOST_EXIT_CODE}
-        for rank in (2, 3):
-            assert f"worker rank {rank}: the head is lost: no answer from the group's store" in stderr
+        assert_the_head_lost_on_the_cut_host(exit_codes(stdout), stderr, load(tmp_path, 4))
         assert HEAD_LOST_AFTER - DEFAULT_HEARTBEAT <= lost_after < HEAD_LOST_AFTER + LOST_SLACK  # from the last beat
         code, stdout, stderr = head
     assert code == 0, stderr
