@@ -43,12 +43,10 @@ from typing import Literal, Protocol
 
 import torch
 
-from .. import EpLink, EpWorkerFailed, LinkedEp, RunStopped
+from .. import EpWorkerFailed, LinkedEp, RunStopped
 from .._core.namespace import PublicDir, public_dir
 from ..reform import reform_link
-from .batch import Batch, Running
-from .blocks import KvBlocks
-from .config import LmConfig
+from .batch import Batch, Running, SlotModel
 from .rank.checks import check_prompt
 from .rank.recovery import Recovering, Recovery
 from .rank.runner import Chunk
@@ -78,14 +76,9 @@ class DecodeStep:
         return self.total_s - self.protocol_s - self.collectives_s
 
 
-class ServedLm(Protocol):
-    """What [`Server`][metrale_model_engine.reference.Server] drives: the head methods of ``ReferenceLm``."""
-
-    @property
-    def ep_link(self) -> EpLink: ...
-
-    @property
-    def config(self) -> LmConfig: ...
+class ServedLm(SlotModel, Protocol):
+    """What [`Server`][metrale_model_engine.reference.Server] drives: the head methods of ``ReferenceLm``, those a
+    batch asks for (its link, ``config``, ``kv_blocks``, ``alloc``, ``free``) and the forwards below."""
 
     @property
     def spent(self) -> TimeSpent: ...
@@ -93,19 +86,8 @@ class ServedLm(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    @property
-    def kv_blocks(self) -> KvBlocks: ...
-
     def is_ep(self) -> bool:
         """Whether several ranks share the model (each command then runs its own forward)."""
-        ...
-
-    def alloc(self, slots: LmSlots, seq_id: int) -> None:
-        """Give slot ``seq_id`` a new, empty sequence on every rank."""
-        ...
-
-    def free(self, slots: LmSlots, seq_id: int) -> None:
-        """Free slot ``seq_id`` on every rank."""
         ...
 
     def prefill(self, slots: LmSlots, seq_id: int, prompt: Sequence[int], start: int, length: int) -> torch.Tensor:
