@@ -129,12 +129,20 @@ def sse_lines(url: str, body: dict[str, Any], limit: int) -> Sequence[str]:
 
 def metric(server: RemoteServer, name: str, client: Any = None) -> float:
     """A metric's value, read from ``/metrics`` (through ``client``, an ``httpx.Client``, if given)."""
+    return metrics(server, name, client=client)[0]
+
+
+def metrics(server: RemoteServer, *names: str, client: Any = None) -> tuple[float, ...]:
+    """The values of metrics ``names``, read from one answer of ``/metrics`` (through ``client``, if given)."""
     import httpx
 
     text = (client or httpx).get(f"{server.url}/metrics", timeout=10).text
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert found, f"{name} is not in /metrics:\n{text}"
-    return float(found.group(1))
+    values = []
+    for name in names:
+        found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+        assert found, f"{name} is not in /metrics:\n{text}"
+        values.append(float(found.group(1)))
+    return tuple(values)
 
 
 def chat_checkpoint(directory: Path) -> Path:

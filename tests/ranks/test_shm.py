@@ -118,8 +118,9 @@ def test_no_wake_up_is_lost(tmp_path: Path) -> None:
     for rank in (1, 2):
         latencies = results[rank]["latencies"]
         assert isinstance(latencies, list) and len(latencies) == len(gaps)
-        # A lost wake-up ends only at the 2 s sleep cap these ranks run with.
-        assert max(latencies) < 0.5, (max(latencies), statistics.median(latencies))
+        # A lost wake-up ends only at the 2 s sleep cap these ranks run with; below it, room for a loaded machine
+        # (0.73 s seen once, other work running beside the tests).
+        assert max(latencies) < 1.5, (max(latencies), statistics.median(latencies))
 
 
 def test_an_idle_worker_sleeps(tmp_path: Path) -> None:
