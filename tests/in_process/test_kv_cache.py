@@ -408,3 +408,24 @@ def test_a_cached_block_is_shared_while_its_sequence_runs_and_freed_by_the_last(
     done = server.run()
     assert done[1].tokens == Server(solo(1), prefix_caching=False).run([Request(1, prompt[:13], 4)])[1].tokens
     assert model.kv_blocks.used == 0
+
+
+def test_requests_that_arrive_together_sharing_a_prefix_wait_for_the_first_to_write_it_then_share_it() -> None:
+    """On a cold cache nothing is shared by requests admitted in one step (a block is keyed once written): the first
+    computes the 6 shared blocks of 4, the others wait (and the queue behind them) until those are written, then
+    compute only their own rest."""
+    shared = tuple(byte_ids("THE SOFTWARE IS PROVIDED"))  # 24 tokens: 6 blocks of 4
+    requests = [Request(i, (*shared, *byte_ids(end)), 4) for i, end in enumerate((" AS IS", " WITHOUT", " OF ANY"))]
+    model = solo(4, block_size=4)
+    server = Server(model, prefill_chunk=8)
+    for request in requests:
+        server.submit(request)
+    admitted = []
+    while server.busy:
+        server.step()
+        admitted.append(server.queued)
+    # the first one's chunks of 8 write the shared blocks in 3 steps; the others are admitted in the 4th, together
+    assert admitted[:4] == [(2, 1), (2, 1), (2, 1), (0, 3)]
+    assert (model.kv_blocks.hit_tokens, model.kv_blocks.used) == (2 * 24, 0)
+    alone = Server(solo(4, block_size=4), prefill_chunk=8, prefix_caching=False).run(requests)
+    assert [server.completions[i].tokens for i in range(3)] == [alone[i].tokens for i in range(3)]

@@ -3,7 +3,8 @@
 A [`Server`][metrale_model_engine.reference.Server] keeps its requests in a ``Batch``: the waiting ones in a queue,
 oldest first, and the running ones each in a slot of the head's slot array, with the prompt's chunks still to feed
 and the token the next decode feeds.  The batch admits waiting requests into free slots when the blocks of their
-prompts are free (the model's ``kv_blocks``: a prefix found cached is shared, not computed again), frees the slots
+prompts are free (the model's ``kv_blocks``: a prefix found cached is shared, not computed again, and one still being
+written by a running request is waited for), frees the slots
 and blocks of the requests that ended or were cancelled, preempts the newest running requests when a decode step
 needs blocks that are not free, and resets on every rank the slots whose failed command left a worker's state
 unknown.  Each of these is an ordinary command of the model (``alloc``, ``free``), and a request moves only once
@@ -124,7 +125,8 @@ class Batch:
         """Admit waiting requests, oldest first, into free slots (one ``alloc`` each) while the blocks of their
         prompts are free, besides one for each running request whose next token starts a block; a cached prefix
         shared, the rest cut into chunks of at most ``prefill_chunk`` tokens.  Each is taken off the queue once
-        its slot is had."""
+        its slot is had.  With ``prefix_caching``, a request whose first blocks a running request is still
+        prefilling waits, and every request after it, until they are written (``_awaits_prefix``)."""
         blocks = self.model.kv_blocks
         free = [seq_id for seq_id, state in enumerate(self.slots) if state is None]
         spare = sum(1 for running in self.running if running.pending is not None and self._starts_block(running))
@@ -132,6 +134,8 @@ class Batch:
             completion = self.waiting[0]
             request = completion.request
             prompt = (*request.prompt, *completion.tokens)
+            if self.prefix_caching and self._awaits_prefix(prompt):
+                return
             cached = blocks.reserve(free[0], prompt, share=self.prefix_caching, spare=spare)
             if cached is None:
                 return
@@ -257,6 +261,28 @@ class Batch:
         completion.finished_step = step
         self.running.remove(running)
 
+    def _awaits_prefix(self, prompt: Sequence[int]) -> bool:
+        """Whether a running request still prefilling will write more of ``prompt``'s leading blocks than are cached
+        now: ``prompt`` then waits to share them rather than compute them again.
+
+        A block is keyed once written, so requests admitted together share nothing: on a cold cache, 16 requests
+        sharing a system prompt would each compute it.  Waiting costs a request about nothing: the writer feeds one
+        chunk a step, as the request's own prefill of the same tokens would, and the request then feeds only the rest.
+        """
+        blocks = self.model.kv_blocks
+        size = blocks.block_size
+        most = (len(prompt) - 1) // size  # the blocks a prefix may cover: one token is left to compute
+        shared = 0
+        for running in self.running:
+            if not running.prefilling:
+                continue
+            other, count = running.prompt, 0
+            limit = min(most, len(other) // size)
+            while count < limit and _same_block(prompt, other, count * size, size):
+                count += 1
+            shared = max(shared, count)
+        return shared > 0 and shared > len(blocks.prefix(prompt))
+
     def _starts_block(self, running: Running) -> bool:
         """Whether ``running``'s next token goes to a block its slot does not hold yet."""
         blocks = self.model.kv_blocks
@@ -278,3 +304,8 @@ class Batch:
         if running.pending is not None and fed >= self.model.config.max_seq_len:
             return "context"
         return None
+
+
+def _same_block(a: Sequence[int], b: Sequence[int], start: int, size: int) -> bool:
+    """Whether ``a`` and ``b`` hold the same tokens at ``start .. start + size - 1``."""
+    return a[start : start + size] == b[start : start + size]

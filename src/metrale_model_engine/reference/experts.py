@@ -108,22 +108,30 @@ class ShardedMoe(nn.Module):
 
     def _by_expert(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each picked local expert on its own tokens (reads the routing on the host): the picks sorted by
-        expert, each expert's products over its run of them, then each token's weighted sum, its experts added
-        in their order, as ``transformers`` adds them."""
+        expert, each expert's products over its run of them (written into one buffer each, not concatenated),
+        then each token's weighted sum, its experts added in their order, as ``transformers`` adds
+        them."""
         local = (experts - self.first_expert).flatten()  # [N * k]: each token's picks side by side
         order = torch.argsort(local, stable=True)  # by expert; another rank's picks first (below 0) or last
         counts = torch.bincount(local.clamp(-1, self.local_experts) + 1, minlength=self.local_experts + 2).tolist()
         picks = order[counts[0] : len(order) - counts[-1]]  # the picks of this rank's experts, by expert
-        used = [(expert, count) for expert, count in enumerate(counts[1:-1]) if count]
-        if not used:  # every pick is another rank's
+        runs, first = [], 0  # (expert, first pick, end) of each expert picked
+        for expert, count in enumerate(counts[1:-1]):
+            if count:
+                runs.append((expert, first, first + count))
+                first += count
+        if not runs:  # every pick is another rank's
             return torch.zeros_like(flat)
         token = torch.div(picks, self.top_k, rounding_mode="floor")
-        sizes = [count for _, count in used]
-        rows = torch.split(flat[token], sizes)
-        hidden = torch.cat([torch.mm(part, self.w_in[expert]) for (expert, _), part in zip(used, rows, strict=True)])
+        rows = flat[token]
+        hidden = rows.new_empty(rows.shape[0], self.w_in.shape[-1])
+        for expert, start, end in runs:
+            _product(rows[start:end], self.w_in[expert], hidden[start:end])
         gate, up = hidden.chunk(2, dim=-1)
-        gated = torch.split(F.silu(gate) * up, sizes)
-        out = torch.cat([torch.mm(part, self.w_out[expert]) for (expert, _), part in zip(used, gated, strict=True)])
+        gated = F.silu(gate) * up
+        out = rows.new_empty(rows.shape)
+        for expert, start, end in runs:
+            _product(gated[start:end], self.w_out[expert], out[start:end])
         weighed = (out * weights.flatten()[picks, None]).to(flat.dtype)
         return torch.zeros_like(flat).index_add_(0, token, weighed)
 
@@ -146,3 +154,12 @@ class ShardedMoe(nn.Module):
         gate, up = hidden.chunk(2, dim=-1)
         gated = F.silu(gate) * up * local.t()[..., None]  # [E, N, F]
         return torch.mm(gated.transpose(0, 1).flatten(1), self.w_out.flatten(0, 1))
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, into: torch.Tensor) -> None:
+    """``into`` becomes ``a @ b``: written in place, or, where autograd records (the training path: ``mm``'s ``out=``
+    is not differentiable), computed and copied."""
+    if torch.is_grad_enabled():
+        into.copy_(torch.mm(a, b))
+    else:
+        torch.mm(a, b, out=into)

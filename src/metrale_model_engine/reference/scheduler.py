@@ -4,7 +4,8 @@ Each [`Server.step`][metrale_model_engine.reference.Server.step]:
 
 1. admits waiting requests, oldest first, into free slots (one ``alloc`` each), while
    the KV blocks of their prompts are free; with ``prefix_caching``, a prompt whose first
-   blocks are cached shares them and feeds only the rest;
+   blocks are cached shares them and feeds only the rest, and one whose first blocks a
+   running request is still prefilling waits until they are written, then shares them;
 2. feeds every request still prefilling one chunk of at most ``prefill_chunk``
    prompt tokens (one ``prefill`` each); the chunk that ends the prompt yields the
    first generated token;
