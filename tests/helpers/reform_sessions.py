@@ -16,8 +16,10 @@ A *plan* says, by step, which rank (by its rank at the start) dies and where:
 
 and ``forming`` (a rank at the start, or -1) is killed by the head as it forms the
 first re-form's epoch, before the ranks' setup agreement over it: a loss during the
-recovery, which begins again without it.  A model that does not opt in (``fixed``)
-shows what a run without re-forms does.
+recovery, which begins again without it; ``fails`` (a rank at the start, or -1) lives
+but fails the setup agreement of the first epoch it joins, before the agreement's
+collective, while the other members wait on it there.  A model that does not opt in
+(``fixed``) shows what a run without re-forms does.
 
 Every rank saves what it saw (``rank_results``): the head its outputs, each stop's
 message, each re-form and when each kill struck; every rank whether sockets and
@@ -43,7 +45,7 @@ from metrale_model_engine.reform import Reform, reform_link
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.torch import Collectives, open_link
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
-from metrale_model_engine.transport import Regroup
+from metrale_model_engine.transport import Regroup, TransportTimeout
 
 from helpers.rank_results import note, save
 
@@ -184,11 +186,39 @@ def join_late(regroup: Regroup, at: int, seconds: float) -> None:
     kind.join = joining  # type: ignore[method-assign]  # this process's worker alone
 
 
+def fail_in_agreement(regroup: Regroup) -> None:
+    """Worker: the setup agreement over the first epoch it attaches to fails on this rank before its collective (that
+    transport's ``gather`` raises, as a wait that timed out here would), the process alive (its classes' ``attach`` and
+    ``gather`` wrapped, in this process alone)."""
+    kind = type(regroup)
+    attach = kind.attach
+    failing: list[EpTransport] = []
+
+    def attaching(self: Regroup, epoch: int, members: Sequence[int], rank: int, deadline: float) -> EpTransport:
+        transport = attach(self, epoch, members, rank, deadline)
+        if failing:
+            return transport
+        failing.append(transport)
+        made = type(transport)
+        gather = made.gather
+
+        def refusing(self: EpTransport, words: Sequence[int], timeout: float | None = None) -> list[list[int]]:
+            if self is transport:
+                raise TransportTimeout(f"epoch {epoch}'s setup agreement failed on this rank, before its collective")
+            return gather(self, words, timeout)
+
+        made.gather = refusing  # type: ignore[method-assign,assignment]  # this process's worker alone
+        return transport
+
+    kind.attach = attaching  # type: ignore[method-assign]  # this process's worker alone
+
+
 def losses(
-    rank: int, world_size: int, kind: str, plan: Plan, steps: int, out: str, forming: int = -1, fixed: bool = False
-) -> None:
-    """Run ``steps`` FORWARD commands over ``open_link(kind)`` with the ranks of ``plan`` (and ``forming``) killed;
-    save what each rank saw.  ``fixed``: the model does not opt in."""
+    rank: int, world_size: int, kind: str, plan: Plan, steps: int, out: str, forming: int = -1, fixed: bool = False,
+    fails: int = -1,
+) -> None:  # fmt: skip
+    """Run ``steps`` FORWARD commands over ``open_link(kind)`` with the ranks of ``plan`` (and ``forming``) killed,
+    ``fails`` failing its first re-form's agreement; save what each rank saw.  ``fixed``: the model does not opt in."""
     torch.set_num_threads(1)
     link = open_link(kind, num_slots=2, command_timeout=TIMEOUT, head_lost_after=5.0)
     model = (Fixed if fixed else Sharded)(link, plan, out)
@@ -202,6 +232,9 @@ def losses(
                 kill_as_it_forms(regroup, pids[forming], out, forming)
             head(model, pids, steps, before)
         else:
+            regroup = side_of(link).regroup
+            if rank == fails and regroup is not None:
+                fail_in_agreement(regroup)
             logger = logging.getLogger(f"tests.reform.rank{rank}")
             logger.propagate = False
             summary = run_worker(model, slots, logger=logger, reform_timeout=TIMEOUT)

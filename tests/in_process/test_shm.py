@@ -345,10 +345,26 @@ def test_gather_refuses_what_is_not_13_u32_words(pair: tuple[ShmTransport, ShmTr
 
 
 def test_gather_gives_up_after_the_setup_timeout() -> None:
-    with ShmTransport.create(3, setup_timeout=0.2) as head:
-        ShmTransport.attach(head.name, 1).close()
+    with ShmTransport.create(3, setup_timeout=0.2) as head, ShmTransport.attach(head.name, 1) as silent:
         with pytest.raises(TransportTimeout, match=r"within setup_timeout=0.2 s; rank\(s\) \[2\] never attached"):
             head.gather([0])
+        assert not silent.closed  # rank 1 is there, open and silent: a rank that closed its end ends a gather at once
+
+
+def test_a_worker_that_closed_its_end_before_answering_ends_the_gather_at_once() -> None:
+    """Alive but gone (its setup failed there): the others' gather ends with ``PeerLost`` naming it, not at the
+    setup timeout."""
+    with ShmTransport.create(3, setup_timeout=30) as head:
+        answered, leaves = ShmTransport.attach(head.name, 1), ShmTransport.attach(head.name, 2)
+        first = in_thread(lambda: answered.gather([1]))
+        leaves.close()
+        began = time.monotonic()
+        with pytest.raises(PeerLost, match=r"^rank 0: rank\(s\) \[2\] left the ring before every rank could answer"):
+            head.gather([0])
+        assert time.monotonic() - began < 10.0  # far from the 30 s of the setup timeout
+        with pytest.raises(PeerLost, match=r"^rank 1: rank\(s\) \[2\] left the ring before every rank could answer"):
+            first()
+        answered.close()
 
 
 def test_links_agree_over_the_ring_and_a_command_is_one_record() -> None:

@@ -65,7 +65,9 @@ def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_end
 
 def kill_the_other_host(program: str, out: Path) -> tuple[int, str, str]:
     """Run ``python -m program OUT`` on 2 simulated hosts of 2 ranks; kill the other host whole once the head asks
-    (it notes ``host-please``; then ``host-gone``).  The head's host's exit code, stdout and stderr."""
+    (it notes ``host-please``; then ``host-gone``, once every process of that host ended: the kill reaches its ranks
+    through its pid namespace's end, and a head that went on before would step with them still there).  The head's
+    host's exit code, stdout and stderr."""
     with SimulatedHosts(2) as simulated:
         head_host, other = (simulated.ranks(host, 2, ["-m", program, str(out)]) for host in range(2))
         deadline = time.monotonic() + RUN_BOUND
@@ -73,9 +75,9 @@ def kill_the_other_host(program: str, out: Path) -> tuple[int, str, str]:
             assert time.monotonic() < deadline and head_host.poll() is None, "the head never asked"
             time.sleep(0.02)
         simulated.kill_all(other)
+        finish(other, RUN_BOUND)  # its pipes closed: no process of that host is left
         (out / "host-gone").touch()
         code, stdout, stderr = finish(head_host, RUN_BOUND)
-        finish(other, RUN_BOUND)
     return code, stdout, stderr
 
 

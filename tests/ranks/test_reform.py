@@ -94,6 +94,26 @@ def test_a_worker_killed_mid_command_then_one_killed_as_the_link_forms_again_and
 
 
 @pytest.mark.parametrize("kind", ["shm", "torch"])
+def test_a_survivor_whose_agreement_fails_frees_the_ranks_waiting_on_it_and_the_link_forms_at_the_next_epoch(
+    kind: str, tmp_path: Path
+) -> None:
+    """Rank 1 fails the first epoch's setup agreement before its collective, alive, while the head and rank 2 wait on
+    it there: it ends their wait as its death would (without, they waited out the re-form's bound, and the run
+    stopped), and all three form the next epoch."""
+    codes = run_group(sessions.losses, 4, kind, {2: ("hook", 3)}, 5, str(tmp_path), -1, False, 1, timeout=RUN_LIMIT)
+    results: dict[int, Any] = load(tmp_path, 4)
+    assert codes == [0, 0, 0, -9], results.get(0)
+    head, failed, other = results[0], results[1], results[2]
+    assert head["outs"] == [sessions.expected(step) for step in range(1, 6)]
+    (reform,) = head["reforms"]
+    assert (reform["epoch"], reform["world_size"], reform["attempts"], reform["ranks"]) == (2, 3, 2, (0, 1, 2))
+    assert [rank for rank, _ in reform["lost"]] == [3]
+    assert failed["summary"].reforms == 1 and failed["reforms"] == [(2, 1, 3)]
+    assert other["summary"].reforms == 1 and other["reforms"] == [(2, 2, 3)]
+    nothing_left(results)
+
+
+@pytest.mark.parametrize("kind", ["shm", "torch"])
 def test_a_model_that_does_not_opt_in_ends_every_rank_as_before(kind: str, tmp_path: Path) -> None:
     codes = run_group(sessions.losses, 4, kind, {2: ("hook", 3)}, 5, str(tmp_path), -1, True, timeout=RUN_LIMIT)
     assert codes == [1, 1, 1, -9]

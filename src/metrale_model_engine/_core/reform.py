@@ -90,7 +90,8 @@ class Regroup(Protocol):
     """
 
     def wake(self) -> None:
-        """End this process's waits on the old transport's group, as a peer's death would; idempotent.
+        """End this process's waits on the group now (the old transport's, or that of an epoch that failed to form
+        here), as a peer's death would, and so the waits of the ranks blocked on this one; idempotent.
 
         Nothing where closing the transport does it (a ring).
         """

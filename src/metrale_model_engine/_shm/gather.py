@@ -18,7 +18,7 @@ from .._core.transport import GATHER_WORDS, PeerLost, TransportClosed, Transport
 from .._core.words import u32_values
 from .._host.liveness import ProcessWatch
 from . import futex
-from .segment import BELL_AT, HEAD_OPEN, HEAD_PID_AT, HEAD_STATE_AT, Segment
+from .segment import BELL_AT, GONE_AT, HEAD_OPEN, HEAD_PID_AT, HEAD_STATE_AT, Segment
 from .waiting import DEFAULT_SPIN_TIME, wait_until
 
 
@@ -31,7 +31,8 @@ class SetupGather:
     Raises from ``gather`` (plain errors): ``TypeError`` or ``ValueError`` for a word
     that is not a u32 (as [`check_u32`][metrale_model_engine.check_u32] says, naming ``words[i]``),
     ``ValueError`` for more than ``GATHER_WORDS`` words or counts that differ between ranks,
-    [`PeerLost`][metrale_model_engine.transport.PeerLost] when a rank of the ring died,
+    [`PeerLost`][metrale_model_engine.transport.PeerLost] when a rank of the ring died, or left it (closed its
+    transport) before it answered,
     [`TransportTimeout`][metrale_model_engine.transport.TransportTimeout] past ``setup_timeout``,
     [`TransportClosed`][metrale_model_engine.transport.TransportClosed] once ``closed`` is set.
     """
@@ -67,14 +68,16 @@ class SetupGather:
         limit = f"setup_timeout={self._setup_timeout}" if timeout is None else str(timeout)
         seconds = self._setup_timeout if timeout is None else timeout
         self._wait_for_ranks(
-            lambda: all(u32[line] >= generation for line in lines), "answer the gather", seconds, limit
-        )
+            lambda: [rank for rank, line in enumerate(lines) if u32[line] < generation], "answer the gather", seconds,
+            limit,
+        )  # fmt: skip
         everyone = [list(u32[line + 3 : line + 3 + u32[line + 2]]) for line in lines]
         u32[mine + 1] = generation  # read: the others may overwrite their words after this
         self._ring_bell()
         self._wait_for_ranks(
-            lambda: all(u32[line + 1] >= generation for line in lines), "finish the gather", seconds, limit
-        )
+            lambda: [rank for rank, line in enumerate(lines) if u32[line + 1] < generation], "finish the gather",
+            seconds, limit,
+        )  # fmt: skip
         self._generation = generation
         differ = disagreement(self._rank, "word count of a gather", [len(words) for words in everyone])
         if differ is not None:
@@ -87,7 +90,9 @@ class SetupGather:
         lines = [segment.layout.gather_at(rank) // 4 for rank in range(segment.layout.world_size)]
         return [rank for rank, line in enumerate(lines) if segment.u32[line] < self._attempted]
 
-    def _wait_for_ranks(self, ready: Callable[[], bool], doing: str, timeout: float, limit: str) -> None:
+    def _wait_for_ranks(self, pending: Callable[[], list[int]], doing: str, timeout: float, limit: str) -> None:
+        """Wait until no rank is ``pending``; raise as the class says (``PeerLost`` too for a pending worker that left
+        the ring: it closed its transport, alive, and will not answer)."""
         segment, layout = self._segment, self._segment.layout
         pid_words = [HEAD_PID_AT // 4] + [layout.pid_at(r) // 4 for r in range(layout.readers)]
         watch = ProcessWatch()
@@ -107,10 +112,13 @@ class SetupGather:
                 raise PeerLost(
                     f"rank {self._rank}: process(es) {sorted(dead)} of the ring died before every rank could {doing}"
                 )
+            left = [rank for rank in pending() if rank and segment.bytes[GONE_AT + rank - 1]]
+            if left:
+                raise PeerLost(f"rank {self._rank}: rank(s) {left} left the ring before every rank could {doing}")
 
         try:
             wait_until(
-                ready,
+                lambda: not pending(),
                 segment=segment,
                 park_word=lambda: BELL_AT,
                 parked_flag=None,

@@ -108,7 +108,8 @@ class GroupRegroup:
         self._tried = 0  # the latest epoch tried
 
     def wake(self) -> None:
-        """End this process's waits on the old group at once, as a peer's death would (``severing``)."""
+        """End this process's waits on the group now at once (the old one, or that of an epoch that failed to form
+        here), as a peer's death would (``severing``)."""
         sever_group_connections(self._store)
 
     def survivors(

@@ -37,7 +37,7 @@ def sever_group_connections(store: TCPStore) -> int:
     try:
         published = b"\0".join(store.get(key) for key in store.list_keys())
     except Exception as error:  # noqa: BLE001
-        _LOGGER.warning("head: cannot end the wait on the lost ranks (the store lists no keys): %s", error)
+        _LOGGER.warning("cannot end the waits on the group (its store lists no keys): %s", error)
         return 0
     severed = 0
     connections = _tcp_connections()

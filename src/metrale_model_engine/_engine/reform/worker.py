@@ -21,7 +21,10 @@ def rejoin(link: EpLink, timeout: object, logger: logging.Logger | None = None) 
     seconds for the head to form the next epoch; it joins it if it is one of its
     members, else (or when the head ended the run, is gone, or formed none in time)
     it returns ``None``, having logged why: the worker then ends as it would have.
-    An epoch that fails to form as it joins (a rank lost meanwhile) is followed to the next.
+    An epoch that fails to form as it joins (a rank lost meanwhile) is followed to the next,
+    or ends it as above; either way it first closes its end of that epoch and ends its
+    waits there, as the head does when it abandons one, so that a member blocked on this
+    rank in the epoch's setup agreement goes on at once rather than at the bound.
 
     Raises:
         TypeError, ValueError: ``timeout`` is not a positive number of seconds.
@@ -59,6 +62,7 @@ def rejoin(link: EpLink, timeout: object, logger: logging.Logger | None = None) 
         except Exception as error:  # noqa: BLE001  (a rank lost meanwhile: the head forms the next epoch)
             if transport is not None:
                 transport.close()
+            regroup.wake()  # as the head's abandon: the members waiting on this rank go on, as at its death
             if time.monotonic() >= deadline:
                 log.warning("%s: epoch %d of the link did not form in time: %s", who, epoch, error_text(error))
                 return None
