@@ -24,8 +24,10 @@ examples) are other processes and keep the default.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Generator
@@ -141,6 +143,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if hasattr(config, "workerinput"):  # a worker of a parallel run (pytest-xdist)
         items.sort(key=_parallel_order)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once every test module is imported: what was made so far frozen out of the garbage collector, and torch
+    (if imported) on one thread.
+
+    The imports (torch's, transformers') are most of this process's objects; frozen
+    (``gc.freeze``), they are no longer walked by each full collection of the run.  Torch
+    on one thread computes as each rank does; a second thread on this 2-core machine, shared
+    with the other worker and the ranks, mostly spins in OpenMP's wait.
+    """
+    gc.freeze()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

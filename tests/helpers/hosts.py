@@ -22,12 +22,14 @@ says why not when one is missing.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,8 @@ SUBNET = "10.77.0"
 """The hosts' network: host ``i`` is ``10.77.0.<i+1>``, inside the bridge's namespace only."""
 RENDEZVOUS_PORT = 29500
 """torchrun's port on the head's host (each run has fresh namespaces, so it is always free)."""
+KILL_BOUND = 10.0
+"""Seconds a killed host's processes may take to end (each process frees its memory, torch's included, as it ends)."""
 TESTS = Path(__file__).resolve().parents[1]
 PRELOAD = ("torch.distributed", "metrale_model_engine.torch")
 """What a host's launcher imports once for its ranks (:meth:`SimulatedHosts.ranks`)."""
@@ -84,6 +88,7 @@ class SimulatedHosts:
         self.switch = f"{tag}-switch"
         self.hosts = [Host(index, f"{tag}-h{index}", f"m{os.getpid()}p{index}") for index in range(count)]
         self._processes: list[subprocess.Popen[str]] = []
+        self._host_of: dict[int, Host] = {}  # by the pid of a host's first process
         self._files = tempfile.TemporaryDirectory(prefix="metrale-hosts-")
 
     def __enter__(self) -> SimulatedHosts:
@@ -134,6 +139,7 @@ class SimulatedHosts:
             start_new_session=True,
         )
         self._processes.append(process)
+        self._host_of[process.pid] = host
         return process
 
     def torchrun(
@@ -170,13 +176,24 @@ class SimulatedHosts:
         """Unplug host ``index``'s cable: nothing reaches it or leaves it, and nobody is told."""
         _ip("-n", self.switch, "link", "set", self.hosts[index].port, "down")
 
-    def kill_all(self, process: subprocess.Popen[str]) -> None:
-        """Kill a host's first process, and so every process of that host at once.
+    def kill_all(self, process: subprocess.Popen[str], bound: float = KILL_BOUND) -> None:
+        """Kill a host's first process, and so every process of that host; return once none is left.
 
         Their sockets close, so peers learn of it at once; a machine losing power
-        closes nothing, which :meth:`cut` plays.
+        closes nothing, which :meth:`cut` plays.  The kernel kills the host's
+        processes after its first one, as the host's pid namespace ends, so the
+        host is still running when the signal is sent: a test that goes on at once
+        (telling the head that the host is gone) would race its ranks, which can
+        still answer a command or two.  So this waits until no process is left in
+        the host's network namespace (``bound`` seconds at most, else
+        ``AssertionError`` naming the pids left).
         """
+        namespace = self._host_of[process.pid].namespace
         process.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + bound
+        while left := _pids_in(namespace):
+            assert time.monotonic() < deadline, f"host {namespace}: pids {left} still ran {bound} s after its kill"
+            time.sleep(0.005)
 
     def close(self) -> None:
         """Kill what still runs, then delete the namespaces and the files."""
@@ -195,6 +212,22 @@ def exit_codes(stdout: str) -> dict[int, int]:
     assert last.startswith("exit codes "), stdout
     codes: dict[int, int] = ast.literal_eval(last.removeprefix("exit codes "))
     return codes
+
+
+def _pids_in(namespace: str) -> list[int]:
+    """The processes of this machine in the network namespace ``namespace`` (as ``ip netns pids`` lists them).
+
+    A process that has ended leaves its namespaces before its parent reaps it (its sockets closed before that), so
+    a zombie is not listed.
+    """
+    inode = os.stat(f"/run/netns/{namespace}").st_ino
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # ended meanwhile, or a zombie: no namespace left
+                if os.stat(f"/proc/{entry.name}/ns/net").st_ino == inode:
+                    pids.append(int(entry.name))
+    return pids
 
 
 def _ip(*args: str) -> None:

@@ -23,6 +23,7 @@ the launcher returns or raises only once every rank process it started has ended
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -55,10 +56,12 @@ def start_ranks_from_a_server(preload: Sequence[str]) -> None:
     """From now on, start rank processes as forks of one server process that imported ``preload`` once.
 
     Each rank then starts in milliseconds instead of importing torch anew (about a
-    second); the test suite does this.  A rank still gets the launcher's environment
-    as it is at the start, as a spawned one does.  What differs from the default
-    (``spawn``): a Ctrl-C that lands in the moment before a rank reaches its function
-    shows a traceback.  Call it before the first launch of the process.
+    second), with what the server imported frozen out of its garbage collector
+    (``gc.freeze``): shared with the server, never collected in the rank, whose
+    collections then copy none of its pages.  The test suite does this.  A rank
+    still gets the launcher's environment as it is at the start, as a spawned one
+    does.  What differs from the default (``spawn``): a Ctrl-C that lands in the
+    moment before a rank reaches its function shows a traceback.  Call it before the first launch of the process.
     """
     _PRELOAD[:] = preload
 
@@ -125,8 +128,9 @@ def launch(
         TimeoutError: see ``join_all``.
     """
     reports = [context.Pipe(duplex=False) for _ in rank_args]
+    forked = isinstance(context, ForkServerContext)
     processes = [
-        context.Process(target=_run_rank, args=(rank_main, args, send, dict(os.environ), interrupts_from_rank))
+        context.Process(target=_run_rank, args=(rank_main, args, send, dict(os.environ), interrupts_from_rank, forked))
         for args, (_, send) in zip(rank_args, reports, strict=True)
     ]
     try:
@@ -247,8 +251,10 @@ def _run_rank(
     report: Connection,
     environ: dict[str, str],
     interrupts_from_rank: bool,
+    forked: bool,
 ) -> None:
-    if os.environ != environ:  # a fork of the start server: the launcher's environment, as a spawned rank has
+    if forked:  # a fork of the start server: the launcher's environment, as a spawned rank has
+        gc.freeze()  # the server's imports, shared: a collection here would copy their pages
         os.environ.clear()
         os.environ.update(environ)
     try:
