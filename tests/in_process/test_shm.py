@@ -349,6 +349,7 @@ def test_gather_gives_up_after_the_setup_timeout() -> None:
         with pytest.raises(TransportTimeout, match=r"within setup_timeout=0.2 s; rank\(s\) \[2\] never attached"):
             head.gather([0])
         assert not silent.closed  # rank 1 is there, open and silent: a rank that closed its end ends a gather at once
+        assert head.unanswered() == [1, 2]
 
 
 def test_a_worker_that_closed_its_end_before_answering_ends_the_gather_at_once() -> None:
@@ -362,6 +363,7 @@ def test_a_worker_that_closed_its_end_before_answering_ends_the_gather_at_once()
         with pytest.raises(PeerLost, match=r"^rank 0: rank\(s\) \[2\] left the ring before every rank could answer"):
             head.gather([0])
         assert time.monotonic() - began < 10.0  # far from the 30 s of the setup timeout
+        assert head.unanswered() == []  # rank 2 left on its own: not silent (a re-form lets it check in again)
         with pytest.raises(PeerLost, match=r"^rank 1: rank\(s\) \[2\] left the ring before every rank could answer"):
             first()
         answered.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import runpy
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,16 @@ def test_the_readmes_model_replays_a_recording_its_collectives_with_one_particip
     forgot = type("Forgot", (example["TensorParallelMlp"],), {"ep_collective_commands": frozenset()})
     with pytest.raises(EpCommandRefused, match=r"an all-reduce ran in cmd 2, which ep_collective_commands does not"):
         head.replay(forgot(EpLink(ReplayTransport(()), num_slots=4)), [None] * 4)
+
+
+def test_free_port_picks_below_the_kernels_ephemeral_range_a_port_that_binds() -> None:
+    """Below the range outgoing connections take their ports from (when the kernel says where it begins)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 0
+    if ephemeral <= 20_000:
+        pytest.skip(f"needs an ephemeral range above port 20,000 (this machine's begins at {ephemeral or 'unknown'})")
+    for _ in range(20):
+        port = ep_torch.free_port()
+        assert 20_000 <= port < ephemeral
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", port))

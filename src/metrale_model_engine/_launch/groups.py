@@ -5,8 +5,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import random
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 import torch
@@ -21,12 +23,39 @@ DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
 """Group timeout ``init_local_group`` sets: how long an idle worker waits for a header over gloo."""
 
 
+LOWEST_CHOSEN_PORT: Final = 20_000
+"""The lowest port ``free_port`` picks below the kernel's ephemeral range."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago, for a local group's rendezvous."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a local group's rendezvous.
+
+    Picked at random from ``LOWEST_CHOSEN_PORT`` up to the kernel's ephemeral range (Linux's
+    ``net.ipv4.ip_local_port_range``, 32,768 by default), not by ``bind(0)``: a port of that range
+    can be taken by any outgoing connection between this probe and rank 0's listen (seen on a
+    machine busy with other groups' connections: rank 0 failed with ``EADDRINUSE``).  Without that
+    file, or with no free port found there in 64 tries, the kernel's choice.
+    """
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = LOWEST_CHOSEN_PORT
+    for port in random.sample(range(LOWEST_CHOSEN_PORT, ephemeral), min(64, max(ephemeral - LOWEST_CHOSEN_PORT, 0))):
+        if _free(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+        chosen: int = probe.getsockname()[1]
+        return chosen
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def cuda_available() -> bool:

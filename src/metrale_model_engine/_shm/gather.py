@@ -85,10 +85,16 @@ class SetupGather:
         return everyone
 
     def unanswered(self) -> list[int]:
-        """The ranks that have not answered this rank's latest gather (all of them once it passed: none)."""
+        """The ranks that have not answered this rank's latest gather and are still in the ring (none once it
+        passed).  A worker that closed its end before answering is not counted: it left on its own, and will check
+        in for the next epoch or end (its process's end is seen apart)."""
         segment = self._segment
         lines = [segment.layout.gather_at(rank) // 4 for rank in range(segment.layout.world_size)]
-        return [rank for rank, line in enumerate(lines) if segment.u32[line] < self._attempted]
+        return [
+            rank
+            for rank, line in enumerate(lines)
+            if segment.u32[line] < self._attempted and not (rank and segment.bytes[GONE_AT + rank - 1])
+        ]
 
     def _wait_for_ranks(self, pending: Callable[[], list[int]], doing: str, timeout: float, limit: str) -> None:
         """Wait until no rank is ``pending``; raise as the class says (``PeerLost`` too for a pending worker that left

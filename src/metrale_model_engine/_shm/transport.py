@@ -302,7 +302,8 @@ class ShmTransport:
 
     def unanswered(self) -> list[int]:
         """The ranks that have not answered this rank's latest [`gather`][metrale_model_engine.shm.ShmTransport.gather]
-        (none once it passed): after a gather that failed, which ranks were missing."""
+        (none once it passed): after a gather that failed, which ranks were missing, those that closed their end
+        before answering left out (they left on their own, and are not silent)."""
         return self._gather.unanswered()
 
     def regroup(self) -> RingRegroup:
