@@ -110,9 +110,10 @@ class Heartbeat:
             return None
         beat = cls(period)
         try:  # what an earlier transport of this rank over a group of this name left: this one has not left, and
-            # the run over there (RUN_OVER, added by the head of a re-formed link's earlier epoch) is not this one's
+            # the run over there (RUN_OVER, added by the head of a re-formed link's earlier epoch) is not this one's:
+            # the counter is set back, never deleted (a key listed, then gone, would hold a severing's read of it)
             own.delete_key(f"{key}/left")
-            own.delete_key(key)
+            own.set(key, "0")
         except Exception as error:  # noqa: BLE001  (a store without deletion: a stale word stays)
             _LOGGER.debug("could not clear the heartbeat's earlier last word: %s", error)
         beat._beating = threading.Thread(target=beat._beat, args=(own, key, rank), name=f"heartbeat {key}", daemon=True)
