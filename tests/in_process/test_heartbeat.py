@@ -168,6 +168,32 @@ def test_the_first_worker_past_the_bound_is_named_with_every_worker_silent_by_th
     live.stop()
 
 
+def test_a_later_transports_beat_is_not_told_by_the_head_of_an_earlier_epoch(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-formed link's next group bears the same name, and a survivor may keep its rank: the run-over word the
+    head of the epoch before added to its counter does not end the new epoch's waits; the new head's word does."""
+    severed: list[TCPStore] = []
+
+    def sever(tcp: TCPStore) -> int:
+        severed.append(tcp)
+        return 0
+
+    monkeypatch.setattr(heartbeat, "sever_group_connections", sever)
+    key = heartbeat.beat_key("g", 1)
+    store.add(key, heartbeat.RUN_OVER)  # the epoch before: its head found workers lost and told rank 1
+    beat = Heartbeat.start("g", store, 1, PERIOD, None)
+    assert beat is not None
+    time.sleep(10 * PERIOD)
+    assert severed == [] and 0 < store.add(key, 0) < heartbeat.RUN_OVER
+    store.add(key, heartbeat.RUN_OVER)  # this epoch's head tells it
+    deadline = time.monotonic() + 100 * PERIOD
+    while not severed and time.monotonic() < deadline:
+        time.sleep(PERIOD)
+    beat.stop()
+    assert len(severed) == 1
+
+
 @pytest.mark.serial  # a live worker's beats must keep their period
 def test_the_head_waiting_for_a_re_forms_check_ins_names_only_the_workers_whose_beat_stopped(store: TCPStore) -> None:
     """Worker 1 beats and worker 3 left its transport (``left``), both check in late; worker 2 never beats: only it

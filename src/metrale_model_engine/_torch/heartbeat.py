@@ -46,7 +46,9 @@ HEAD_LOST_EXIT_CODE: Final[int] = 75
 """The exit status of a worker that lost the head's host (``EX_TEMPFAIL``: try again)."""
 RUN_OVER: Final[int] = 1 << 48
 """What the head adds to a worker's counter once it found other workers lost: the worker's next beat sees
-it, and ends this process's waits on the group (the run is over; its own collectives then fail at once)."""
+it, and ends this process's waits on the group (the run is over; its own collectives then fail at once).
+A later transport of the rank over a group of the same name (the next epoch of a re-formed link) counts
+afresh: the earlier epoch's word is not taken for its own."""
 SILENT_AFTER_BEATS: Final[int] = 4
 """Beats the head waits for, at most, before it calls a worker silent."""
 _CONNECT_TIMEOUT: Final = datetime.timedelta(seconds=10)
@@ -107,8 +109,11 @@ class Heartbeat:
                 _LOGGER.debug("could not say so in the store: %s", cause)
             return None
         beat = cls(period)
-        try:  # the word of an earlier transport of this rank over this group: this one has not left
+        try:  # what an earlier transport of this rank over a group of this name left: this one has not left, and
+            # the run over there (RUN_OVER, added by the head of a re-formed link's earlier epoch) is not this one's:
+            # the counter is set back, never deleted (a key listed, then gone, would hold a severing's read of it)
             own.delete_key(f"{key}/left")
+            own.set(key, "0")
         except Exception as error:  # noqa: BLE001  (a store without deletion: a stale word stays)
             _LOGGER.debug("could not clear the heartbeat's earlier last word: %s", error)
         beat._beating = threading.Thread(target=beat._beat, args=(own, key, rank), name=f"heartbeat {key}", daemon=True)
