@@ -90,11 +90,11 @@ class SetupGather:
         in for the next epoch or end (its process's end is seen apart)."""
         segment = self._segment
         lines = [segment.layout.gather_at(rank) // 4 for rank in range(segment.layout.world_size)]
-        return [
-            rank
-            for rank, line in enumerate(lines)
-            if segment.u32[line] < self._attempted and not (rank and segment.bytes[GONE_AT + rank - 1])
-        ]
+        return [rank for rank, line in enumerate(lines) if segment.u32[line] < self._attempted and not self._left(rank)]
+
+    def _left(self, rank: int) -> bool:
+        """Whether worker ``rank`` closed its end of the ring (the head never leaves it)."""
+        return bool(rank) and bool(self._segment.bytes[GONE_AT + rank - 1])
 
     def _wait_for_ranks(self, pending: Callable[[], list[int]], doing: str, timeout: float, limit: str) -> None:
         """Wait until no rank is ``pending``; raise as the class says (``PeerLost`` too for a pending worker that left
@@ -118,7 +118,7 @@ class SetupGather:
                 raise PeerLost(
                     f"rank {self._rank}: process(es) {sorted(dead)} of the ring died before every rank could {doing}"
                 )
-            left = [rank for rank in pending() if rank and segment.bytes[GONE_AT + rank - 1]]
+            left = [rank for rank in pending() if self._left(rank)]
             if left:
                 raise PeerLost(f"rank {self._rank}: rank(s) {left} left the ring before every rank could {doing}")
 
