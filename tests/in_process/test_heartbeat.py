@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import cast
 
 import pytest
 
@@ -28,10 +27,10 @@ pytest.importorskip("torch", reason="the torch extra is not installed (pip insta
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
-from metrale_model_engine._torch import heartbeat
-from metrale_model_engine._torch.heartbeat import Heartbeat, connect_to
+from metrale_model_engine._torch import heartbeat, severing
+from metrale_model_engine._torch.heartbeat import Heartbeat
 from metrale_model_engine._torch.regroup import GroupRegroup, beats_of
-from metrale_model_engine._torch.severing import sever_group_connections
+from metrale_model_engine._torch.severing import connect_to, published_values, sever_group_connections
 from metrale_model_engine._torch.watch import HeadWatch
 from metrale_model_engine.torch import TorchTransport, free_port, open_link, open_transport
 
@@ -241,7 +240,7 @@ def test_the_watch_shuts_down_gloos_connections_and_no_other(store: TCPStore) ->
 
 
 class Published:
-    """A store whose one record holds a ``sockaddr_in``, as gloo's rendezvous records hold each rank's."""
+    """A store's reader whose one record holds a ``sockaddr_in``, as gloo's rendezvous records hold each rank's."""
 
     def __init__(self, address: tuple[str, int]) -> None:
         host, port = address
@@ -254,7 +253,36 @@ class Published:
         return self._record
 
 
-def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(monkeypatch: pytest.MonkeyPatch) -> None:
+class KeyGoneOnRead:
+    """A reader of ``store`` that lists one key more than it holds: a key deleted since it was listed."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self._store = store
+
+    def list_keys(self) -> list[str]:
+        return [*self._store.list_keys(), "deleted since listed"]
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+
+def test_a_key_deleted_since_it_was_listed_is_skipped_within_a_second(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A heartbeat clears its last word as it starts; a severing listing the keys meanwhile must not wait for it."""
+    store.set("rank0", "first")
+    store.set("rank1", "second")
+    reader = connect_to(store, severing._READ_TIMEOUT)
+    monkeypatch.setattr(severing, "connect_to", lambda *_: KeyGoneOnRead(reader))
+    started = time.monotonic()
+    values = published_values(store)
+    assert time.monotonic() - started < 1.0 + 2.0  # the read's bound, not the store's 5 s
+    assert sorted(values.split(b"\0")) == [b"first", b"second"]
+
+
+def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(
+    store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The program's own socket read, when the descriptors were listed, as one of gloo's: it is another now."""
     with socket.create_server(("127.0.0.1", 0)) as gloos, socket.create_server(("127.0.0.1", 0)) as programs:
         gloo = socket.create_connection(gloos.getsockname())
@@ -266,7 +294,9 @@ def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(monkeypatch: pyt
         monkeypatch.setattr(
             os, "readlink", lambda path: as_gloos if path == f"/proc/self/fd/{own.fileno()}" else read(path)
         )
-        assert sever_group_connections(cast(TCPStore, Published(gloos.getsockname()))) == 2  # gloo's two ends
+        reader = Published(gloos.getsockname())
+        monkeypatch.setattr(severing, "connect_to", lambda *_: reader)
+        assert sever_group_connections(store) == 2  # gloo's two ends
         monkeypatch.undo()
         own.sendall(b"x")
         assert own_end.recv(1) == b"x"  # the program's own connection still carries its byte

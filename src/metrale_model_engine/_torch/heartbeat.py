@@ -25,7 +25,6 @@ workers watch that host instead.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
@@ -35,7 +34,7 @@ from typing import Final
 from torch._C._distributed_c10d import Store, TCPStore
 
 from .._core.checks import check_seconds
-from .severing import sever_group_connections
+from .severing import connect_to, sever_group_connections
 
 DEFAULT_HEARTBEAT: Final[float] = 0.25
 """Seconds between two beats of a worker (a store round trip each: microseconds of the store's time)."""
@@ -51,8 +50,6 @@ A later transport of the rank over a group of the same name (the next epoch of a
 afresh: the earlier epoch's word is not taken for its own."""
 SILENT_AFTER_BEATS: Final[int] = 4
 """Beats the head waits for, at most, before it calls a worker silent."""
-_CONNECT_TIMEOUT: Final = datetime.timedelta(seconds=10)
-"""The bound on a beat's connection to the store (a beat itself waits as the store's client does)."""
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 
 
@@ -61,11 +58,6 @@ def tcp_store(store: Store | None) -> TCPStore | None:
     while store is not None and not isinstance(store, TCPStore):
         store = getattr(store, "underlying_store", None)
     return store
-
-
-def connect_to(store: TCPStore) -> TCPStore:
-    """A connection of its own to ``store``'s server."""
-    return TCPStore(store.host, store.port, is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
 
 
 def beat_key(group_name: str, rank: int) -> str:

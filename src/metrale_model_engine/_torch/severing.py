@@ -11,6 +11,7 @@ and any other of the program's, stay.  Linux (``/proc``).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -23,6 +24,14 @@ from torch._C._distributed_c10d import TCPStore
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 _ESTABLISHED: Final = "01"
 """A connected socket's state in ``/proc/net/tcp``."""
+_READ_TIMEOUT: Final = datetime.timedelta(seconds=1)
+"""The bound on reading one published key: a key listed, then deleted before its read, costs this, not the
+store's own timeout (a read waits for a key that is not there)."""
+
+
+def connect_to(store: TCPStore, timeout: datetime.timedelta = datetime.timedelta(seconds=10)) -> TCPStore:
+    """A connection of its own to ``store``'s server, whose connect and waits are bounded by ``timeout``."""
+    return TCPStore(store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 def sever_group_connections(store: TCPStore) -> int:
@@ -35,7 +44,7 @@ def sever_group_connections(store: TCPStore) -> int:
     older torch), none.
     """
     try:
-        published = b"\0".join(store.get(key) for key in store.list_keys())
+        published = published_values(store)
     except Exception as error:  # noqa: BLE001
         _LOGGER.warning("cannot end the waits on the group (its store lists no keys): %s", error)
         return 0
@@ -58,6 +67,23 @@ def sever_group_connections(store: TCPStore) -> int:
         except OSError as error:
             _LOGGER.debug("could not shut down socket %s: %s", fd, error)
     return severed
+
+
+def published_values(store: TCPStore) -> bytes:
+    """Every value in ``store``, ``\\0``-separated, read through a connection of its own.
+
+    A key that other ranks delete meanwhile (a heartbeat's last word, cleared at its start) is skipped: each
+    read waits ``_READ_TIMEOUT`` at most, where the shared connection would wait the store's whole timeout
+    (days, for a rendezvous store) and hold the severing, and the re-form waiting for it, that long.
+    """
+    reader = connect_to(store, _READ_TIMEOUT)
+    values = []
+    for key in reader.list_keys():
+        try:
+            values.append(reader.get(key))
+        except Exception:  # noqa: BLE001  (deleted since it was listed: no address of gloo's anyway)
+            continue
+    return b"\0".join(values)
 
 
 Endpoint = tuple[int, bytes, int]

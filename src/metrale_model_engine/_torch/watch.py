@@ -28,8 +28,8 @@ from typing import Final
 
 from torch._C._distributed_c10d import TCPStore
 
-from .heartbeat import RUN_OVER, SILENT_AFTER_BEATS, beat_key, connect_to
-from .severing import sever_group_connections
+from .heartbeat import RUN_OVER, SILENT_AFTER_BEATS, beat_key
+from .severing import connect_to, sever_group_connections
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 _TOLD_GRACE: Final = 0.5
