@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn
 
-from .._demo_choices import default_threads
-from .._demo_launch import Start, ranks_line, recovered_ranks, run
+from .._demo.choices import default_threads
+from .._demo.launch import Start, ranks_line, recovered_ranks, run
 from ..demo import Work
 from ..demo import serve as serve_rank_of_demo
 from .args import parse_args
