@@ -85,7 +85,7 @@ from .graphs import DecodeGraphs
 from .layers import AllReduce
 from .model import ShardedLm, decode_span
 from .rank.checks import check_decode, check_prefill, check_prompt
-from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
+from .rank.commands.words import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
 from .rank.digest import kv_digest
 from .rank.recovery import Recovery
 from .rank.slots import LmSlots, LmState
