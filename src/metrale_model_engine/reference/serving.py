@@ -52,9 +52,9 @@ from ..torch import EXIT_GRACE as _EXIT_GRACE
 from .blocks import KvBlocks
 from .checkpoint import Checkpoint
 from .config import LmConfig
-from .experts import ExpertRouting
-from .layers import AllReduce
-from .model import ShardedLm
+from .network.experts import ExpertRouting
+from .network.layers import AllReduce
+from .network.model import ShardedLm
 from .rank import checks as _checks
 from .rank.checks import Pool
 from .rank.commands import words as _commands
@@ -112,7 +112,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         cuda_graphs: replay decode steps from CUDA graphs
             ([`DecodeGraphs`][metrale_model_engine.reference.DecodeGraphs]): one launch per step instead of one per
             kernel.  One rank, on a CUDA device.
-        expert_routing: how the picked experts run (``experts``).
+        expert_routing: how the picked experts run (``network.experts``).
 
     Attributes:
         lm: the sharded transformer ([`ShardedLm`][metrale_model_engine.reference.ShardedLm]).
