@@ -54,10 +54,10 @@ if __name__ == "__main__":  # Ctrl-C while the imports below run, before run() t
 from ._core.errors import EpSetupError
 from ._core.namespace import PublicDir, public_dir
 from ._core.protocol import ProtocolVersion
-from ._demo_args import PROMPT_TEXT
-from ._demo_args import parse_args as _parse_args
-from ._demo_choices import default_threads, prompt_ids, under_torchrun_env
-from ._demo_launch import Start, ranks_line, recovered_ranks, run
+from ._demo.args import PROMPT_TEXT
+from ._demo.args import parse_args as _parse_args
+from ._demo.choices import default_threads, prompt_ids, under_torchrun_env
+from ._demo.launch import Start, ranks_line, recovered_ranks, run
 
 if TYPE_CHECKING:
     from . import EpLink

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from metrale_model_engine._demo_choices import TORCHRUN_VARS
+from metrale_model_engine._demo.choices import TORCHRUN_VARS
 
 
 def leave_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from metrale_model_engine.reference import (
     Server,
     kv_digest,
 )
-from metrale_model_engine.reference.model import ShardedBlock
+from metrale_model_engine.reference.network.model import ShardedBlock
 from metrale_model_engine.torch import Collectives, open_link
 
 from helpers.greedy import byte_ids

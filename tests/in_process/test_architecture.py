@@ -3,8 +3,8 @@
 Every module under ``src/metrale_model_engine`` is parsed with ``ast``, never imported (so
 this needs no torch): its imports, type-only ones under ``TYPE_CHECKING`` and the ones
 inside functions included, relative ones resolved against its package.  Each module
-belongs to a layer: its top folder, or for a module at the root, the public fronts
-(``fronts``) or the demo program (``demo``).  Every rule has a short name, and a broken
+belongs to a layer: the demo program's (``demo``, and its private parts in ``_demo/``), else its top
+folder, or for a module at the root, the public fronts (``fronts``).  Every rule has a short name, and a broken
 one fails with that name, the importing file and line, and what it imported:
 
 * ``layer:<layer>``: a layer imports only the layers ARCHITECTURE.md's table lets it;
@@ -47,8 +47,8 @@ DRAWING = ROOT / "ARCHITECTURE.md"
 MODULE_LINES = 450
 FOLDER_MODULES = 12
 
-DEMO = frozenset({"demo", "_demo_args", "_demo_choices", "_demo_launch"})
-"""The root modules of the demo program; every other root module is a public front."""
+DEMO = frozenset({"demo", "_demo"})
+"""The demo program: its root module and the folder of its private parts; every other root module is a public front."""
 
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "serve": frozenset({"demo", "reference", "fronts", "_core"}),
@@ -138,13 +138,15 @@ MODULES: dict[str, Path] = {module_name(path): path for path in sorted(SOURCE.rg
 
 
 def layer_of(module: str) -> str:
-    """The layer of a module of the package: its top folder, else ``demo`` or ``fronts``."""
+    """The layer of a module of the package: ``demo`` for the demo's, else its top folder, else ``fronts``."""
     parts = module.split(".")
     if len(parts) == 1:
         return "fronts"
+    if parts[1] in DEMO:
+        return "demo"
     if (SOURCE / parts[1]).is_dir():
         return parts[1]
-    return "demo" if parts[1] in DEMO else "fronts"
+    return "fronts"
 
 
 def owner(dotted: str) -> str:

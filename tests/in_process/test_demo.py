@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-from metrale_model_engine._demo_launch import recovered_ranks, verdict
+from metrale_model_engine._demo.launch import recovered_ranks, verdict
 from metrale_model_engine.demo import main, parse_args
 from metrale_model_engine.reference import Checkpoint, Recovery
 from metrale_model_engine.reform import LostRank
@@ -136,7 +136,7 @@ def test_demo_refuses_a_device_it_lacks_before_any_rank_starts(
 
 
 def test_the_device_defaults_to_a_gpu_per_rank_else_the_cpu() -> None:
-    from metrale_model_engine._demo_choices import device_and_backend
+    from metrale_model_engine._demo.choices import device_and_backend
 
     for devices, ranks, expected in ((0, 1, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")):
         args = parse_args(["--world-size", str(ranks)])
@@ -151,7 +151,7 @@ def test_the_kv_memory_is_bytes_or_a_fraction_and_each_local_rank_has_its_part_o
 ) -> None:
     import torch
 
-    from metrale_model_engine._demo_choices import kv_memory
+    from metrale_model_engine._demo.choices import kv_memory
     from metrale_model_engine.reference.rank import pool
 
     given = {text: parse_args(["--kv-memory", text]).kv_memory for text in ("67108864", "64MiB", "1.5GiB", "0.8", "1")}

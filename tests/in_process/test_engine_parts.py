@@ -11,10 +11,10 @@ import pytest
 from metrale_model_engine import EpLinkError, ProtocolVersion, RunStopped, WorkerFailure
 from metrale_model_engine._core.transport import EpTransport, HeadEnd, SoloTransport, TransportClosed, WorkerEnd
 from metrale_model_engine._engine.forward import CollectiveBlock
-from metrale_model_engine._engine.reports import WorkerReports
 from metrale_model_engine._engine.roles import HeadRole, WorkerRole, role_for
 from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
 from metrale_model_engine._engine.settings import LinkSettings
+from metrale_model_engine._engine.way_back.reports import WorkerReports
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport
 
 

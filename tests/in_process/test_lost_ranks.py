@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from metrale_model_engine import ProtocolVersion, WorkerFailure
-from metrale_model_engine._engine.reports import WorkerReports
 from metrale_model_engine._engine.run_state import CommandStream, ForwardScope, LinkParts, LinkState
 from metrale_model_engine._engine.settings import LinkSettings
+from metrale_model_engine._engine.way_back.reports import WorkerReports
 from metrale_model_engine._host.liveness import exit_status, process_state
 from metrale_model_engine.testing import RecordingTransport
 from metrale_model_engine.wire import Report, encode_report

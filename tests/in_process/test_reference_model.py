@@ -34,7 +34,7 @@ import torch
 
 from metrale_model_engine.reference import Checkpoint, ExpertRouting, LmConfig, ShardedLm, count_ops, decode_span
 from metrale_model_engine.reference.checkpoint import MIXTRAL, export_state, load_state
-from metrale_model_engine.reference.layers import span_groups
+from metrale_model_engine.reference.network.layers import span_groups
 
 from helpers.greedy import LOGIT_TOLERANCE, Greedy, byte_ids, greedy_session, ints, shipped_model, table, tables
 from helpers.threaded import ThreadGroup

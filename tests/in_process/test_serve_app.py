@@ -19,12 +19,12 @@ import httpx
 
 from metrale_model_engine import EpLink, RunStopped
 from metrale_model_engine.reference import ReferenceLm, Request, Server, Tokenizer
-from metrale_model_engine.serve.app import build_app
-from metrale_model_engine.serve.chat import ChatTemplate
+from metrale_model_engine.serve.api.app import build_app
+from metrale_model_engine.serve.api.chat import ChatTemplate
+from metrale_model_engine.serve.api.routes import Served
 from metrale_model_engine.serve.engine import Engine, Update
 from metrale_model_engine.serve.limits import Limits
 from metrale_model_engine.serve.metrics import Metrics
-from metrale_model_engine.serve.routes import Served
 from metrale_model_engine.transport import SoloTransport
 
 from helpers.greedy import byte_ids

@@ -14,11 +14,11 @@ pytest.importorskip("jinja2", reason="the serve extra is not installed")
 pytest.importorskip("pydantic", reason="the serve extra is not installed")
 
 from metrale_model_engine import serve
+from metrale_model_engine.serve.api.chat import ChatTemplate, ChatTemplateError
+from metrale_model_engine.serve.api.text import TextStream
 from metrale_model_engine.serve.args import parse_args
-from metrale_model_engine.serve.chat import ChatTemplate, ChatTemplateError
 from metrale_model_engine.serve.limits import Limits
 from metrale_model_engine.serve.protocol import ApiError
-from metrale_model_engine.serve.text import TextStream
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}" + (
     "{% if add_generation_prompt %}<assistant>{% endif %}"

@@ -38,7 +38,7 @@ from metrale_model_engine.reference import (
     check_prefill,
     kv_digest,
 )
-from metrale_model_engine.reference.model import ShardedBlock
+from metrale_model_engine.reference.network.model import ShardedBlock
 from metrale_model_engine.reference.rank import reduce
 from metrale_model_engine.reference.rank.runner import Chunk
 from metrale_model_engine.testing import RecordingTransport, ReplayTransport

@@ -10,10 +10,10 @@ from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 
 from .._core.errors import RunStopped
-from .reports import EXIT_GRACE
 from .roles import Role
 from .run_state import LinkParts
 from .sync import assert_ranks_agree, gather_u32
+from .way_back.reports import EXIT_GRACE
 
 
 class CollectiveBlock:

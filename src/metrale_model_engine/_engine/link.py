@@ -20,7 +20,7 @@ from .reform.side import ReformSide
 from .roles import role_for
 from .run_state import CommandStream, ForwardScope, LinkParts, LinkState, Phase
 from .settings import DEFAULT_COMMAND_TIMEOUT, LinkSettings, agree_on_setup
-from .way_back import StateDigest
+from .way_back.worker import StateDigest
 
 
 class EpLink(ForwardCollectives):

@@ -50,7 +50,7 @@ from .._core.state import S
 from .._core.tokens import ArrayInterface, writable_u32_buffer
 from .._core.words import CMD_SHUTDOWN, U32_TYPECODE
 from .run_state import LinkParts, ran_no_collective
-from .way_back import WorkerWayBack
+from .way_back.worker import WorkerWayBack
 
 RunCommand = Callable[[int, int, MutableSequence[S | None]], None]
 """A worker hook: ``run(seq_id, cmd, slots)`` runs one command (``ep_run_command``)."""

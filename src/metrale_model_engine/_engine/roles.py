@@ -19,11 +19,11 @@ from typing import Final, NoReturn, cast
 
 from .._core.errors import EpRoleError, RunStopped, command_word
 from .reader import CommandReader
-from .reports import WorkerReports
 from .run_state import LinkParts
 from .sender import HeadSender
 from .sync import SyncPoints
-from .way_back import StateDigest, WorkerWayBack
+from .way_back.reports import WorkerReports
+from .way_back.worker import StateDigest, WorkerWayBack
 
 
 class Role(ABC):

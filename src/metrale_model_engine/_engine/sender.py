@@ -20,9 +20,9 @@ from .._core.errors import EpError, EpLinkError, EpSendError, RunStopped, comman
 from .._core.tokens import TokenArray, as_u32_buffer, token_count
 from .._core.transport import TransportClosed, TransportCorrupt, TransportTimeout
 from .._core.words import CMD_SHUTDOWN, U32_MAX, check_u32
-from .reports import DEATH_GRACE, WorkerReports
 from .run_state import LinkParts, Phase
 from .settings import LinkSettings
+from .way_back.reports import DEATH_GRACE, WorkerReports
 
 _CLOSE_TIMEOUT: Final[float] = 1.0
 """Seconds the head's close waits to tell the workers it closed (best effort)."""

@@ -10,11 +10,11 @@ from .._core.errors import EpDivergenceError, EpLinkError, EpWorkerFailed, RunSt
 from .._core.transport import GATHER_WORDS, EpTransport, PretendGroup
 from .._core.words import check_u32
 from .agreement import HeadFigures, differences, disagreement_of_values
-from .answers import read_answers
-from .reports import WorkerReports
 from .run_state import LinkParts
 from .sender import HeadSender
 from .settings import LinkSettings
+from .way_back.answers import read_answers
+from .way_back.reports import WorkerReports
 
 AGREED_VALUES: Final = GATHER_WORDS - 1
 """How many named values ``EpLink.assert_ranks_agree`` compares at once: a gather's words, less one for the names."""

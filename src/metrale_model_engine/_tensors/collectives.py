@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .._core.checks import check_seconds
 from .._core.transport import PretendGroup
 from .._engine.link import EpLink
-from .._engine.reports import EXIT_GRACE
+from .._engine.way_back.reports import EXIT_GRACE
 from .._torch.hosts import waits_of
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "EXIT_GRACE", "Collectives"]

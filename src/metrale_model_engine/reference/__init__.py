@@ -43,8 +43,8 @@ part from ``transformers``' (and from one world size to another) where the two l
 logits tie within its rounding (docs/reference.md).
 
 This package imports torch; the root package never imports it.  Its modules, one
-job each: ``config`` (the shape and the sharding rule), ``layers``,
-``experts`` and ``model`` (the network), ``graphs`` (decode steps
+job each: ``config`` (the shape and the sharding rule), ``network`` (the network: ``layers``,
+``experts`` and ``model``, and ``graphs``, decode steps
 replayed from CUDA graphs), [`checkpoint`][metrale_model_engine.reference.checkpoint] (the Hugging Face layout),
 ``serving`` ([`ReferenceLm`][metrale_model_engine.reference.ReferenceLm], the network served over the protocol,
 composed of its parts in ``rank``: a slot's state, the checks every rank makes of a command, the digests sync points
@@ -80,12 +80,12 @@ from .._tensors.op_count import WAITING_OPS, OpCount, count_ops
 from .blocks import KvBlocks
 from .checkpoint import SHIPPED_MODEL, Checkpoint, CheckpointError, Tokenizer
 from .config import LmConfig, Shard, check_world
-from .experts import ExpertRouting
-from .graphs import DecodeGraphs
-from .layers import AllReduce
-from .model import ShardedLm, decode_span
+from .network.experts import ExpertRouting
+from .network.graphs import DecodeGraphs
+from .network.layers import AllReduce
+from .network.model import ShardedLm, decode_span
 from .rank.checks import check_decode, check_prefill, check_prompt
-from .rank.commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
+from .rank.commands.words import CMD_ALLOC, CMD_DECODE, CMD_PREFILL
 from .rank.digest import kv_digest
 from .rank.recovery import Recovery
 from .rank.slots import LmSlots, LmState

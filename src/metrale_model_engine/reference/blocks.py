@@ -2,10 +2,10 @@
 rank's KV cache hold which sequence.
 
 Every rank's cache is one pool of ``num_blocks`` blocks of ``block_size`` positions
-(``layers``).  A sequence's *block table* lists the blocks that hold its positions, in
+(``network.layers``).  A sequence's *block table* lists the blocks that hold its positions, in
 order: position ``p`` lives at offset ``p % block_size`` of block ``table[p // block_size]``.
 The head alone decides the tables; the commands that write KV carry the entries each
-sequence gains (``rank.commands``), so every rank holds the same tables and no worker ever
+sequence gains (``rank.commands.words``), so every rank holds the same tables and no worker ever
 allocates.
 
 A block is held by the sequences whose tables list it (a reference count); a block no

@@ -5,14 +5,14 @@ Every rank builds a [`ReferenceLm`][metrale_model_engine.reference.ReferenceLm] 
 [`prefill`][metrale_model_engine.reference.ReferenceLm.prefill],
 [`decode`][metrale_model_engine.reference.ReferenceLm.decode] and
 [`free`][metrale_model_engine.reference.ReferenceLm.free]: each checks its arguments, sends its command as one message,
-then runs the same forward as the workers (``rank.head``); the head decides which blocks of every rank's KV cache each
-sequence's positions go to ([`kv_blocks`][metrale_model_engine.reference.ReferenceLm.kv_blocks]), and the commands
-carry them.  Each worker runs
+then runs the same forward as the workers (``rank.commands.head``); the head decides which blocks of every rank's KV
+cache each sequence's positions go to ([`kv_blocks`][metrale_model_engine.reference.ReferenceLm.kv_blocks]), and the
+commands carry them.  Each worker runs
 [`run_worker`][metrale_model_engine.run_worker], whose hook reads the command, checks it against its own slots, and
-runs that forward (``rank.worker``).  A forward makes ``2 * n_layers`` all-reduces; they pair up across ranks because
-every rank runs the same commands in the same order.  The command words are Metrale's, each with its wire layout in
-``rank.commands``: ``CMD_ALLOC`` (alloc or free, no collective), ``CMD_PREFILL`` (a chunk, sent with the whole
-prompt) and ``CMD_DECODE`` (a batched decode step).
+runs that forward (``rank.commands.worker``).  A forward makes ``2 * n_layers`` all-reduces; they pair up across ranks
+because every rank runs the same commands in the same order.  The command words are Metrale's, each with its wire
+layout in ``rank.commands.words``: ``CMD_ALLOC`` (alloc or free, no collective), ``CMD_PREFILL`` (a chunk, sent with
+the whole prompt) and ``CMD_DECODE`` (a batched decode step).
 
 Failures (docs/errors.md, 'Failures inside a forward') are the library's:
 prefill and decode are declared collective
@@ -52,22 +52,22 @@ from ..torch import EXIT_GRACE as _EXIT_GRACE
 from .blocks import KvBlocks
 from .checkpoint import Checkpoint
 from .config import LmConfig
-from .experts import ExpertRouting
-from .layers import AllReduce
-from .model import ShardedLm
+from .network.experts import ExpertRouting
+from .network.layers import AllReduce
+from .network.model import ShardedLm
 from .rank import checks as _checks
-from .rank import commands as _commands
 from .rank.checks import Pool
-from .rank.commands import COLLECTIVE_COMMANDS
+from .rank.commands import words as _commands
+from .rank.commands.head import HeadCommands
+from .rank.commands.words import COLLECTIVE_COMMANDS
+from .rank.commands.worker import WorkerHook
 from .rank.digest import kv_digest
-from .rank.head import HeadCommands
 from .rank.ledger import KvLedger
 from .rank.pool import KvMemory, pool_blocks
 from .rank.reduce import ServedAllReduce, group_device
 from .rank.runner import Chunk, LmRunner
 from .rank.slots import LmSlots, LmState
 from .rank.timing import TimeSpent
-from .rank.worker import WorkerHook
 
 
 class ReferenceLm(nn.Module, LinkedEp[LmState]):
@@ -112,7 +112,7 @@ class ReferenceLm(nn.Module, LinkedEp[LmState]):
         cuda_graphs: replay decode steps from CUDA graphs
             ([`DecodeGraphs`][metrale_model_engine.reference.DecodeGraphs]): one launch per step instead of one per
             kernel.  One rank, on a CUDA device.
-        expert_routing: how the picked experts run (``experts``).
+        expert_routing: how the picked experts run (``network.experts``).
 
     Attributes:
         lm: the sharded transformer ([`ShardedLm`][metrale_model_engine.reference.ShardedLm]).

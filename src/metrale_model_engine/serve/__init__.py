@@ -6,9 +6,10 @@ the demo does, and rank 0 serves ``POST /v1/completions``, ``POST /v1/chat/compl
 scheduler ([`Server`][metrale_model_engine.reference.Server]) steps on a thread of its own
 (docs/serving.md).  Its modules, one job each: ``args`` (the command line), ``process`` (the
 ranks, signals, uvicorn), ``engine`` (the scheduler's thread and the way to it), ``limits`` (what
-is admitted), ``protocol`` (the request bodies and OpenAI's error body), ``routes`` and ``app``
-(the endpoints), ``streams`` (a request's choices as they arrive), ``text`` (tokens to text, stop
-strings), ``chat`` (chat templates), ``metrics`` (Prometheus).  Nothing in the package imports it.
+is admitted), ``protocol`` (the request bodies and OpenAI's error body), ``metrics`` (Prometheus);
+and ``api``, the endpoints and what they write: ``app`` and ``routes`` (the endpoints), ``streams`` (a
+request's choices as they arrive), ``text`` (tokens to text, stop strings), ``chat`` (chat templates).
+Nothing in the package imports it.
 """
 
 from __future__ import annotations

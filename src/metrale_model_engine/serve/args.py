@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._demo_args import OneLineParser, model_options, number, whole
+from .._demo.args import OneLineParser, model_options, number, whole
 
 PROG = "python -m metrale_model_engine.serve"
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NoReturn
 
-from .._demo_choices import default_threads
-from .._demo_launch import Start, ranks_line, recovered_ranks, run
+from .._demo.choices import default_threads
+from .._demo.launch import Start, ranks_line, recovered_ranks, run
 from ..demo import Work
 from ..demo import serve as serve_rank_of_demo
 from .args import parse_args
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from ..reference import ReferenceLm, Server, Tokenizer
-    from .chat import ChatTemplate
+    from .api.chat import ChatTemplate
     from .engine import Engine
 
 STREAMS_WRITTEN_S: Final = 0.5
@@ -110,7 +110,7 @@ class _Terms:
 
 def _make_work(start: Start) -> ServeWork:
     """Every rank's work, once the memory (on the CPU) and the chat template are checked (``ValueError``)."""
-    from .chat import ChatTemplate, ChatTemplateError
+    from .api.chat import ChatTemplate, ChatTemplateError
 
     args, checkpoint = start.args, start.checkpoint
     kv_memory = start.kv_memory()
@@ -133,7 +133,7 @@ def serve_http(http: HttpOptions, model: ReferenceLm, work: Work, pids: Sequence
     """Rank 0: serve ``model`` over HTTP until a SIGTERM's drain ends (returns the worker ranks whose loss it
     recovered from, numbered as at the start) or the run stops (raises)."""
     from ..reference import Tokenizer
-    from .chat import ChatTemplate
+    from .api.chat import ChatTemplate
 
     checkpoint = model.checkpoint
     name = "the shipped model" if work.model is None else str(checkpoint.directory)
@@ -190,11 +190,11 @@ async def _serve(
     """Serve until a drain ends (``None``) or the run stops (its cause)."""
     import uvicorn
 
-    from .app import build_app
+    from .api.app import build_app
+    from .api.routes import Served
     from .engine import Engine
     from .limits import Limits
     from .metrics import Metrics
-    from .routes import Served
 
     loop = asyncio.get_running_loop()
     config = server.model.config

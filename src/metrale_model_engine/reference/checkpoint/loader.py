@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import LmConfig
-from ..model import ShardedLm
+from ..network.model import ShardedLm
 from .family import Family
 from .fields import ConfigFields
 from .files import CheckpointError, TensorEntry, read_json, tensor_table

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import LmConfig, Shard
-from ..model import ShardedLm
+from ..network.model import ShardedLm
 from .family import Family
 
 Index = tuple[int | slice, ...]

@@ -11,7 +11,7 @@ from pathlib import Path
 import tokenizers
 from safetensors.torch import save_file
 
-from ..model import ShardedLm
+from ..network.model import ShardedLm
 from .loader import DTYPES
 from .mixtral import MIXTRAL
 from .plan import export_state

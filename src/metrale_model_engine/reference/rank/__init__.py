@@ -5,9 +5,9 @@ head checks before it sends a command and a worker before it runs one), ``digest
 slots' digest that sync points compare) and ``ledger`` (``KvLedger``: the KV cache's
 values checked against what was written, for deeper sync points).
 
-How a command travels: ``commands`` (the command words and each one's wire layout, one
-send/receive pair for both ends), ``head`` (``HeadCommands``: check, send, then the same
-forward as the workers), ``worker`` (``WorkerHook``: receive, check, forward).
+How a command travels, in ``commands``: ``words`` (the command words and each one's wire
+layout, one send/receive pair for both ends), ``head`` (``HeadCommands``: check, send, then
+the same forward as the workers), ``worker`` (``WorkerHook``: receive, check, forward).
 
 What runs the forward: ``runner`` (``LmRunner``: the sharded network on this rank, its KV
 cache and the forwards of a checked command), ``reduce`` (``ServedAllReduce``: the

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..model import ShardedLm
+from ..network.model import ShardedLm
 from .digest import kv_digest
 from .slots import LmState
 

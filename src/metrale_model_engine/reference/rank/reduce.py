@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ... import EpLink, RunStopped
 from ...torch import EXIT_GRACE, Collectives
-from ..layers import AllReduce
+from ..network.layers import AllReduce
 from .timing import TimeSpent
 
 

@@ -20,10 +20,10 @@ import torch
 
 from ..checkpoint import Checkpoint, load_shard
 from ..config import LmConfig
-from ..experts import ExpertRouting
-from ..graphs import DecodeGraphs
-from ..layers import AllReduce
-from ..model import ShardedLm, decode_span
+from ..network.experts import ExpertRouting
+from ..network.graphs import DecodeGraphs
+from ..network.layers import AllReduce
+from ..network.model import ShardedLm, decode_span
 from .checks import Pool
 from .ledger import KvLedger
 from .slots import LmSlots, LmState

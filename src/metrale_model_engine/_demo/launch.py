@@ -25,9 +25,10 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, TypeVar
 
-from ._core.errors import EpSetupError
-from ._core.protocol import ProtocolVersion
-from ._demo_choices import (
+from .._core.errors import EpSetupError
+from .._core.protocol import ProtocolVersion
+from .._host.launch import INTERRUPTED, stop_resource_tracker
+from .choices import (
     check_memory,
     cuda_devices,
     device_and_backend,
@@ -35,10 +36,9 @@ from ._demo_choices import (
     open_checkpoint,
     under_torchrun_env,
 )
-from ._host.launch import INTERRUPTED, stop_resource_tracker
 
 if TYPE_CHECKING:
-    from .reference import Checkpoint, Recovery, ReferenceLm
+    from ..reference import Checkpoint, Recovery, ReferenceLm
 
 W = TypeVar("W")
 """What every rank is asked to do: picklable, for spawned ranks."""
@@ -65,7 +65,7 @@ class Start:
             ValueError: it does not; the message is the line to print.
             OSError: the host's free memory cannot be read, for a fraction of it.
         """
-        from .reference.checkpoint import DTYPES
+        from ..reference.checkpoint import DTYPES
 
         dtype = self.checkpoint.dtype if self.args.dtype is None else DTYPES[self.args.dtype]
         per_rank = kv_memory(
@@ -138,7 +138,7 @@ def run(parse: Callable[[], argparse.Namespace], make_work: MakeWork[W], target:
 def _start(args: argparse.Namespace, make_work: MakeWork[W]) -> tuple[W, str] | int:
     """What every rank is asked to do, and the backend; or the exit status of a run that cannot start."""
     try:
-        from . import torch  # noqa: F401  (first: without torch, its ImportError says what to install)
+        from .. import torch  # noqa: F401  (first: without torch, its ImportError says what to install)
 
         protocol = ProtocolVersion(args.protocol) if args.protocol else ProtocolVersion.from_env()
         torchrun = under_torchrun_env()
@@ -158,7 +158,7 @@ def _launch(world_size: int, target: Target[W], work: W, backend: str) -> int:
             return _under_torchrun(backend, target, work)
         if world_size == 1:
             return _exit_code(lambda: target(0, 1, work))
-        from .torch import run_group
+        from ..torch import run_group
 
         heard, told = Pipe(duplex=False)  # the head's word to this launcher: the ranks it recovered from
         with heard, told:
@@ -258,7 +258,7 @@ def _exit_code(run: Callable[[], object]) -> int:
 def _under_torchrun(backend: str | None, target: Target[W], work: W) -> int:
     import torch.distributed as dist
 
-    from .torch import init_group_from_env
+    from ..torch import init_group_from_env
 
     init_group_from_env(backend=backend)
     try:

@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ... import EpLink, check_slot
-from ..blocks import KvBlocks
-from .checks import check_decode, check_prefill
-from .commands import send_alloc, send_decode, send_free, send_prefill
-from .runner import Chunk, Forwards, LmRunner
-from .slots import LmSlots, LmState, held_state
-from .timing import TimeSpent
+from .... import EpLink, check_slot
+from ...blocks import KvBlocks
+from ..checks import check_decode, check_prefill
+from ..runner import Chunk, Forwards, LmRunner
+from ..slots import LmSlots, LmState, held_state
+from ..timing import TimeSpent
+from .words import send_alloc, send_decode, send_free, send_prefill
 
 
 class HeadCommands:

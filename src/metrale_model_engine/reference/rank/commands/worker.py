@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ... import EpLink
-from .checks import check_blocks, check_decode, check_decode_blocks, check_prefill
-from .commands import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, recv_alloc, recv_decode, recv_prefill
-from .runner import Forwards, LmRunner
-from .slots import LmSlots, LmState, held_state
+from .... import EpLink
+from ..checks import check_blocks, check_decode, check_decode_blocks, check_prefill
+from ..runner import Forwards, LmRunner
+from ..slots import LmSlots, LmState, held_state
+from .words import CMD_ALLOC, CMD_DECODE, CMD_PREFILL, recv_alloc, recv_decode, recv_prefill
 
 
 class WorkerHook:

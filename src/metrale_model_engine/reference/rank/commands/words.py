@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from ... import EpLink
-from ...batching import check_batch
+from .... import EpLink
+from ....batching import check_batch
 
 CMD_PREFILL: Final = 0xFFFFFFF0
 """A prefill chunk: ``chunk_len``, ``chunk_start``, ``full_len``, the whole prompt, ``cached``, the blocks gained."""

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
-from ._core.protocol import ProtocolVersion
-from ._core.words import U32_MAX
-from .shm import MAX_WORLD_SIZE
+from .._core.protocol import ProtocolVersion
+from .._core.words import U32_MAX
+from ..shm import MAX_WORLD_SIZE
 
 PROMPT_TEXT = "text"
 PROMPT_IDS = "ids"

@@ -1,6 +1,6 @@
 """Token ids to text as they come, and stop strings that may span tokens.
 
-[`TextStream`][metrale_model_engine.serve.text.TextStream] decodes a request's tokens one by one: the
+[`TextStream`][metrale_model_engine.serve.api.text.TextStream] decodes a request's tokens one by one: the
 text of the tokens since an offset, less the text already given, once it no longer ends in an
 unfinished character (U+FFFD: a byte-level tokenizer's partial UTF-8); the last prompt tokens
 are its first context, so that a decoder that strips a leading space at the start of a text

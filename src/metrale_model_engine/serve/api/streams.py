@@ -1,9 +1,10 @@
 """One HTTP request's choices as they arrive from the scheduler: text, log-probabilities, ends, and the
 OpenAI JSON of each chunk or of the whole response.
 
-A [`Choices`][metrale_model_engine.serve.streams.Choices] gets the [`Update`][metrale_model_engine.serve.engine.Update]s
-of its requests (one per choice) in an asyncio queue, turns tokens into text
-([`TextStream`][metrale_model_engine.serve.text.TextStream]: held back where a stop string may begin), and
+A [`Choices`][metrale_model_engine.serve.api.streams.Choices] gets the
+[`Update`][metrale_model_engine.serve.engine.Update]s of its requests (one per choice) in an asyncio queue, turns
+tokens into text
+([`TextStream`][metrale_model_engine.serve.api.text.TextStream]: held back where a stop string may begin), and
 cancels a request whose stop string it found.  Its ``events`` yields, for each update, the
 choices' text and ends; the endpoints write them as OpenAI's chunks or gather them.
 """
@@ -15,8 +16,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..reference import Request, TokenLogprobs
-from .engine import Engine, Update
+from ...reference import Request, TokenLogprobs
+from ..engine import Engine, Update
 from .text import TextStream
 
 Decode = Callable[[Sequence[int]], str]

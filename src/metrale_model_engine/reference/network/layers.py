@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import LmConfig, Shard
+from ..config import LmConfig, Shard
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,12 +1,12 @@
 """Answers decoded: a worker's reports of failed commands and its acknowledgements of sync points, as the
-head reads them (``reports`` between sync points, ``sync`` at one).  Pure: no IO."""
+head reads them (``reports`` between sync points, ``_engine.sync`` at one).  Pure: no IO."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._core.codec import Ack, Report, WireError, decode_answer
-from .._core.errors import WorkerFailure
+from ..._core.codec import Ack, Report, WireError, decode_answer
+from ..._core.errors import WorkerFailure
 
 
 def read_answers(rank: int, answers: Iterable[bytes]) -> tuple[list[WorkerFailure], list[Ack]]:

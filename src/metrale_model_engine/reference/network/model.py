@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import LmConfig, Shard, check_world
+from ..config import LmConfig, Shard, check_world
 from .experts import ExpertRouting, ShardedMoe
 from .layers import (
     AllReduce,

@@ -1,5 +1,5 @@
 """``WorkerWayBack``: a worker's answers to its head: reports of failed commands, refusals that stop the run,
-and acknowledgements of sync points (the head reads them in ``reports`` and ``sync``)."""
+and acknowledgements of sync points (the head reads them in ``reports`` and ``_engine.sync``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 from collections.abc import Callable, MutableSequence
 from typing import Any, Final
 
-from .._core.codec import Ack, Report, encode_ack, encode_report
-from .._core.errors import (
+from ..._core.codec import Ack, Report, encode_ack, encode_report
+from ..._core.errors import (
     EpCommandFailed,
     EpCommandRefused,
     EpLinkError,
@@ -17,7 +17,7 @@ from .._core.errors import (
     WorkerFailure,
     error_text,
 )
-from .run_state import LinkParts
+from ..run_state import LinkParts
 
 StateDigest = Callable[[Any], int]
 """A digest of a rank's slots, ``digest(slots) -> int`` (u64), compared at sync points (``EpLink.state_digest``)."""

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import LmConfig, Shard
+from ..config import LmConfig, Shard
 from .layers import compute_dtype
 
 ExpertRouting = Literal["auto", "host", "device"]

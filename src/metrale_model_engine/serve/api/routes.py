@@ -18,10 +18,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..reference import Request, Sampling, Tokenizer, TokenLogprobs
+from ...reference import Request, Sampling, Tokenizer, TokenLogprobs
+from ..engine import Engine
+from ..protocol import MAX_SEED, ApiError, ChatBody, CompletionBody, Sampled, bad
 from .chat import ChatTemplate, ChatTemplateError
-from .engine import Engine
-from .protocol import MAX_SEED, ApiError, ChatBody, CompletionBody, Sampled, bad
 from .streams import Choices, Piece, RequestFailed, sse
 
 

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from .metrics import Metrics
-from .protocol import ApiError, ChatBody, CompletionBody, from_validation
+from ..metrics import Metrics
+from ..protocol import ApiError, ChatBody, CompletionBody, from_validation
 from .routes import Served, chat_completions, completions
 
 

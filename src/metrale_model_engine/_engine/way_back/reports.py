@@ -6,13 +6,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from .._core.checks import check_seconds
-from .._core.codec import WireError
-from .._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, error_text
-from .._core.transport import NamesLostRanks, NamesSilentRanks
-from .._host.liveness import ProcessWatch, exit_status, process_state
+from ..._core.checks import check_seconds
+from ..._core.codec import WireError
+from ..._core.errors import EpLinkError, EpWorkerFailed, RunStopped, WorkerFailure, error_text
+from ..._core.transport import NamesLostRanks, NamesSilentRanks
+from ..._host.liveness import ProcessWatch, exit_status, process_state
+from ..run_state import LinkParts
 from .answers import read_answers
-from .run_state import LinkParts
 
 EXIT_GRACE: Final = 5.0
 """Seconds the head looks for the worker behind a failed collective (a failing worker takes a moment to exit)."""

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from ._demo_args import PROMPT_IDS
+from .args import PROMPT_IDS
 
 if TYPE_CHECKING:
     import torch
 
-    from .reference import Checkpoint, Tokenizer
+    from ..reference import Checkpoint, Tokenizer
 
 TORCHRUN_VARS: Final = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """The variables that say this process is a rank that torchrun started."""
@@ -87,7 +87,7 @@ def open_checkpoint(model: Path | None, max_seq_len: int | None, world_size: int
     Raises:
         ValueError: it cannot be served (a ``CheckpointError`` is one), or by that many ranks.
     """
-    from .reference import Checkpoint
+    from ..reference import Checkpoint
 
     checkpoint = Checkpoint.open(model, max_seq_len=max_seq_len)
     config = checkpoint.config
@@ -116,7 +116,7 @@ def kv_memory(
         return given
     import torch
 
-    from .reference.rank.pool import free_memory
+    from ..reference.rank.pool import free_memory
 
     weights = sum(checkpoint.shard_bytes(rank, world_size, dtype) for rank in range(local_ranks))
     return max(1, int(given * max(0, free_memory(torch.device("cpu")) - weights) / local_ranks))
@@ -158,7 +158,7 @@ def prompt_ids(
         ValueError: a text prompt without a tokenizer, or a prompt that is empty, too long or
             holds an id outside the vocabulary (the message gives the prompt's number, from 1).
     """
-    from .reference import check_prompt
+    from ..reference import check_prompt
 
     prompts: list[tuple[int, ...]] = []
     for number, (kind, value) in enumerate(given, start=1):
