@@ -16,7 +16,7 @@ fail here alone: the other ranks are in, or on their way to, its collectives.  A
 failure of one is a refusal ([`EpCommandRefused`][metrale_model_engine.EpCommandRefused]): it is reported to the head
 as a report that stops the run, and the link refuses every later step.
 
-What a worker answers (reports, refusals, sync points) goes back through ``way_back``.
+What a worker answers (reports, refusals, sync points) goes back through ``way_back.worker``.
 """
 
 from __future__ import annotations

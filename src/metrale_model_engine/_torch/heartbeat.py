@@ -103,7 +103,7 @@ class Heartbeat:
         beat = cls(period)
         try:  # what an earlier transport of this rank over a group of this name left: this one has not left, and
             # the run over there (RUN_OVER, added by the head of a re-formed link's earlier epoch) is not this one's:
-            # the counter is set back, never deleted (a key listed, then gone, would hold a severing's read of it)
+            # the counter is set back, never deleted (a key listed, then gone, costs a severing's read a second)
             own.delete_key(f"{key}/left")
             own.set(key, "0")
         except Exception as error:  # noqa: BLE001  (a store without deletion: a stale word stays)

@@ -20,18 +20,21 @@ import sys
 from typing import Final
 
 from torch._C._distributed_c10d import TCPStore
+from torch.distributed import DistStoreError
 
 _LOGGER = logging.getLogger("metrale_model_engine.torch")
 _ESTABLISHED: Final = "01"
 """A connected socket's state in ``/proc/net/tcp``."""
+_CONNECT_TIMEOUT: Final = datetime.timedelta(seconds=10)
+"""The bound on a connection of its own to the store (a heartbeat's, a watch's, a severing's reader)."""
 _READ_TIMEOUT: Final = datetime.timedelta(seconds=1)
 """The bound on reading one published key: a key listed, then deleted before its read, costs this, not the
 store's own timeout (a read waits for a key that is not there)."""
 
 
-def connect_to(store: TCPStore, timeout: datetime.timedelta = datetime.timedelta(seconds=10)) -> TCPStore:
-    """A connection of its own to ``store``'s server, whose connect and waits are bounded by ``timeout``."""
-    return TCPStore(store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False)
+def connect_to(store: TCPStore) -> TCPStore:
+    """A connection of its own to ``store``'s server (its connect bounded by ``_CONNECT_TIMEOUT``, its waits too)."""
+    return TCPStore(store.host, store.port, is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
 
 
 def sever_group_connections(store: TCPStore) -> int:
@@ -40,13 +43,13 @@ def sever_group_connections(store: TCPStore) -> int:
     Gloo's are those with an end at an address some rank published in ``store``
     (its rendezvous records hold each rank's ``sockaddr``).  A descriptor is shut down
     only while it is still the socket found (one closed and reused meanwhile by another
-    thread is left alone).  Best effort: with a store that cannot list its keys (an
-    older torch), none.
+    thread is left alone).  Best effort: with a store that takes no connection or
+    cannot list its keys (an older torch), none, and a warning says why.
     """
     try:
         published = published_values(store)
     except Exception as error:  # noqa: BLE001
-        _LOGGER.warning("cannot end the waits on the group (its store lists no keys): %s", error)
+        _LOGGER.warning("cannot end the waits on the group (the store's keys could not be read): %s", error)
         return 0
     severed = 0
     connections = _tcp_connections()
@@ -76,13 +79,14 @@ def published_values(store: TCPStore) -> bytes:
     read waits ``_READ_TIMEOUT`` at most, where the shared connection would wait the store's whole timeout
     (days, for a rendezvous store) and hold the severing, and the re-form waiting for it, that long.
     """
-    reader = connect_to(store, _READ_TIMEOUT)
+    reader = connect_to(store)
+    reader.set_timeout(_READ_TIMEOUT)
     values = []
     for key in reader.list_keys():
         try:
             values.append(reader.get(key))
-        except Exception:  # noqa: BLE001  (deleted since it was listed: no address of gloo's anyway)
-            continue
+        except DistStoreError:  # deleted since it was listed: no address of gloo's is ever deleted
+            _LOGGER.debug("skipped store key %r: gone since it was listed", key)
     return b"\0".join(values)
 
 
