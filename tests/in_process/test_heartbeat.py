@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
@@ -256,26 +257,6 @@ class Published:
         return self._record
 
 
-class KeyGoneOnRead:
-    """A severing's own reader of the store, under which one key is deleted once the keys are listed."""
-
-    def __init__(self, reader: TCPStore, store: TCPStore, gone: str) -> None:
-        self._reader, self._store, self._gone = reader, store, gone
-        self.listed = False
-
-    def set_timeout(self, timeout: datetime.timedelta) -> None:
-        self._reader.set_timeout(timeout)
-
-    def list_keys(self) -> list[str]:
-        keys = self._reader.list_keys()
-        self._store.delete_key(self._gone)  # a heartbeat starting meanwhile clears its last word
-        self.listed = True
-        return keys
-
-    def get(self, key: str) -> bytes:
-        return self._reader.get(key)
-
-
 def test_a_key_deleted_since_it_was_listed_costs_the_severing_a_second_not_the_stores_timeout(
     store: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -285,23 +266,34 @@ def test_a_key_deleted_since_it_was_listed_costs_the_severing_a_second_not_the_s
     store.set("rank1/left", "1")
     store.set("rank2", "second")
     connect = severing.connect_to
-    readers: list[KeyGoneOnRead] = []
+    readers: list[TCPStore] = []
 
-    def reader_losing_a_key(of: TCPStore) -> KeyGoneOnRead:
-        readers.append(KeyGoneOnRead(connect(of), store, "rank1/left"))
+    def reader_after_a_deletion(of: TCPStore) -> TCPStore:
+        store.delete_key("rank1/left")  # a heartbeat starting between the listing and the reads
+        readers.append(connect(of))
         return readers[-1]
 
-    monkeypatch.setattr(severing, "connect_to", reader_losing_a_key)
+    monkeypatch.setattr(severing, "connect_to", reader_after_a_deletion)
     started = time.monotonic()
     values = published_values(store)
     assert time.monotonic() - started < 3.0  # the read's bound, not the store's 5 s
-    assert [reader.listed for reader in readers] == [True]  # read through its own connection
+    assert len(readers) == 1  # read through a connection of its own
     assert sorted(values.split(b"\0")) == [b"first", b"second"]
 
 
-def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(
-    store: TCPStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_severing_whose_stores_server_is_gone_gives_up_at_once() -> None:
+    """The head killed: its store went with it, and a worker's severing must not spend a connect's retries on it."""
+    served = TCPStore(
+        "127.0.0.1", free_port(), is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+    )
+    client = connect_to(served)
+    del served  # the server stops with its last reference
+    started = time.monotonic()
+    assert sever_group_connections(client) == 0
+    assert time.monotonic() - started < 3.0  # a new connection would retry for 10 s
+
+
+def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(monkeypatch: pytest.MonkeyPatch) -> None:
     """The program's own socket read, when the descriptors were listed, as one of gloo's: it is another now."""
     with socket.create_server(("127.0.0.1", 0)) as gloos, socket.create_server(("127.0.0.1", 0)) as programs:
         gloo = socket.create_connection(gloos.getsockname())
@@ -313,9 +305,9 @@ def test_a_descriptor_reused_since_it_was_read_is_not_shut_down(
         monkeypatch.setattr(
             os, "readlink", lambda path: as_gloos if path == f"/proc/self/fd/{own.fileno()}" else read(path)
         )
-        reader = Published(gloos.getsockname())
-        monkeypatch.setattr(severing, "connect_to", lambda *_: reader)
-        assert sever_group_connections(store) == 2  # gloo's two ends
+        records = Published(gloos.getsockname())
+        monkeypatch.setattr(severing, "connect_to", lambda _: records)
+        assert sever_group_connections(cast(TCPStore, records)) == 2  # gloo's two ends
         monkeypatch.undo()
         own.sendall(b"x")
         assert own_end.recv(1) == b"x"  # the program's own connection still carries its byte

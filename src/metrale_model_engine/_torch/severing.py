@@ -73,16 +73,19 @@ def sever_group_connections(store: TCPStore) -> int:
 
 
 def published_values(store: TCPStore) -> bytes:
-    """Every value in ``store``, ``\\0``-separated, read through a connection of its own.
+    """Every value in ``store``, ``\\0``-separated: the keys listed on ``store``'s connection (which fails at once
+    where the store's server is gone; a new connection would retry for ``_CONNECT_TIMEOUT``), the values read
+    through a connection of its own.
 
     A key that other ranks delete meanwhile (a heartbeat's last word, cleared at its start) is skipped: each
     read waits ``_READ_TIMEOUT`` at most, where the shared connection would wait the store's whole timeout
     (days, for a rendezvous store) and hold the severing, and the re-form waiting for it, that long.
     """
+    keys = store.list_keys()  # on the connection there is: it fails at once where the store's server is gone
     reader = connect_to(store)
     reader.set_timeout(_READ_TIMEOUT)
     values = []
-    for key in reader.list_keys():
+    for key in keys:
         try:
             values.append(reader.get(key))
         except DistStoreError:  # deleted since it was listed: no address of gloo's is ever deleted
