@@ -24,6 +24,7 @@ from metrale_model_engine import (  # noqa: E402
     as_u32_buffer,
 )
 from metrale_model_engine import torch as ep_torch  # noqa: E402
+from metrale_model_engine._launch.groups import LOWEST_CHOSEN_PORT  # noqa: E402
 from metrale_model_engine.testing import RecordingEp, ReplayTransport  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
 
@@ -184,10 +185,10 @@ def test_free_port_picks_below_the_kernels_ephemeral_range_a_port_that_binds() -
     """Below the range outgoing connections take their ports from (when the kernel says where it begins)."""
     ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
     ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 0
-    if ephemeral <= 20_000:
-        pytest.skip(f"needs an ephemeral range above port 20,000 (this machine's begins at {ephemeral or 'unknown'})")
+    if ephemeral <= LOWEST_CHOSEN_PORT:
+        pytest.skip(f"needs an ephemeral range above port {LOWEST_CHOSEN_PORT} (this one begins at {ephemeral or '?'})")
     for _ in range(20):
         port = ep_torch.free_port()
-        assert 20_000 <= port < ephemeral
+        assert LOWEST_CHOSEN_PORT <= port < ephemeral
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", port))
