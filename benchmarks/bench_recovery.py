@@ -111,13 +111,11 @@ def one_host_run(how: str, options: argparse.Namespace, want: dict[int, list[int
             if time.monotonic() > deadline or head_host.poll() is not None:
                 raise RuntimeError(f"the head never reached step {options.at}: {finish(head_host, 1.0)}")
             time.sleep(0.005)
+        lost_at = time.monotonic()
         if how == "cut":
             hosts.cut(1)
-            lost_at = time.monotonic()
         else:
-            hosts.kill_all(other)
-            lost_at = time.monotonic()
-            finish(other, HOST_BOUND_S)  # every process of that host ended (its pipes closed) before the head steps on
+            hosts.kill_all(other)  # returns once every process of that host ended: the head steps on after
         Path(out, "host-gone").touch()
         code, stdout, stderr = finish(head_host, HOST_BOUND_S)
         finish(other, HOST_BOUND_S)
