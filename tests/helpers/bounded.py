@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 
+from helpers import programs
 
-def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
+
+def finish(process: subprocess.Popen[str] | programs.Popen, timeout: float) -> tuple[int, str, str]:
     """Wait for ``process`` (its pipes text): its exit code, stdout and stderr.
 
     After ``timeout`` seconds its whole session is killed and the test fails with what it printed.
@@ -18,4 +20,4 @@ def finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str, st
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         raise AssertionError(f"{process.args!r} still ran after {timeout} s:\n{stdout}\n{stderr}") from None
-    return process.returncode, stdout, stderr
+    return process.wait(), stdout, stderr

@@ -22,6 +22,8 @@ from typing import Any
 
 import openai
 
+from helpers import programs
+
 READY_S = 120.0
 """How long a server may take to say where it serves (fresh interpreters import torch, on a loaded machine)."""
 
@@ -33,11 +35,13 @@ CONSOLE_SCRIPT: Sequence[str] = (str(Path(sys.executable).with_name("metrale-ser
 
 class RemoteServer:
     """``python -m metrale_model_engine.serve *args --port 0`` (or ``program``: the console script, torchrun),
-    started at once, stopped by ``kill`` or ``stop``."""
+    started at once, stopped by ``kill`` or ``stop``; forked from the program server (``helpers.programs``), but
+    the console script, which starts afresh as a user's does."""
 
     def __init__(self, *args: str, program: Sequence[str] = PYTHON_M) -> None:
         command = [*program, *args, "--port", "0"]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        start = programs.Popen if command[0] == sys.executable else subprocess.Popen  # a console script: afresh
+        self.process = start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.errors: list[str] = []
         said: queue.SimpleQueue[str] = queue.SimpleQueue()

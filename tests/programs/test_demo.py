@@ -20,6 +20,7 @@ from metrale_model_engine.demo import PROMPTS
 from metrale_model_engine.demo import main as demo_main
 from metrale_model_engine.torch import free_port
 
+from helpers import programs
 from helpers.bounded import finish
 from helpers.demo_env import leave_torchrun
 from helpers.serial import Alone
@@ -33,22 +34,23 @@ INTERRUPT_SLACK = 1.0
 
 
 def run_bounded(
-    command: list[str], timeout: float = 180.0, env: dict[str, str] | None = None
+    command: list[str], timeout: float = 180.0, env: dict[str, str] | None = None, *, fresh: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in its own session; on timeout kill the whole session (its ranks too)."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
-    )
+    """Run ``command`` in its own session, forked from the program server (``fresh``: a fresh interpreter); on
+    timeout kill the whole session (its ranks too)."""
+    start = subprocess.Popen if fresh else programs.Popen
+    process = start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     code, stdout, stderr = finish(process, timeout)
     return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
-def demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return run_bounded([sys.executable, "-m", "metrale_model_engine.demo", *args])
+def demo(*args: str, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    return run_bounded([sys.executable, "-m", "metrale_model_engine.demo", *args], fresh=fresh)
 
 
 def test_the_demo_serves_license_text_on_two_ranks_and_every_rank_agrees(tmp_path: Path) -> None:
-    result = demo("--json", str(tmp_path / "two.json"))
+    """A fresh start, as a user's: the interpreter imports torch, the ranks are spawned."""
+    result = demo("--json", str(tmp_path / "two.json"), fresh=True)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     served = [line for line in lines if line.startswith("[request ")]
@@ -93,7 +95,7 @@ def test_a_bad_checkpoint_ends_the_program_with_one_line_and_exit_2(tmp_path: Pa
 
 
 def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
-    process = subprocess.Popen(
+    process = programs.Popen(
         [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "200", "--on-lost-rank", "stop"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
@@ -130,9 +132,7 @@ def test_a_worker_killed_mid_run_is_recovered_from_and_the_demo_exits_0_naming_i
         torch.set_num_threads(threads)
     command = [sys.executable, "-m", "metrale_model_engine.demo", "--world-size", "4", "--transport", "shm"]
     command += ["--slots", "2", "--json", str(tmp_path / "recovered.json")]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    process = programs.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert process.stdout is not None
         said = [process.stdout.readline()]
@@ -191,7 +191,7 @@ def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> 
     env = {**os.environ, "METRALE_EP_PROTOCOL": "garbage"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--master-port", str(free_port()), "-m", "metrale_model_engine.demo"]
-    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=150)
+    result = programs.run(command, check=False, capture_output=True, text=True, env=env, timeout=150)
     assert result.returncode != 0  # torchrun reports the ranks' exit code 2 as a failure of its own
     ours = [line for line in result.stderr.splitlines() if "METRALE_EP_PROTOCOL" in line]
     assert ours == [
@@ -204,7 +204,7 @@ def test_a_bad_protocol_variable_under_torchrun_is_reported_once_by_rank_0() -> 
 @pytest.mark.serial  # within 2 s
 def test_ctrl_c_ends_the_demo_with_one_line_every_rank_gone_nothing_left(transport: str) -> None:
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    process = subprocess.Popen(
+    process = programs.Popen(
         [sys.executable, "-m", "metrale_model_engine.demo", "--max-new-tokens", "5000", "--transport", transport],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -236,7 +236,7 @@ def outlived(how: str, delay: float, *args: str) -> dict[str, object]:
     command = [sys.executable, "-m", "helpers.outlived", how, str(delay), "--"]
     command += [sys.executable, "-m", "metrale_model_engine.demo", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
-    result = run_bounded(command, env=env)
+    result = run_bounded(command, env=env, fresh=True)  # what it left: a fresh start's helpers included
     assert result.returncode == 0, result.stderr
     found: dict[str, object] = json.loads(result.stdout.splitlines()[-1])
     return found
@@ -278,7 +278,7 @@ if __name__ == "__main__":
 def test_a_launcher_interrupted_twice_returns_only_once_every_rank_has_ended(tmp_path: Path, alone: Alone) -> None:
     script = tmp_path / "slow_to_leave.py"
     script.write_text(SLOW_TO_LEAVE)
-    process = subprocess.Popen(
+    process = programs.Popen(
         [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     try:

@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal, TypeAlias
 
 from .._core.checks import check_int, check_seconds
 from .._core.errors import EpSetupError
@@ -48,8 +48,18 @@ INTERRUPT_GRACE: Final = 0.5
 outlives it is left nothing the launcher's caller cannot clean (``/dev/shm``'s rings, by their creator's pid)."""
 
 
-_PRELOAD: list[str] = []
-"""What the start server imports; empty: ranks are spawned (the default)."""
+class _RankStart:
+    """How rank processes start: ``spawn`` (the default), from a start server, or as forks of their launcher."""
+
+    method: Literal["spawn", "forkserver", "fork"] = "spawn"
+    preload: tuple[str, ...] = ()
+    """What the start server imports."""
+
+
+_START: Final = _RankStart()
+
+RankContext: TypeAlias = "SpawnContext | ForkServerContext | ForkContext"
+"""The start methods of rank processes (``rank_context``)."""
 
 
 def start_ranks_from_a_server(preload: Sequence[str]) -> None:
@@ -61,17 +71,35 @@ def start_ranks_from_a_server(preload: Sequence[str]) -> None:
     collections then copy none of its pages.  The test suite does this.  A rank
     still gets the launcher's environment as it is at the start, as a spawned one
     does.  What differs from the default (``spawn``): a Ctrl-C that lands in the
-    moment before a rank reaches its function shows a traceback.  Call it before the first launch of the process.
+    moment before a rank reaches its function shows a traceback; the server, not the
+    launcher, is a rank's parent, so its siblings cannot tell how it ended.  Call it
+    before the first launch of the process.
     """
-    _PRELOAD[:] = preload
+    _START.method, _START.preload = "forkserver", tuple(preload)
 
 
-def rank_context() -> SpawnContext | ForkServerContext:
-    """The start method of rank processes: ``spawn``, or the server ``start_ranks_from_a_server`` asked for."""
-    if not _PRELOAD:
+def start_ranks_as_forks() -> None:
+    """From now on, start rank processes as forks of the launching process (``fork``).
+
+    For a launcher that imported what its ranks need and runs no other thread at
+    the launch (forking copies only the calling thread, and none of the locks other
+    threads hold): the test suite runs its programs so, each forked from a process
+    that imported torch once.  A rank then starts in milliseconds, the launcher its
+    parent as with ``spawn``; it ends without running the exit hooks (``atexit``)
+    that it inherited from the launcher.
+    """
+    _START.method, _START.preload = "fork", ()
+
+
+def rank_context() -> RankContext:
+    """The start method of rank processes: ``spawn``, or what ``start_ranks_from_a_server`` or
+    ``start_ranks_as_forks`` asked for."""
+    if _START.method == "fork":
+        return multiprocessing.get_context("fork")
+    if _START.method == "spawn":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(_PRELOAD))
+    context.set_forkserver_preload(list(_START.preload))
     return context
 
 
@@ -85,7 +113,7 @@ def stop_resource_tracker() -> None:
     lacks the tracker's ``_stop``.
     """
     tracker = getattr(resource_tracker, "_resource_tracker", None)
-    if _PRELOAD or getattr(tracker, "_pid", None) is None:  # none started by this process
+    if _START.method == "forkserver" or getattr(tracker, "_pid", None) is None:  # none started by this process
         return
     stop = getattr(tracker, "_stop", None)
     if callable(stop):
@@ -104,7 +132,7 @@ def check_launch(world_size: object, timeout: object, *, max_world_size: int | N
 
 
 def launch(
-    context: SpawnContext | ForkServerContext,
+    context: RankContext,
     rank_main: Callable[..., None],
     rank_args: Sequence[tuple[object, ...]],
     timeout: float | None,
@@ -128,7 +156,7 @@ def launch(
         TimeoutError: see ``join_all``.
     """
     reports = [context.Pipe(duplex=False) for _ in rank_args]
-    forked = isinstance(context, ForkServerContext)
+    forked = not isinstance(context, SpawnContext)
     processes = [
         context.Process(target=_run_rank, args=(rank_main, args, send, dict(os.environ), interrupts_from_rank, forked))
         for args, (_, send) in zip(rank_args, reports, strict=True)
@@ -253,8 +281,8 @@ def _run_rank(
     interrupts_from_rank: bool,
     forked: bool,
 ) -> None:
-    if forked:  # a fork of the start server: the launcher's environment, as a spawned rank has
-        gc.freeze()  # the server's imports, shared: a collection here would copy their pages
+    if forked:  # a fork (of the start server, or of the launcher): the launcher's environment, as a spawned rank has
+        gc.freeze()  # the imports, shared: a collection here would copy their pages
         os.environ.clear()
         os.environ.update(environ)
     try:
