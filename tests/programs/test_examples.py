@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import programs
 from helpers.readme import model_program
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,11 +23,12 @@ EXAMPLES = ROOT / "examples"
 RUN_TIMEOUT = 120.0
 
 
-def run_example(name: str, protocol: str = "v1") -> subprocess.CompletedProcess[str]:
-    """Run ``examples/<name>`` as a user would, with ``METRALE_EP_PROTOCOL`` set; it must exit 0."""
+def run_example(name: str, protocol: str = "v1", *, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<name>`` as a user would, with ``METRALE_EP_PROTOCOL`` set, forked from the program server
+    (``fresh``: a fresh interpreter); it must exit 0."""
     env = {**os.environ, "METRALE_EP_PROTOCOL": protocol}
     env.pop("RANK", None)  # not under a launcher
-    done = subprocess.run(
+    done = (subprocess.run if fresh else programs.run)(
         [sys.executable, str(EXAMPLES / name)],
         check=False,
         capture_output=True,
@@ -45,12 +47,12 @@ def test_single_gpu_example() -> None:
 
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
 def test_scheduler_example_replays_to_the_same_state(protocol: str) -> None:
-    done = run_example("scheduler_test.py", protocol)
+    done = run_example("scheduler_test.py", protocol, fresh=True)  # no torch: a fresh start costs little
     assert f"protocol {protocol}: the worker's slots equal the head's" in done.stdout
 
 
 def test_shm_example_runs_without_torch_and_every_rank_agrees() -> None:
-    done = run_example("shm_local.py")
+    done = run_example("shm_local.py", fresh=True)  # without torch: not from the server, which imported it
     digests = [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if ": slot digest " in line]
     assert len(digests) == 3 and len(set(digests)) == 1, done.stdout
 
@@ -81,7 +83,7 @@ def test_the_readmes_model_program_runs_as_shown(tmp_path: Path) -> None:
     script = tmp_path / "readme_model.py"
     script.write_text(program)
     env = {key: value for key, value in os.environ.items() if key != "RANK"}  # not under a launcher
-    done = subprocess.run(
+    done = programs.run(
         [sys.executable, str(script)], check=False, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT
     )
     assert done.returncode == 0, done.stderr
@@ -92,11 +94,11 @@ def test_the_readmes_model_program_runs_as_shown(tmp_path: Path) -> None:
 
 @pytest.mark.torch
 @pytest.mark.parametrize("transport", ["shm", "torch"])
-@pytest.mark.serial  # within 30 s, torch's imports included
+@pytest.mark.serial  # within 30 s
 def test_ep_example_with_a_worker_bug_stops_every_rank_at_once_and_the_head_names_it(transport: str) -> None:
     pytest.importorskip("torch")
     started = time.monotonic()
-    done = subprocess.run(
+    done = programs.run(
         [sys.executable, str(EXAMPLES / "ep_model.py"), "--bug", "--transport", transport],
         check=False,
         capture_output=True,
@@ -104,7 +106,7 @@ def test_ep_example_with_a_worker_bug_stops_every_rank_at_once_and_the_head_name
         timeout=RUN_TIMEOUT,
     )
     assert done.returncode == 1, done.stderr
-    assert time.monotonic() - started < 30.0  # the processes' start and torch's import included: not hung
+    assert time.monotonic() - started < 30.0  # the processes' start included: not hung
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     head = [line for line in errors if line.startswith("error: head: ")]
     assert len(errors) == 2 and len(head) == 1, done.stderr
@@ -121,8 +123,8 @@ ATTEMPTS = 10
 def run_repeatedly(script: Path, world_size: int, attempts: int) -> list[str]:
     """Run ``script`` ``attempts`` times as ``world_size`` ranks with torchrun's env:// variables; each rank's output.
 
-    Each rank is one process that imports torch once and forks a fresh run of the
-    script per attempt (``tests/helpers/run_repeatedly.py``): the runs exit as
+    Each rank is one process, forked from the program server, that forks a fresh run
+    of the script per attempt (``tests/helpers/run_repeatedly.py``): the runs exit as
     programs do, without a second's import each.
     """
     probes = [socket.create_server(("127.0.0.1", 0)) for _ in range(attempts)]  # held open: distinct ports
@@ -142,7 +144,7 @@ def run_repeatedly(script: Path, world_size: int, attempts: int) -> list[str]:
             "METRALE_TEST_PORTS": ports,
         }
         processes.append(
-            subprocess.Popen(
+            programs.Popen(
                 [sys.executable, str(driver), str(script)],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -200,6 +202,7 @@ def launched_both_ranks(launcher: int) -> bool:
 
 @pytest.mark.torch
 def test_ctrl_c_ends_the_ep_example_with_one_line() -> None:
+    """A fresh start, as a user's: the interrupt lands while the spawned ranks import torch."""
     pytest.importorskip("torch")
     process = subprocess.Popen(
         [sys.executable, str(EXAMPLES / "ep_model.py")],

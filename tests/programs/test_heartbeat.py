@@ -1,6 +1,6 @@
 """A worker that cannot reach the group's store ends its process, within its bound, and says why.
 
-A fresh interpreter beats in a ``TCPStore`` this test serves; the test then stops
+A program (``helpers.programs``) beats in a ``TCPStore`` this test serves; the test then stops
 serving, as a head's host that is gone or cut off does.  (Across real namespaces:
 ``test_hosts.py``.)
 """
@@ -20,6 +20,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from metrale_model_engine.torch import HEAD_LOST_EXIT_CODE, free_port
 
+from helpers import programs
 from helpers.serial import Alone
 
 pytestmark = pytest.mark.torch
@@ -43,7 +44,7 @@ def test_a_worker_that_loses_the_store_ends_its_process_with_the_reason(
 ) -> None:
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
-    worker = subprocess.Popen(
+    worker = programs.Popen(
         [sys.executable, "-c", WORKER, str(port), str(LOST_AFTER)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

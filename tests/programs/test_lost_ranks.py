@@ -1,10 +1,11 @@
-"""A worker killed inside an all-reduce, its ranks started afresh: the head says which rank died and how.
+"""A worker killed inside an all-reduce, its ranks the launcher's children: the head says which rank died and how.
 
 ``tests/ranks/test_lost_ranks.py`` runs the same program from the test suite's start
 server, which reaps a dead rank at once, so how it ended cannot be read there.  Here
-a fresh interpreter launches the ranks: its launcher keeps the dead rank unreaped
-while the head runs, and the head's line names rank 3 and its SIGKILL, not a
-witness whose all-reduce failed with it.
+a program launches the ranks (forked from the program server, ``helpers.programs``;
+its ranks are forks of it, its children as spawned ranks are): the launcher keeps the
+dead rank unreaped while the head runs, and the head's line names rank 3 and its
+SIGKILL, not a witness whose all-reduce failed with it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
 from helpers import forward_sessions as sessions
+from helpers import programs
 from helpers.bounded import finish
 from helpers.rank_results import load
 
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.torch
 
 TESTS = Path(__file__).resolve().parents[1]
 RUN_BOUND = 120.0
-"""Seconds the program may take before the test fails (fresh interpreters import torch: several seconds)."""
+"""Seconds the program may take before the test fails."""
 PROGRAM = """
 import sys
 from helpers import forward_sessions
@@ -37,7 +39,7 @@ print(run_group(forward_sessions.forward_fault, 4, "torch", "kill", 3, sys.argv[
 
 def test_rank_3_of_4_killed_over_torch_is_named_with_how_it_ended_and_no_witness_is_blamed(tmp_path: Path) -> None:
     path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    process = subprocess.Popen(
+    process = programs.Popen(
         [sys.executable, "-c", PROGRAM, str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,6 +1,7 @@
 """Re-forms as a user's program meets them: ``examples/reform_model.py``, and ranks on simulated hosts.
 
-The example starts its ranks afresh (``spawn``): its launcher keeps a dead rank
+The example's ranks are children of its launcher (forks of it, as the program server
+runs it: ``helpers.programs``; spawned in a user's run): the launcher keeps a dead rank
 unreaped while the head runs, so the head says how it ended (``was killed by
 SIGKILL``), which the ranks forked from the test suite's start server cannot show
 (it reaps at once).  Across two simulated hosts
@@ -23,7 +24,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
-from helpers import recovery_sessions
+from helpers import programs, recovery_sessions
 from helpers import reform_host_programs as host_programs
 from helpers import reform_sessions as sessions
 from helpers.bounded import finish
@@ -40,7 +41,7 @@ EXAMPLE = ROOT / "examples" / "reform_model.py"
 
 @pytest.mark.parametrize("transport", ["auto", "torch"])
 def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_ended(transport: str) -> None:
-    process = subprocess.Popen(
+    process = programs.Popen(
         [sys.executable, str(EXAMPLE), "--transport", transport],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -54,7 +55,7 @@ def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_end
         "worker 1 of 4: now rank 1 of 3, 6 commands, 1 re-form(s)",
         "worker 2 of 4: now rank 2 of 3, 6 commands, 1 re-form(s)",
     ], stdout
-    # Ranks started afresh: the launcher keeps the dead rank unreaped while the head runs, so its end is told.
+    # Ranks that are the launcher's children: it keeps the dead rank unreaped while the head runs, so its end is told.
     assert "worker rank(s) [3] exited (died or left the run) after command 3 (rank 3 was killed by SIGKILL)" in stderr
     (stop,) = [line for line in stderr.splitlines() if line.startswith("head: the run stopped")]
     # The witnesses, whose all-reduce failed with rank 3, are neither blamed nor said to have said nothing.
