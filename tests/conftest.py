@@ -4,7 +4,7 @@ several must equal (``greedy_one_rank``, ``served_one_rank``); torch on one thre
 
 Tiers, one folder each: ``in_process/`` (no process of its own beyond a short helper),
 ``ranks/`` (rank processes from the start server) and ``programs/`` (the demo, the
-examples and torchrun run as a user runs them: fresh interpreters that import torch,
+server, the examples and torchrun run as a user runs them, as processes of their own:
 the slow tier).  The folder gives each test its tier's marker, ``ranks`` or
 ``programs``; a ``programs`` test is a ``ranks`` test too, so ``--quick``
 (``-m "not ranks"``) runs ``in_process/`` alone.  The run ends with each tier's time.
@@ -18,7 +18,9 @@ alone: no other test runs meanwhile (``helpers.serial``).
 imports torch (about a second on this project's 2-core machine).  In this process the
 test suite has them fork from a start server instead (``start_ranks_from_a_server``):
 about 0.05 s a group.  Programs the tests run as a user runs them (the demo, the
-examples) are other processes and keep the default.
+server, the examples) fork from a program server that imported torch once, their
+ranks forks of them (``helpers.programs``), but where only a fresh start shows what
+a test checks.
 """
 
 from __future__ import annotations

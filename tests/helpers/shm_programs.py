@@ -82,6 +82,11 @@ def stall_inside_a_command(model: ToyModel, slots: list[ToyState | None], check:
     save(out, 0, sends=sends, header_sent_at=sent_at)
 
 
+def note_parent(transport: ShmTransport, out: str) -> None:
+    """Every rank saves the pid of its parent process."""
+    save(out, transport.rank, parent=os.getppid())
+
+
 def soak(transport: ShmTransport, commands: int, seed: int, out: str) -> None:
     """Random commands from the head; every rank saves its slot digest."""
     model = ToyModel(EpLink(transport, num_slots=SLOTS, protocol=ProtocolVersion.V2, command_timeout=60))

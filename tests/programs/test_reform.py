@@ -35,7 +35,7 @@ pytestmark = pytest.mark.torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_BOUND = 120.0
-"""Seconds a program may take before the test fails (fresh interpreters import torch: several seconds)."""
+"""Seconds a program may take before the test fails (a simulated host's launcher imports torch: seconds)."""
 EXAMPLE = ROOT / "examples" / "reform_model.py"
 
 

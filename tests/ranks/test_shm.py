@@ -13,12 +13,14 @@ import signal
 import statistics
 import time
 from collections.abc import Callable
+from multiprocessing.context import ForkContext
 from pathlib import Path
 
 import pytest
 from typing_extensions import TypeVarTuple, Unpack
 
 from metrale_model_engine import EpLink, EpSendError, ProtocolVersion, WorkerSummary, shm
+from metrale_model_engine._host import launch
 from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
@@ -138,6 +140,16 @@ def test_run_ring_checks_its_arguments() -> None:
         run_ring(programs.soak, 65, 1, 1, "")
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0 or None, got int 0"):
         run_ring(programs.soak, 2, 1, 1, "", timeout=0)
+
+
+def test_ranks_started_as_forks_are_children_of_their_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``start_ranks_as_forks``, as the program server's programs run: a sibling can then read how a rank ended."""
+    for name in ("method", "preload"):  # put back after the test
+        monkeypatch.setattr(launch._START, name, getattr(launch._START, name))
+    launch.start_ranks_as_forks()
+    assert isinstance(launch.rank_context(), ForkContext)
+    assert run_ring(programs.note_parent, 3, str(tmp_path)) == [0, 0, 0]
+    assert [result["parent"] for result in load(tmp_path, 3).values()] == [os.getpid()] * 3
 
 
 def test_workers_started_by_fork_attach_by_name(tmp_path: Path) -> None:
