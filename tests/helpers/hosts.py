@@ -12,8 +12,11 @@ sees differently from the head's:
 
 Ranks are started in a host as on a real machine: one command per host
 (``torchrun --nnodes ... --node-rank i``, or :mod:`helpers.host_launch`, which
-forks them from one import of torch), whose whole process tree dies with the
-host.  Cutting a host's cable is ``ip link set ... down`` on its bridge port.
+forks them), whose whole process tree dies with the host.  The command is forked
+from the program server (:mod:`helpers.programs`: torch imported once) into the
+host's namespaces (:mod:`helpers.isolation`: what ``ip netns exec`` and ``unshare
+--fork --kill-child --mount-proc`` do).  Cutting a host's cable is ``ip link set
+... down`` on its bridge port.
 
 Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux); :func:`unavailable`
 says why not when one is missing.
@@ -34,6 +37,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from helpers import programs
+from helpers.isolation import Isolation
 
 SUBNET = "10.77.0"
 """The hosts' network: host ``i`` is ``10.77.0.<i+1>``, inside the bridge's namespace only."""
@@ -87,7 +93,7 @@ class SimulatedHosts:
         tag = f"mtl{os.getpid()}"
         self.switch = f"{tag}-switch"
         self.hosts = [Host(index, f"{tag}-h{index}", f"m{os.getpid()}p{index}") for index in range(count)]
-        self._processes: list[subprocess.Popen[str]] = []
+        self._processes: list[programs.Popen] = []
         self._host_of: dict[int, Host] = {}  # by the pid of a host's first process
         self._files = tempfile.TemporaryDirectory(prefix="metrale-hosts-")
 
@@ -120,23 +126,25 @@ class SimulatedHosts:
             _ip("-n", host.namespace, "link", "set", "eth0", "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
 
-    def start(self, index: int, argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
-        """Run ``argv`` as host ``index``'s first process (stdout and stderr piped, as text)."""
+    def start(self, index: int, argv: Sequence[str], env: Mapping[str, str] | None = None) -> programs.Popen:
+        """Run ``argv`` (this interpreter's) as host ``index``'s first process (stdout and stderr piped, as text),
+        forked from the program server into the host's namespaces (``helpers.isolation``)."""
         host = self.hosts[index]
-        setup = (
-            'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && mount --bind "$0" /etc/hosts && '
-            'hostname "$1" && shift && exec "$@"'
-        )
-        command = ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--pid", "--uts", "--fork"]
-        command += ["--kill-child", "--mount-proc", "--", "sh", "-c", setup]
-        command += [str(Path(self._files.name, "hosts")), host.name, *argv]
-        process = subprocess.Popen(
-            command,
+        isolation: Isolation = {
+            "netns": host.namespace,
+            "hostname": host.name,
+            "shm": "mode=1777",
+            "binds": [(str(Path(self._files.name, "hosts")), "/etc/hosts")],
+            "pid": True,
+        }
+        process = programs.Popen(
+            argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            isolate=isolation,
         )
         self._processes.append(process)
         self._host_of[process.pid] = host
@@ -144,7 +152,7 @@ class SimulatedHosts:
 
     def torchrun(
         self, index: int, ranks_per_host: int, argv: Sequence[str], env: Mapping[str, str] | None = None
-    ) -> subprocess.Popen[str]:
+    ) -> programs.Popen:
         """Start ``ranks_per_host`` ranks of ``python argv`` on host ``index`` with torchrun, the head on host 0."""
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(self.hosts)}"]
         command += [f"--node-rank={index}", f"--nproc-per-node={ranks_per_host}"]
@@ -158,7 +166,7 @@ class SimulatedHosts:
         argv: Sequence[str],
         env: Mapping[str, str] | None = None,
         preload: Sequence[str] = PRELOAD,
-    ) -> subprocess.Popen[str]:
+    ) -> programs.Popen:
         """Start ``ranks_per_host`` ranks of ``python argv`` on host ``index`` (:mod:`helpers.host_launch`).
 
         The host's launcher imports ``preload`` once and forks its ranks from itself.
@@ -176,7 +184,7 @@ class SimulatedHosts:
         """Unplug host ``index``'s cable: nothing reaches it or leaves it, and nobody is told."""
         _ip("-n", self.switch, "link", "set", self.hosts[index].port, "down")
 
-    def kill_all(self, process: subprocess.Popen[str], bound: float = KILL_BOUND) -> None:
+    def kill_all(self, process: programs.Popen, bound: float = KILL_BOUND) -> None:
         """Kill a host's first process, and so every process of that host; return once none is left.
 
         Their sockets close, so peers learn of it at once; a machine losing power

@@ -1,12 +1,13 @@
 """Programs forked from one process that imported torch once: a start of the demo, the server or an example
 in milliseconds, where a fresh interpreter spends about a second and a half of CPU importing torch.
 
-``python tests/helpers/program_server.py SOCKET PRELOAD`` imports the comma-separated modules of
+``python -m helpers.program_server SOCKET PRELOAD`` (in ``tests/``) imports the comma-separated modules of
 ``PRELOAD``, freezes them out of the garbage collector (``gc.freeze``: shared with every
 child, whose collections then copy none of their pages) and serves on the Unix socket
 ``SOCKET`` until its standard input closes (the test process that started it has gone).
 Each connection asks for one program: a JSON line (``argv``, ``env``, ``cwd``,
-``new_session``) sent with three descriptors (the program's stdin, stdout and stderr).
+``new_session``; ``isolate``: namespaces of its own, ``helpers.isolation``) sent with
+three descriptors (the program's stdin, stdout and stderr).
 The server forks a child that becomes that program and answers ``pid N``; once the child has
 ended, ``status N`` (``waitstatus_to_exitcode``: negative for a signal) and closes the
 connection.  ``helpers.programs`` is the client.
@@ -30,8 +31,11 @@ import selectors
 import socket
 import sys
 import types
+from typing import cast
 
 from metrale_model_engine._host.launch import start_ranks_as_forks
+
+from helpers.isolation import Isolation, isolate
 
 _MAX_REQUEST = 1 << 20
 """The longest request line, in bytes (an environment is a few KiB)."""
@@ -100,6 +104,8 @@ def _become(request: tuple[dict[str, object], list[int]], sockets: list[socket.s
         os.close(fd)
     if spec["new_session"]:
         os.setsid()
+    if spec.get("isolate"):
+        isolate(cast("Isolation", spec["isolate"]))  # the JSON of one
     os.chdir(str(spec["cwd"]))
     env = spec["env"]
     assert isinstance(env, dict)

@@ -33,7 +33,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-SERVER = Path(__file__).with_name("program_server.py")
+from helpers.isolation import Isolation
+
+TESTS = Path(__file__).resolve().parents[1]
 PRELOAD = (
     "torch.distributed",
     "metrale_model_engine.torch",
@@ -59,8 +61,8 @@ class _Server:
         self._log = self._folder / "server.log"
         with self._log.open("wb") as log:
             self._process = subprocess.Popen(
-                [sys.executable, str(SERVER), self.path, ",".join(PRELOAD)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                [sys.executable, "-m", "helpers.program_server", self.path, ",".join(PRELOAD)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log, cwd=TESTS,
             )  # fmt: skip
         deadline = time.monotonic() + _READY_S
         while not os.path.exists(self.path):
@@ -113,7 +115,9 @@ class Popen:
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         start_new_session: bool = False,
+        isolate: Isolation | None = None,
     ) -> None:
+        """``isolate``: the program in namespaces of its own (a simulated host's, a private ``/dev/shm``)."""
         self.args = list(args)
         self.returncode: int | None = None
         self.stdin: IO[Any] | None = None
@@ -124,6 +128,7 @@ class Popen:
             "env": dict(os.environ if env is None else env),
             "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
             "new_session": start_new_session,
+            "isolate": isolate,
         }
         theirs: list[int] = []
         ours: list[tuple[str, int]] = []
@@ -246,10 +251,11 @@ def run(
     cwd: str | os.PathLike[str] | None = None,
     timeout: float | None = None,
     check: bool = False,
+    isolate: Isolation | None = None,
 ) -> subprocess.CompletedProcess[Any]:
     """``subprocess.run`` of a program forked from the program server; a timeout kills it and raises as ``run`` does."""
     pipe = subprocess.PIPE if capture_output else None
-    with Popen(args, stdout=pipe, stderr=pipe, text=text, env=env, cwd=cwd) as process:
+    with Popen(args, stdout=pipe, stderr=pipe, text=text, env=env, cwd=cwd, isolate=isolate) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

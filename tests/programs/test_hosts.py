@@ -10,7 +10,6 @@ with the reason.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from metrale_model_engine.torch import DEFAULT_HEARTBEAT, HEAD_LOST_EXIT_CODE
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 from metrale_model_engine.transport import SoloTransport
 
-from helpers import way_back_sessions
+from helpers import programs, way_back_sessions
 from helpers.bounded import finish
 from helpers.demo_env import leave_torchrun
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
@@ -46,7 +45,7 @@ before the cut, by a beat and, on a loaded machine, by that beat's delay (0.35 s
 receive, the link's command timeout) comes at once or far later."""
 
 
-def wait_for(path: Path, process: subprocess.Popen[str]) -> None:
+def wait_for(path: Path, process: programs.Popen) -> None:
     """Wait until ``path`` exists (the head is serving), while the head's host runs."""
     deadline = time.monotonic() + RUN_BOUND
     while not path.exists():

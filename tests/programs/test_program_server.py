@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import programs
+from helpers.isolation import Isolation
 
 REPORT = """
 import atexit, json, os, sys
@@ -86,3 +87,30 @@ def test_a_command_the_server_cannot_run_is_refused_naming_it() -> None:
         programs.Popen([sys.executable, "-X", "dev", "script.py"])
     with pytest.raises(ValueError, match="'/bin/true'"):
         programs.Popen(["/bin/true", "x"])
+
+
+NAMESPACES = """
+import os, socket
+print(os.getpid(), socket.gethostname(), os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"), reason="namespaces need Linux and root")
+def test_an_isolated_program_has_its_own_pid_namespace_hostname_and_dev_shm(tmp_path: Path) -> None:
+    machine = os.statvfs("/dev/shm")
+    isolation: Isolation = {"hostname": "elsewhere", "shm": "size=64k", "pid": True}
+    done = programs.run(
+        [sys.executable, "-c", NAMESPACES], capture_output=True, text=True, timeout=60, isolate=isolation
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"1 elsewhere {64 * 1024}\n", "")
+    assert os.statvfs("/dev/shm").f_blocks == machine.f_blocks  # the machine's own, untouched
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"), reason="namespaces need Linux and root")
+def test_an_isolation_that_fails_ends_the_program_before_it_runs_naming_the_namespace() -> None:
+    done = programs.run(
+        [sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=60,
+        isolate={"netns": "metrale-no-such-namespace"},
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == "", done
+    assert "/run/netns/metrale-no-such-namespace" in done.stderr.splitlines()[-1], done.stderr

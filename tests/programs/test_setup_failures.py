@@ -15,6 +15,7 @@ import pytest
 
 from metrale_model_engine.shm import shm_supported
 
+from helpers import programs
 from helpers.setup_texts import NO_ROOM
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
@@ -40,13 +41,18 @@ def private_mounts() -> str | None:
     return None if probe.returncode == 0 else f"unshare --mount failed here: {probe.stderr.strip()}"
 
 
-def with_tiny_dev_shm(*command: str) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` where ``/dev/shm`` is a 64 KiB tmpfs of its own (skip if this process cannot)."""
+def with_tiny_dev_shm(*command: str, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` where ``/dev/shm`` is a 64 KiB tmpfs of its own (skip if this process cannot), forked from the
+    program server into a mount namespace of its own (``fresh``: a fresh interpreter under ``unshare``)."""
     reason = private_mounts()
     if reason is not None:
         pytest.skip(reason)
-    script = f'{TINY_SHM} && exec "$@"'
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    if not fresh:
+        return programs.run(
+            command, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT, isolate={"shm": "size=64k"}
+        )
+    script = f'{TINY_SHM} && exec "$@"'
     return subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *command],
         check=False,
@@ -59,7 +65,7 @@ def with_tiny_dev_shm(*command: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_shm_example_without_room_says_why_in_one_line() -> None:
-    done = with_tiny_dev_shm(sys.executable, "examples/shm_local.py")
+    done = with_tiny_dev_shm(sys.executable, "examples/shm_local.py", fresh=True)  # without torch, as a user's
     assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [NO_ROOM])
 
 
