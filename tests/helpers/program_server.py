@@ -7,10 +7,11 @@ child, whose collections then copy none of their pages) and serves on the Unix s
 ``SOCKET`` until its standard input closes (the test process that started it has gone).
 Each connection asks for one program: a JSON line (``argv``, ``env``, ``cwd``,
 ``new_session``; ``isolate``: namespaces of its own, ``helpers.isolation``) sent with
-three descriptors (the program's stdin, stdout and stderr).
-The server forks a child that becomes that program and answers ``pid N``; once the child has
-ended, ``status N`` (``waitstatus_to_exitcode``: negative for a signal) and closes the
-connection.  ``helpers.programs`` is the client.
+three descriptors (the program's stdin, stdout and stderr).  The server forks a child
+that becomes that program, which answers ``pid N`` once it is in its session with its
+streams; once the child has ended, the server answers ``status N``
+(``waitstatus_to_exitcode``: negative for a signal) and closes the connection.
+``helpers.programs`` is the client.
 
 The child is the program as a fresh start makes it, but for what was imported before:
 its own descriptors 0-2 and no other, its environment, directory, ``sys.argv`` and
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import io
 import json
 import os
 import runpy
@@ -44,8 +46,9 @@ _MAX_REQUEST = 1 << 20
 def serve(path: str) -> None:
     """Accept requests until standard input closes; fork each program (the child returns: it runs the program)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(f"{path}.new")
     listener.listen(64)
+    os.rename(f"{path}.new", path)  # the path appears once a connection is taken
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "parent")
@@ -56,18 +59,20 @@ def serve(path: str) -> None:
                 return
             if key.data == "accept":
                 connection, _ = listener.accept()
-                request = _receive(connection)
+                try:
+                    request = _receive(connection)
+                except (OSError, ValueError):  # a client gone mid-request, a request that is not JSON
+                    request = None
                 if request is None:
                     connection.close()
                     continue
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
-                    _become(request, [listener, connection, *(c for _, c in running.values())], list(running))
+                    _become(request, connection, [listener, *(c for _, c in running.values())], list(running))
                     return
                 for fd in request[1]:
                     os.close(fd)
-                connection.sendall(f"pid {pid}\n".encode())
                 pidfd = os.pidfd_open(pid)
                 running[pidfd] = (pid, connection)
                 selector.register(pidfd, selectors.EVENT_READ, "ended")
@@ -92,11 +97,17 @@ def _receive(connection: socket.socket) -> tuple[dict[str, object], list[int]] |
     return json.loads(message), fds
 
 
-def _become(request: tuple[dict[str, object], list[int]], sockets: list[socket.socket], pidfds: list[int]) -> None:
-    """In the child: give up what the server holds, take the program's descriptors and surroundings."""
+def _become(
+    request: tuple[dict[str, object], list[int]],
+    connection: socket.socket,
+    held: list[socket.socket],
+    pidfds: list[int],
+) -> None:
+    """In the child: give up what the server holds, take the program's descriptors and surroundings; say its pid
+    once it is the program's session and streams (a signal sent then reaches the program, not the server's copy)."""
     spec, fds = request
-    for held in sockets:
-        os.close(held.detach())
+    for other in held:
+        os.close(other.detach())
     for pidfd in pidfds:
         os.close(pidfd)
     for target, fd in enumerate(fds):
@@ -104,6 +115,8 @@ def _become(request: tuple[dict[str, object], list[int]], sockets: list[socket.s
         os.close(fd)
     if spec["new_session"]:
         os.setsid()
+    connection.sendall(f"pid {os.getpid()}\n".encode())  # before the server's status, which waits for this end
+    os.close(connection.detach())
     if spec.get("isolate"):
         isolate(cast("Isolation", spec["isolate"]))  # the JSON of one
     os.chdir(str(spec["cwd"]))
@@ -111,9 +124,30 @@ def _become(request: tuple[dict[str, object], list[int]], sockets: list[socket.s
     assert isinstance(env, dict)
     os.environ.clear()
     os.environ.update(env)
+    _take_start_variables()
     argv = spec["argv"]
     assert isinstance(argv, list)
     _PROGRAM[:] = [str(word) for word in argv]
+
+
+def _take_start_variables() -> None:
+    """What a fresh start takes from the environment that this process read at its own: the standard streams'
+    buffering (``PYTHONUNBUFFERED``) and torch's threads (``OMP_NUM_THREADS``, read as torch is imported).  The
+    client refuses the other such variables (``helpers.programs.START_VARIABLES``)."""
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        line_buffered = (name == "stderr" or raw.isatty()) and not unbuffered
+        stream = io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding, errors=old.errors,
+            line_buffering=line_buffered, write_through=unbuffered,
+        )  # fmt: skip
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 _PROGRAM: list[str] = []
@@ -122,7 +156,7 @@ _PROGRAM: list[str] = []
 
 def _run_program(argv: list[str]) -> None:
     """Run the program as ``python`` would run ``argv``; its ``SystemExit`` ends this process."""
-    python_path = _python_path()
+    python_path = [os.path.abspath(entry) for entry in _python_path()]  # as site makes them
     site = [entry for entry in _SITE if entry not in python_path]
     start_ranks_as_forks()
     if argv[0] == "-c":
@@ -130,7 +164,7 @@ def _run_program(argv: list[str]) -> None:
         sys.argv = ["-c", *argv[2:]]
         main = types.ModuleType("__main__")
         sys.modules["__main__"] = main
-        exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # as python -c runs it
+        exec(compile(argv[1], "<string>", "exec", dont_inherit=True), main.__dict__)  # as python -c runs it
     elif argv[0] == "-m":
         sys.path[:] = [os.getcwd(), *python_path, *site]
         sys.argv = argv[1:]
@@ -152,7 +186,8 @@ _SITE = [entry for entry in sys.path[1:] if entry not in _python_path()]
 if __name__ == "__main__":
     socket_path, preload = sys.argv[1:3]
     for module in filter(None, preload.split(",")):
-        importlib.import_module(module)
+        with contextlib.suppress(ImportError):  # an extra not installed (torch, serve): its programs import it
+            importlib.import_module(module)
     gc.freeze()
     serve(socket_path)
     if _PROGRAM:  # the child: the server's loop returned here, with nothing of it left to unwind

@@ -10,9 +10,12 @@ of a fresh interpreter: it starts without importing torch again (about 1.5 s of 
 and so do its ranks, which are forks of it.  ``run`` is ``subprocess.run`` so.
 
 What a fresh start alone shows stays with ``subprocess``: an interrupt during the
-imports, the processes a program leaves behind (the start server's own helpers), the
-interpreter's start itself.  A test of one of those keeps ``subprocess``, and each
-program keeps at least one test started afresh.
+imports, the processes a program leaves behind (the resource tracker included),
+spawned ranks (their target pickled, ``__main__`` imported again), the variables an
+interpreter reads at its start (``START_VARIABLES``, refused here; the server shares
+its hash seed with every program).  A test of one of those keeps ``subprocess``, and
+each program keeps at least one test started afresh: the demo's license-text run, the
+console script's server, the examples' own runs, the README's program.
 """
 
 from __future__ import annotations
@@ -50,26 +53,35 @@ PRELOAD = (
 (``runpy`` warns when the module it runs was imported already)."""
 _READY_S = 120.0
 """How long the server may take to listen (it imports torch, on a loaded machine)."""
+START_VARIABLES = (
+    "PYTHONHASHSEED", "PYTHONIOENCODING", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHONDEVMODE", "PYTHONUTF8",
+    "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONFAULTHANDLER", "PYTHONMALLOC", "PYTHONTRACEMALLOC",
+)  # fmt: skip
+"""Variables an interpreter reads at its start, which the server read at its own: a program whose environment
+sets one otherwise than the server's is refused (``PYTHONUNBUFFERED`` and ``OMP_NUM_THREADS`` are taken)."""
 
 
 class _Server:
-    """The program server of this process, started at the first program."""
+    """The program server of this process, started at the first program (in a session of its own: a terminal's
+    Ctrl-C of the test run is not its)."""
 
     def __init__(self) -> None:
         self._folder = Path(tempfile.mkdtemp(prefix="metrale-programs-"))
         self.path = str(self._folder / "socket")
-        self._log = self._folder / "server.log"
-        with self._log.open("wb") as log:
+        self.environ = dict(os.environ)
+        log_path = self._folder / "server.log"
+        with log_path.open("wb") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "helpers.program_server", self.path, ",".join(PRELOAD)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log, cwd=TESTS,
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log, cwd=TESTS, start_new_session=True,
             )  # fmt: skip
+        atexit.register(self.close)
         deadline = time.monotonic() + _READY_S
         while not os.path.exists(self.path):
             if self._process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the program server did not start: {self._log.read_text()}")
+                self._process.kill()
+                raise RuntimeError(f"the program server did not start: {log_path.read_text()}")
             time.sleep(0.02)
-        atexit.register(self.close)
 
     def connect(self) -> socket.socket:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -85,13 +97,20 @@ class _Server:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
-_server: list[_Server] = []
+_server: list[_Server | RuntimeError] = []
 
 
 def _the_server() -> _Server:
+    """This process's server; one that failed to start is not tried again (each program raises its error)."""
     if not _server:
-        _server.append(_Server())
-    return _server[0]
+        try:
+            _server.append(_Server())
+        except RuntimeError as error:
+            _server.append(error)
+    server = _server[0]
+    if isinstance(server, RuntimeError):
+        raise server
+    return server
 
 
 def _program(args: Sequence[str]) -> list[str]:
@@ -123,9 +142,13 @@ class Popen:
         self.stdin: IO[Any] | None = None
         self.stdout: IO[Any] | None = None
         self.stderr: IO[Any] | None = None
+        server = _the_server()
+        environ = dict(os.environ if env is None else env)
+        if differ := [name for name in START_VARIABLES if environ.get(name) != server.environ.get(name)]:
+            raise ValueError(f"{differ} set otherwise than the program server's start: run {args} with subprocess")
         request = {
             "argv": _program(args),
-            "env": dict(os.environ if env is None else env),
+            "env": environ,
             "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
             "new_session": start_new_session,
             "isolate": isolate,
@@ -149,7 +172,7 @@ class Popen:
                     theirs.append(os.dup(given))
                 else:
                     theirs.append(os.dup(given.fileno()))
-            self._connection = _the_server().connect()
+            self._connection = server.connect()
             socket.send_fds(self._connection, [json.dumps(request).encode() + b"\n"], theirs)
         except BaseException:
             for _, fd in ours:
@@ -162,9 +185,12 @@ class Popen:
             mode = "w" if name == "stdin" else "r"
             setattr(self, name, open(fd, mode + ("" if text else "b")))  # noqa: SIM115  (closed as Popen's are)
         self._answers = b""
-        self._readers: list[threading.Thread] = []
+        self._readers: dict[str, threading.Thread] = {}
         self._read: dict[str, Any] = {}
-        self.pid = int(self._answer(None).removeprefix("pid "))
+        first = self._answer(None)
+        if not first.startswith("pid "):
+            raise RuntimeError(f"the program server could not start {self.args}: {first}")
+        self.pid = int(first.removeprefix("pid "))
 
     def _answer(self, timeout: float | None) -> str:
         """The server's next line (``pid N``, ``status N``); ``subprocess.TimeoutExpired`` after ``timeout``."""
@@ -176,7 +202,7 @@ class Popen:
             except (TimeoutError, BlockingIOError):
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
             if not chunk:
-                raise RuntimeError(f"the program server ended before {self.args} did")
+                raise RuntimeError(f"the program server refused {self.args}, or ended before it did")
             self._answers += chunk
         line, _, self._answers = self._answers.partition(b"\n")
         return line.decode()
@@ -201,30 +227,38 @@ class Popen:
                 self.stdin.write(input)
             self.stdin.close()
         if not self._readers:  # once: a call after a timeout goes on reading where the last one was
-            self._readers = [
-                threading.Thread(target=lambda name=name, file=file: self._read.__setitem__(name, file.read()))
+            self._readers = {
+                name: threading.Thread(target=lambda name=name, file=file: self._read.__setitem__(name, file.read()))
                 for name, file in (("stdout", self.stdout), ("stderr", self.stderr))
                 if file is not None
-            ]
-            for reader in self._readers:
+            }
+            for reader in self._readers.values():
                 reader.daemon = True
                 reader.start()
-        readers = self._readers
+        readers = self._readers.values()
         deadline = None if timeout is None else time.monotonic() + timeout
         for reader in readers:
             reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        for file in (self.stdout, self.stderr):
-            if file is not None:
-                file.close()
+        self._close_streams()
         return self._read.get("stdout"), self._read.get("stderr")
+
+    def _close_streams(self) -> None:
+        """Close the pipes, but one a reader still reads (``close`` would wait for it: the program's ranks may hold
+        the other end after a kill); its thread ends with the pipe."""
+        reading = {name for name, reader in self._readers.items() if reader.is_alive()}
+        for name in ("stdin", "stdout", "stderr"):
+            file = getattr(self, name)
+            if file is not None and name not in reading:
+                file.close()
 
     def send_signal(self, signum: int) -> None:
         """Send ``signum`` to the program, unless it has ended."""
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            with contextlib.suppress(ProcessLookupError):  # ended, the server's answer on its way
+                os.kill(self.pid, signum)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -236,9 +270,7 @@ class Popen:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for file in (self.stdin, self.stdout, self.stderr):
-            if file is not None:
-                file.close()
+        self._close_streams()
         self.wait()
 
 

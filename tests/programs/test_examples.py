@@ -67,9 +67,10 @@ SLOTS_SERVED = "slots {0: [65, 97, 66, 97, 67, 97], 2: [65, 99, 66, 99, 67, 99]}
 
 @pytest.mark.torch
 def test_ep_example_starts_its_own_ranks() -> None:
-    """Under v1 (v2: the clean-exit runs below, every other one)."""
+    """Under v1 (v2: the clean-exit runs below, every other one); a fresh start, its ranks spawned as a user's are
+    (their target and arguments pickled, ``__main__`` imported again in each)."""
     pytest.importorskip("torch")
-    done = run_example("ep_model.py", "v1")
+    done = run_example("ep_model.py", "v1", fresh=True)
     lines = slot_lines(done.stdout)
     assert len(lines) == 2 and lines[0] == lines[1], done.stdout
     assert lines[0].startswith(SLOTS_SERVED)
@@ -77,13 +78,14 @@ def test_ep_example_starts_its_own_ranks() -> None:
 
 @pytest.mark.torch
 def test_the_readmes_model_program_runs_as_shown(tmp_path: Path) -> None:
-    """The README's model blocks and the block that starts them, copied into one file as a user would."""
+    """The README's model blocks and the block that starts them, copied into one file as a user would, and started
+    afresh: its ranks spawned, as a user's are."""
     pytest.importorskip("torch")
     program, _ = model_program()
     script = tmp_path / "readme_model.py"
     script.write_text(program)
     env = {key: value for key, value in os.environ.items() if key != "RANK"}  # not under a launcher
-    done = programs.run(
+    done = subprocess.run(
         [sys.executable, str(script)], check=False, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT
     )
     assert done.returncode == 0, done.stderr

@@ -27,16 +27,16 @@ atexit.register(lambda: print("exit hook ran", flush=True))
 print(json.dumps({
     "name": __name__, "spec": spec.name if spec else None, "argv": sys.argv, "path": sys.path,
     "cwd": os.getcwd(), "env": os.environ.get("METRALE_TEST_WORD"), "stdin": sys.stdin.read(),
-    "session": os.getsid(0) == os.getpid(),
+    "session": os.getsid(0) == os.getpid(), "streams": [sys.stdout.write_through, sys.stderr.line_buffering],
 }))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[-1]))
 """
 
 
-def both(argv: list[str], cwd: Path, **options: object) -> tuple[subprocess.CompletedProcess[str], ...]:
+def both(argv: list[str], cwd: Path, **variables: str) -> tuple[subprocess.CompletedProcess[str], ...]:
     """``argv`` run afresh, then forked from the program server: each result, stdout and stderr captured."""
-    env = {**os.environ, "METRALE_TEST_WORD": "hello"}
+    env = {**os.environ, "METRALE_TEST_WORD": "hello", **variables}
     fresh = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=60, check=False)
     forked = programs.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
     return fresh, forked
@@ -61,6 +61,18 @@ def test_code_run_with_c_sees_what_a_fresh_start_sees(tmp_path: Path) -> None:
     fresh, forked = both([sys.executable, "-c", REPORT, "one", "2"], tmp_path)
     assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert fresh.returncode == 2 and '"argv": ["-c", "one", "2"]' in fresh.stdout
+
+
+def test_an_unbuffered_program_writes_through_as_a_fresh_one_does(tmp_path: Path) -> None:
+    fresh, forked = both([sys.executable, "-c", REPORT, "0"], tmp_path, PYTHONUNBUFFERED="1")
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert '"streams": [true, false]' in fresh.stdout
+
+
+def test_a_variable_read_at_the_interpreters_start_is_refused_naming_it() -> None:
+    env = {**os.environ, "PYTHONHASHSEED": "1234"}
+    with pytest.raises(ValueError, match=r"\['PYTHONHASHSEED'\] set otherwise than the program server's start"):
+        programs.Popen([sys.executable, "-c", "pass"], env=env)
 
 
 def test_a_program_in_its_own_session_killed_ends_with_the_signal_and_its_stderr_joins_stdout(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Re-forms as a user's program meets them: ``examples/reform_model.py``, and ranks on simulated hosts.
 
-The example's ranks are children of its launcher (forks of it, as the program server
-runs it: ``helpers.programs``; spawned in a user's run): the launcher keeps a dead rank
+The example's ranks are children of its launcher (spawned, as in a user's run, or forks
+of it, as the program server runs it: ``helpers.programs``): the launcher keeps a dead rank
 unreaped while the head runs, so the head says how it ended (``was killed by
 SIGKILL``), which the ranks forked from the test suite's start server cannot show
 (it reaps at once).  Across two simulated hosts
@@ -41,7 +41,9 @@ EXAMPLE = ROOT / "examples" / "reform_model.py"
 
 @pytest.mark.parametrize("transport", ["auto", "torch"])
 def test_the_example_goes_on_past_its_killed_worker_and_the_head_says_how_it_ended(transport: str) -> None:
-    process = programs.Popen(
+    """Over torch a fresh start, its ranks spawned as a user's are; over auto (shared memory) forked."""
+    start = subprocess.Popen if transport == "torch" else programs.Popen
+    process = start(
         [sys.executable, str(EXAMPLE), "--transport", transport],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

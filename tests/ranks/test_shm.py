@@ -21,6 +21,8 @@ from typing_extensions import TypeVarTuple, Unpack
 
 from metrale_model_engine import EpLink, EpSendError, ProtocolVersion, WorkerSummary, shm
 from metrale_model_engine._host import launch
+from metrale_model_engine._host.launch import SETUP_FAILED
+from metrale_model_engine._shm import run as shm_run
 from metrale_model_engine.shm import ShmTransport, run_ring, shm_supported
 from metrale_model_engine.toy import ToyModel, ToyState, slots_digest
 
@@ -150,6 +152,17 @@ def test_ranks_started_as_forks_are_children_of_their_launcher(tmp_path: Path, m
     assert isinstance(launch.rank_context(), ForkContext)
     assert run_ring(programs.note_parent, 3, str(tmp_path)) == [0, 0, 0]
     assert [result["parent"] for result in load(tmp_path, 3).values()] == [os.getpid()] * 3
+
+
+def test_a_forked_head_that_dies_in_its_setup_ends_its_workers_setup_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each forked rank closes what it inherited of the others' pipes: the head's death closes the workers' ends."""
+    for name in ("method", "preload"):  # put back after the test
+        monkeypatch.setattr(launch._START, name, getattr(launch._START, name))
+    launch.start_ranks_as_forks()
+    monkeypatch.setattr(shm_run, "_set_up_head", lambda *_: os._exit(3))  # what the forked head runs
+    started = time.monotonic()
+    assert run_ring(programs.note_parent, 3, "", timeout=30) == [3, SETUP_FAILED, SETUP_FAILED]  # quietly
+    assert time.monotonic() - started < 10.0
 
 
 def test_workers_started_by_fork_attach_by_name(tmp_path: Path) -> None:

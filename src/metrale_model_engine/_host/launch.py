@@ -85,8 +85,9 @@ def start_ranks_as_forks() -> None:
     the launch (forking copies only the calling thread, and none of the locks other
     threads hold): the test suite runs its programs so, each forked from a process
     that imported torch once.  A rank then starts in milliseconds, the launcher its
-    parent as with ``spawn``; it ends without running the exit hooks (``atexit``)
-    that it inherited from the launcher.
+    parent as with ``spawn``, with the default action of every signal the launcher
+    handled in Python and none of the other ranks' pipes; it ends without running
+    the exit hooks (``atexit``) that it inherited from the launcher.
     """
     _START.method, _START.preload = "fork", ()
 
@@ -157,8 +158,20 @@ def launch(
     """
     reports = [context.Pipe(duplex=False) for _ in rank_args]
     forked = not isinstance(context, SpawnContext)
+    every_end = [*parent_ends, *(end for pair in reports for end in pair)]
     processes = [
-        context.Process(target=_run_rank, args=(rank_main, args, send, dict(os.environ), interrupts_from_rank, forked))
+        context.Process(
+            target=_run_rank,
+            args=(
+                rank_main,
+                args,
+                send,
+                dict(os.environ),
+                interrupts_from_rank,
+                forked,
+                _siblings_ends(context, every_end, args, send),
+            ),
+        )
         for args, (_, send) in zip(rank_args, reports, strict=True)
     ]
     try:
@@ -190,6 +203,19 @@ def launch(
     if failures:
         raise EpSetupError(failures[0])
     return codes
+
+
+def _siblings_ends(
+    context: RankContext, every_end: Sequence[Connection], args: tuple[object, ...], send: Connection
+) -> list[Connection]:
+    """What a rank forked from its launcher (``fork``) inherits of the others' connections, to close first: a
+    rank's death then closes its peers' ends, as it does when each rank gets only its own (``spawn``)."""
+    if not isinstance(context, ForkContext):
+        return []
+    own = {id(send)}
+    for arg in args:
+        own.update(id(item) for item in (arg if isinstance(arg, (list, tuple)) else [arg]))
+    return [end for end in every_end if id(end) not in own]
 
 
 def join_all(processes: Sequence[BaseProcess], timeout: float | None) -> list[int]:
@@ -280,11 +306,15 @@ def _run_rank(
     environ: dict[str, str],
     interrupts_from_rank: bool,
     forked: bool,
+    siblings_ends: Sequence[Connection],
 ) -> None:
-    if forked:  # a fork (of the start server, or of the launcher): the launcher's environment, as a spawned rank has
+    if forked:  # a fork (of the start server, or of the launcher): begin as a spawned rank does
         gc.freeze()  # the imports, shared: a collection here would copy their pages
         os.environ.clear()
         os.environ.update(environ)
+        for end in siblings_ends:
+            end.close()
+        _default_signal_handlers()
     try:
         if not interrupts_from_rank:
             accept_interrupts()  # ignored while the rank started
@@ -296,6 +326,15 @@ def _run_rank(
         raise SystemExit(INTERRUPTED) from None
     finally:
         report.close()
+
+
+def _default_signal_handlers() -> None:
+    """Put back the default action of every signal the launcher handles in Python (a fresh interpreter's), and no
+    wake-up descriptor; a signal it ignores stays ignored, as across a spawn.  SIGINT is the rank's own to set."""
+    signal.set_wakeup_fd(-1)
+    for number in signal.valid_signals():
+        if number != signal.SIGINT and callable(signal.getsignal(number)):
+            signal.signal(number, signal.SIG_DFL)
 
 
 def _report(receive: Connection) -> str | None:
