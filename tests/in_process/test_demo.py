@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed (pip install torch==2.13.0 first)")
 
+from metrale_model_engine._demo import launch
 from metrale_model_engine._demo.launch import recovered_ranks, verdict
 from metrale_model_engine.demo import main, parse_args
 from metrale_model_engine.reference import Checkpoint, Recovery
@@ -283,3 +285,28 @@ def test_the_launcher_counts_a_loss_the_head_recovered_from_as_no_failure(capsys
         "error: worker rank exit codes [1, 0, -9]; worker rank(s) [3] lost and recovered from\n",
     )
     assert verdict([1, 0, -9], [2]) == 1 and capsys.readouterr() == ("", "")  # the head said why, itself
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_a_run_that_cannot_start_is_said_by_rank_0_while_the_others_wait_for_it(
+    rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun's agent ends every rank once one has exited: another rank exits only once rank 0 had time to say
+    why (the same check holds it up), or rank 0 is ended before its line."""
+    for name, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("METRALE_EP_PROTOCOL", "garbage")
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)  # the launcher's wait
+    assert main([]) == 2
+    said = capsys.readouterr().err.splitlines()
+    if rank == "0":
+        assert (said, waits) == (["error: " + PROTOCOL_REFUSED], [])
+    else:
+        assert (said, waits) == ([], [launch.RANK_0_SAYS_WHY_S])
+
+
+PROTOCOL_REFUSED = (
+    "METRALE_EP_PROTOCOL='garbage' is not a protocol version; accepted: 'v1', 'v2' (or unset/empty for 'v1')"
+)

@@ -18,12 +18,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from .._core.errors import EpSetupError
 from .._core.protocol import ProtocolVersion
@@ -40,6 +41,8 @@ from .choices import (
 if TYPE_CHECKING:
     from ..reference import Checkpoint, Recovery, ReferenceLm
 
+RANK_0_SAYS_WHY_S: Final = 2.0
+"""How long a rank other than 0 that cannot start waits under torchrun before it exits (see ``_cannot_start``)."""
 W = TypeVar("W")
 """What every rank is asked to do: picklable, for spawned ranks."""
 
@@ -239,9 +242,16 @@ def interrupted() -> int:
 
 
 def _cannot_start(error: Exception) -> int:
-    """Say why the run could not start, in one line (under torchrun, from rank 0 alone), and return 2."""
+    """Say why the run could not start, in one line (under torchrun, from rank 0 alone), and return 2.
+
+    Under torchrun another rank returns only ``RANK_0_SAYS_WHY_S`` seconds later: torchrun's agent
+    ends every rank once one has exited, and rank 0, held up by the same check, would else be
+    ended before it said why.
+    """
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {error}", file=sys.stderr)
+    elif under_torchrun_env():
+        time.sleep(RANK_0_SAYS_WHY_S)
     return 2
 
 
