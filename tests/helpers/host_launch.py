@@ -18,20 +18,15 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-import runpy
 import sys
+
+from helpers.as_main import run_as_main
 
 
 def run_rank(env: dict[str, str], args: list[str]) -> None:
     """In a forked rank: what ``python ARGS...`` runs, with ``env`` added to the environment."""
     os.environ.update(env)
-    if args[0] == "-m":
-        sys.argv = args[1:]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as a script's run puts its folder first
-        runpy.run_path(args[0], run_name="__main__")
+    run_as_main(args)
 
 
 def main(argv: list[str]) -> None:

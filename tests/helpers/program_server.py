@@ -28,15 +28,14 @@ import importlib
 import io
 import json
 import os
-import runpy
 import selectors
 import socket
 import sys
-import types
 from typing import cast
 
 from metrale_model_engine._host.launch import start_ranks_as_forks
 
+from helpers.as_main import run_as_main
 from helpers.isolation import Isolation, isolate
 
 _MAX_REQUEST = 1 << 20
@@ -154,35 +153,6 @@ _PROGRAM: list[str] = []
 """In a child: the program's ``argv`` but the interpreter (``-m MODULE ARGS``, ``-c CODE ARGS``, ``SCRIPT ARGS``)."""
 
 
-def _run_program(argv: list[str]) -> None:
-    """Run the program as ``python`` would run ``argv``; its ``SystemExit`` ends this process."""
-    python_path = [os.path.abspath(entry) for entry in _python_path()]  # as site makes them
-    site = [entry for entry in _SITE if entry not in python_path]
-    start_ranks_as_forks()
-    if argv[0] == "-c":
-        sys.path[:] = ["", *python_path, *site]
-        sys.argv = ["-c", *argv[2:]]
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
-        exec(compile(argv[1], "<string>", "exec", dont_inherit=True), main.__dict__)  # as python -c runs it
-    elif argv[0] == "-m":
-        sys.path[:] = [os.getcwd(), *python_path, *site]
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = os.path.abspath(argv[0])
-        sys.path[:] = [os.path.dirname(script), *python_path, *site]
-        sys.argv = list(argv)
-        runpy.run_path(script, run_name="__main__")
-
-
-def _python_path() -> list[str]:
-    return [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-
-
-_SITE = [entry for entry in sys.path[1:] if entry not in _python_path()]
-"""The server's ``sys.path`` but its own directory and ``PYTHONPATH``: what every program's path ends with."""
-
 if __name__ == "__main__":
     socket_path, preload = sys.argv[1:3]
     for module in filter(None, preload.split(",")):
@@ -191,5 +161,6 @@ if __name__ == "__main__":
     gc.freeze()
     serve(socket_path)
     if _PROGRAM:  # the child: the server's loop returned here, with nothing of it left to unwind
-        _run_program(_PROGRAM)
+        start_ranks_as_forks()
+        run_as_main(_PROGRAM)
         raise SystemExit(0)
