@@ -12,8 +12,8 @@ for three slots, ``--new-tokens`` each), in two kinds of loss:
   host is lost whole, its cable cut (nothing closes: the head learns of it from the
   heartbeats it no longer gets, past ``head_lost_after``) or every process of it killed
   (timed from the kill; the head steps on once they all ended), and the run goes on at
-  2 ranks over the head's host's ring.  Simulated hosts need root,
-  ``ip`` and ``unshare``: without them this case is skipped, and the output says why.
+  2 ranks over the head's host's ring.  Simulated hosts need root
+  and ``ip``: without them this case is skipped, and the output says why.
 
 Each run's times come from one ``CLOCK_MONOTONIC`` (every process of the machine, simulated
 hosts included):

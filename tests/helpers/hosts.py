@@ -18,8 +18,7 @@ host's namespaces (:mod:`helpers.isolation`: what ``ip netns exec`` and ``unshar
 --fork --kill-child --mount-proc`` do).  Cutting a host's cable is ``ip link set
 ... down`` on its bridge port.
 
-Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux); :func:`unavailable`
-says why not when one is missing.
+Needs root and ``ip`` (iproute2); :func:`unavailable` says why not when one is missing.
 """
 
 from __future__ import annotations
@@ -58,9 +57,8 @@ def unavailable() -> str | None:
         return "simulated hosts need Linux namespaces"
     if os.geteuid() != 0:
         return "simulated hosts need root (network namespaces and mounts), as CI runs"
-    missing = [tool for tool in ("ip", "unshare") if shutil.which(tool) is None]
-    if missing:
-        return f"simulated hosts need {' and '.join(missing)} (iproute2, util-linux)"
+    if shutil.which("ip") is None:
+        return "simulated hosts need ip (iproute2)"
     return None
 
 

@@ -21,7 +21,8 @@ from helpers.setup_texts import NO_ROOM
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="the shared-memory transport needs Linux")
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_SHM = "mount -t tmpfs -o size=64k tmpfs /dev/shm"
+TINY_SHM_OPTIONS = "size=64k"
+TINY_SHM = f"mount -t tmpfs -o {TINY_SHM_OPTIONS} tmpfs /dev/shm"
 
 
 @functools.cache
@@ -50,7 +51,7 @@ def with_tiny_dev_shm(*command: str, fresh: bool = False) -> subprocess.Complete
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
     if not fresh:
         return programs.run(
-            command, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT, isolate={"shm": "size=64k"}
+            command, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT, isolate={"shm": TINY_SHM_OPTIONS}
         )
     script = f'{TINY_SHM} && exec "$@"'
     return subprocess.run(
