@@ -9,5 +9,8 @@
 * :mod:`.demo_env`: the demo started by hand in the test process;
 * :mod:`.greedy`: the reference model's greedy run that one rank and a sharded group compare;
 * ``exit_without_teardown.py``: a program run as a user runs it; ``run_repeatedly.py``: a
-  torchrun-style program run several times from one import of torch.
+  torchrun-style program run several times from one import of torch;
+* :mod:`.programs`: ``Popen`` and ``run`` of a program forked from :mod:`.program_server`, which
+  imported torch once; :mod:`.as_main`, a program's ``argv`` run as ``__main__``; :mod:`.isolation`,
+  the namespaces of a simulated host (:mod:`.hosts`) entered from Python.
 """
