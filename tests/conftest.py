@@ -11,8 +11,10 @@ the slow tier).  The folder gives each test its tier's marker, ``ranks`` or
 
 In a parallel run (pytest-xdist's ``-n``, as ``scripts/test.sh`` runs it): the tests of a
 module that uses a module-scoped fixture stay on one worker (the fixture made once), the
-slowest tier goes first, and the tests marked ``serial`` go last, on one worker, each
-alone: no other test runs meanwhile (``helpers.serial``).
+tests marked ``serial`` go first, together, on one worker, each apart from the tests that
+start processes (or alone, if it is an in-process test itself: ``helpers.serial``) while the
+other worker runs the in-process tests; then the tests that start processes, the slowest
+tier first.
 
 ``run_group`` and ``run_ring`` spawn a fresh interpreter per rank by default, and each
 imports torch (about a second on this project's 2-core machine).  In this process the
@@ -40,7 +42,7 @@ import pytest
 
 from metrale_model_engine._host.launch import start_ranks_from_a_server
 
-from helpers.serial import Alone, Room
+from helpers.serial import Alone, Need, Room
 
 if TYPE_CHECKING:
     from _pytest.terminal import TerminalReporter
@@ -56,16 +58,17 @@ start_ranks_from_a_server(
 
 
 SERIAL = "serial"
-"""The marker of a test that runs alone in a parallel run, and the xdist group of every such test."""
+"""The marker of a test that runs apart or alone in a parallel run, and the xdist group of every such test."""
 ROOM = pytest.StashKey[Room]()
 """A worker's way into the room of a parallel run (``helpers.serial``)."""
 
 
 @pytest.fixture
 def alone(request: pytest.FixtureRequest) -> Alone:
-    """``with alone():``, in a parallel run: the block runs once every other test running has ended, and no other
-    starts meanwhile; the rest of the test runs beside the others.  For a time bound measured after a start that
-    need not be alone (a program's, a server's); a test whose whole run is timed is marked ``serial`` instead."""
+    """``with alone():``, in a parallel run: the block runs once every other test that starts processes has ended,
+    and no other starts meanwhile (in-process tests may run: one core at most); the rest of the test runs beside
+    the others.  For a time bound measured after a start that need not be apart (a program's, a server's); a test
+    whose whole run is timed is marked ``serial`` instead."""
     room = request.config.stash.get(ROOM, None)
     return contextlib.nullcontext if room is None else room.alone
 
@@ -126,9 +129,26 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
     return any(defs and defs[-1].scope in ("module", "package") for defs in definitions)
 
 
+def _need(item: pytest.Item) -> Need:
+    """What ``item`` needs of the room of a parallel run: an in-process test none of the cores the tests that start
+    processes use; a serial test to run apart from those, or alone if it is an in-process test itself."""
+    quiet = _tier(item.path) == "in_process"
+    if _serial(item):
+        return Need.ALONE if quiet else Need.APART
+    return Need.QUIET if quiet else Need.BUSY
+
+
 def _parallel_order(item: pytest.Item) -> int:
-    """A parallel run's order: the slowest tier first, the serial tests last (together, on one worker)."""
-    return len(TIERS) if _serial(item) else TIERS[::-1].index(_tier(item.path))
+    """A parallel run's order: the serial tests first (together, on one worker) with the in-process tests (on the
+    other, beside them), then the tests that start processes, the slowest tier first so that short tests fill the
+    end.
+
+    First, because a worker that takes the serial tests while the other still holds tests that start processes
+    (pytest-xdist sends a worker up to 3 tests ahead) would keep it waiting for them all.
+    """
+    if _serial(item):
+        return 0
+    return {"in_process": 1, "programs": 2, "ranks": 3}[_tier(item.path)]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by these markers, and before xdist reads its groups
@@ -177,12 +197,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    """In a parallel run: a serial test waits for the room alone (and keeps it for the next serial test), the
-    others share it."""
+    """In a parallel run: a test waits for what it needs of the room (``_need``); a serial test keeps it for the
+    next serial test."""
     room = item.config.stash.get(ROOM, None)
     if room is None:
         return (yield)
-    room.enter(alone=_serial(item))
+    room.enter(_need(item))
     try:
         return (yield)
     finally:

@@ -1,19 +1,29 @@
-"""The room of a parallel run (pytest-xdist): a test marked ``serial`` runs alone in it, the others together.
+"""The room of a parallel run (pytest-xdist): a test marked ``serial`` runs apart from the others, or alone.
 
-Every worker of a run opens the same two files and takes ``flock`` locks on them:
-the room, shared by ordinary tests and held alone by a serial one, and a turnstile
-that each takes on its way in, so that a serial test waiting for the room keeps new
-ordinary tests out instead of waiting for a moment when none runs.  A worker keeps
-the room alone from one serial test to the next it runs, so that a run's serial
-tests follow one another (``tests/conftest.py`` sends them all to one worker, last).
-A test may also take the room alone for a block of its own (``Room.alone``: the
-``alone`` fixture), the part a time bound measures, and run the rest beside the others.
-A lock dies with its process: a worker that crashes holds nothing.
+A test that starts processes (the ``ranks`` and ``programs`` tiers) loads both cores
+of this project's machine; an in-process test (``in_process/``: one thread, torch's
+included) loads one at most.  So a serial test of the first two tiers runs **apart**:
+no other test that starts processes runs meanwhile, but in-process tests may, on the
+other worker; a serial in-process test, whose bounds are the tightest (a wake-up
+within 10 ms), runs **alone**.
+
+Every worker of a run opens the same three files and takes ``flock`` locks on them:
+the quiet room, which every test shares and a test alone holds by itself; the busy
+room, which the tests that start processes share and a test apart or alone holds by
+itself; and a turnstile that each takes on its way in, so that a test waiting for a
+room by itself keeps new tests out instead of waiting for a moment when none runs.
+A worker keeps what it holds from one serial test to the next it runs, so that a
+run's serial tests follow one another (``tests/conftest.py`` sends them all to one
+worker, after the tests that start processes).  A test may also take the busy room
+by itself for a block of its own (``Room.alone``: the ``alone`` fixture), the part a
+time bound measures, and run the rest beside the others.  A lock dies with its
+process: a worker that crashes holds nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import os
 from collections.abc import Callable, Iterator
@@ -21,7 +31,20 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 Alone = Callable[[], AbstractContextManager[None]]
-"""The ``alone`` fixture's type (``tests/conftest.py``): ``with alone():`` runs its block alone in a parallel run."""
+"""The ``alone`` fixture's type (``tests/conftest.py``): ``with alone():`` runs its block apart in a parallel run."""
+
+
+class Need(enum.Enum):
+    """What a test needs of the room, as the ``flock`` operations it takes on (the quiet room, the busy room)."""
+
+    QUIET = (fcntl.LOCK_SH, None)
+    """An in-process test: beside any test but one alone."""
+    BUSY = (fcntl.LOCK_SH, fcntl.LOCK_SH)
+    """A test that starts processes: beside any test but one apart or alone."""
+    APART = (fcntl.LOCK_SH, fcntl.LOCK_EX)
+    """No other test that starts processes meanwhile; in-process tests may run."""
+    ALONE = (fcntl.LOCK_EX, fcntl.LOCK_EX)
+    """No other test meanwhile."""
 
 
 class Room:
@@ -30,43 +53,51 @@ class Room:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        self._turnstile = os.open(folder / "turnstile", os.O_RDWR | os.O_CREAT, 0o600)
-        self._room = os.open(folder / "room", os.O_RDWR | os.O_CREAT, 0o600)
-        self._held: int | None = None
+        self._turnstile, self._quiet, self._busy = (
+            os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600) for name in ("turnstile", "quiet", "busy")
+        )
+        self._held: Need | None = None
 
-    def enter(self, *, alone: bool) -> None:
-        """Wait until this worker's next test may run: alone, or beside other ordinary tests."""
-        wanted = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
-        if self._held == wanted:
+    def enter(self, need: Need) -> None:
+        """Wait until this worker's next test may run as ``need`` says; nothing to wait for where this worker holds
+        that already (a serial test after a serial test)."""
+        if self._held == need:
             return
-        self.leave()
+        self.leave()  # nothing held while waiting at the turnstile: its holder may be waiting for this worker's locks
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         try:
-            fcntl.flock(self._room, wanted)
+            for lock, wanted in zip((self._quiet, self._busy), need.value, strict=True):
+                if wanted is not None:
+                    fcntl.flock(lock, wanted)
         finally:
             fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-        self._held = wanted
+        self._held = need
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
-        """The block alone (once every other test running has ended), then beside the others again; nothing
-        more where this worker is alone already (a serial test)."""
-        if self._held == fcntl.LOCK_EX:
+        """The block apart (once every other test that starts processes has ended), then as before; nothing more
+        where this worker holds the busy room already (a serial test)."""
+        before = self._held
+        if before in (Need.APART, Need.ALONE):
             yield
             return
-        self.enter(alone=True)
+        self.enter(Need.APART)
         try:
             yield
         finally:
-            self.enter(alone=False)
+            if before is None:
+                self.leave()
+            else:
+                self.enter(before)
 
     def leave(self) -> None:
         """Let the others in (nothing when this worker holds nothing)."""
         if self._held is not None:
-            fcntl.flock(self._room, fcntl.LOCK_UN)
+            fcntl.flock(self._busy, fcntl.LOCK_UN)
+            fcntl.flock(self._quiet, fcntl.LOCK_UN)
             self._held = None
 
     def close(self) -> None:
         self.leave()
-        os.close(self._turnstile)
-        os.close(self._room)
+        for lock in (self._turnstile, self._quiet, self._busy):
+            os.close(lock)
