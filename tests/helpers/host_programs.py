@@ -29,7 +29,7 @@ from helpers.shm_programs import SLOTS, drive_random, serve_until_error
 
 COMMAND_TIMEOUT = 5.0
 """The link's bound on a stalled command in these programs (seconds)."""
-HEAD_LOST_AFTER = 5.0
+HEAD_LOST_AFTER = 3.0
 """Seconds a worker of these programs goes on without reaching the head's host, and the head waits on one
 whose heartbeat stopped."""
 CUT_COMMAND_TIMEOUT = 30.0

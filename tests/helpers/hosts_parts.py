@@ -13,7 +13,7 @@ from metrale_model_engine._torch.hosts import _opened
 from metrale_model_engine.shm import ShmTransport
 from metrale_model_engine.torch import HostsTransport, TorchTransport
 
-from helpers.rank_results import save
+from helpers.rank_results import save, wait_for_result
 
 HOSTS = [[0, 1], [2, 3, 4]]
 """The head's host (ranks 0 and 1), and a host led by rank 2 with readers 3 and 4 (ring ranks 1 and 2)."""
@@ -109,7 +109,7 @@ def leader_on_a_ring(ring: ShmTransport, scenario: str, out: str) -> None:
             time.sleep(pause)
             transport.answer(ack(number), 5.0)
             transport.flush_answers(5.0)
-        time.sleep(3.5 - sum(pauses))  # until the leader has read it all
+        wait_for_result(out, 0, timeout=5.0)  # until the leader has read it all
     transport.close()
 
 

@@ -37,6 +37,17 @@ def load(out: Path, world_size: int) -> dict[int, dict[str, object]]:
     return results
 
 
+def wait_for_result(out: str, rank: int, *, timeout: float) -> bool:
+    """Wait until rank ``rank`` has saved its result in ``out`` (it has begun to: the file exists); whether it did
+    within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (Path(out) / f"rank{rank}.pkl").exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def wait_until_dead(pid: int, *, timeout: float) -> None:
     """Wait until process ``pid`` (a sibling, so not ours to join) has died: gone or a zombie."""
     deadline = time.monotonic() + timeout

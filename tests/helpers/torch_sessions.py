@@ -23,7 +23,7 @@ from metrale_model_engine.torch import TorchTransport, open_link, tensor_tokens
 from metrale_model_engine.toy import ToyCommand, ToyModel, ToyState, slots_digest
 
 from helpers.faulty_toy import CMD_CHECK, CMD_DIE, CMD_PLACEHOLDER, FaultyToy
-from helpers.rank_results import save, wait_until_dead
+from helpers.rank_results import save, wait_for_result, wait_until_dead
 from helpers.shm_programs import serve_until_error, stall_inside_a_command
 
 SLOTS = 4
@@ -454,9 +454,7 @@ def severed_wait(rank: int, world_size: int, out: str) -> None:
     from metrale_model_engine._torch.severing import sever_group_connections
 
     if rank == 1:  # in no all-reduce, and alive (its exit would close its end): only the severing ends the wait
-        deadline = time.monotonic() + 8.0
-        while not Path(out, "rank0.pkl").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_result(out, 0, timeout=8.0)
         return
     store = tcp_store(dist.group.WORLD.get_group_store() if dist.group.WORLD is not None else None)
     assert store is not None
@@ -483,7 +481,7 @@ def severed_wait(rank: int, world_size: int, out: str) -> None:
     os._exit(0)  # rank 1 still sleeps; the group cannot be torn down
 
 
-SYNC_TIMEOUT = 3.0
+SYNC_TIMEOUT = 1.0
 """The link's command timeout in :func:`stopped_at_a_sync_point`: what the head's sync point waits."""
 
 
