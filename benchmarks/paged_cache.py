@@ -17,9 +17,12 @@ position), one with ``max_position_embeddings`` 32,768 and one with today's 256:
   the paged pool (``kv_memory`` the bytes of every slot's whole context), of
   ``kv_memory=None``, and of the build before the paged cache (its contiguous per-slot
   cache: commit ``--contiguous-commit``, extracted with ``git archive``; left out, with a
-  line, where git cannot);
-* (d) the same workload through ``transformers``' continuous batching over its paged
-  cache of the same bytes.
+  line, where git cannot), all over the 16 slots the contiguous cache holds;
+* (d) the same workload and KV bytes, ours against ``transformers``' continuous batching over
+  its paged cache, each free to run every request at once (the bytes hold them all): the paged
+  pool over as many slots as requests, ``transformers`` with as many requests a batch, pages
+  of ``PagedWork.page`` positions and ``PagedWork.batch_tokens`` tokens a forward; and, for
+  the runs before, both at 16 a batch (``transformers``' pages of 256: one request each).
 
 Each target is printed met or missed with its ratio.  ``measure`` runs them, ``report`` prints them
 (``bench_serving.py --part paged`` calls both).
@@ -63,6 +66,10 @@ class PagedWork:
     shared_new: int = 8
     shared_slots: int = 16
     shared_context: int = 2048
+    page: int = 16
+    """(d): transformers' page, in positions (its cache then holds every request at once, as ours)."""
+    batch_tokens: int = 1024
+    """(d): transformers' most tokens a forward (its default 8,192 sizes a mask of 400 MB here)."""
 
 
 FULL: Final = PagedWork()
@@ -115,6 +122,13 @@ def _draw(seed: int, count: int, prompt: tuple[int, int], new: tuple[int, int]) 
     return [([draw.randrange(vocab) for _ in range(draw.randint(*prompt))], draw.randint(*new)) for _ in range(count)]
 
 
+def _fit(requests: list[tuple[list[int], int]], kv_memory: int, per_position: int) -> dict[str, int]:
+    """The KV memory, the longest request (prompt and new tokens) and how many of it the pool's blocks of 16 hold."""
+    longest = max(len(prompt) + new for prompt, new in requests)
+    return {"kv_memory": kv_memory, "longest_request": longest,
+            "pool_holds": kv_memory // (16 * per_position) // -(-longest // 16)}  # fmt: skip
+
+
 def _ratio(name: str, value: float, goal: float) -> dict[str, Any]:
     return {"name": name, "value": value, "goal": goal, "met": value >= goal}
 
@@ -158,8 +172,8 @@ def measure(root: Path, quick: bool, rounds: int, contiguous_commit: str = CONTI
     out.mkdir()
     order = random.Random(5)
     base: SideSpec = {"way": "ours", "checkpoint": str(long_dir), "max_seq_len": work.long_context, "slots": 1,
-                      "kv_memory": None, "prefix_caching": True, "prefill_chunk": 256, "page_size": 256, "threads": 1,
-                      "warm": [[1, 2, 3]], "requests": []}  # fmt: skip
+                      "kv_memory": None, "prefix_caching": True, "prefill_chunk": 256, "page_size": 256,
+                      "max_batch_tokens": None, "threads": 1, "warm": [[1, 2, 3]], "requests": []}  # fmt: skip
     found: dict[str, Any] = {"work": asdict(work), "rounds": rounds, "bytes_per_position": per_position,
                              "load_start": load()}  # fmt: skip
 
@@ -170,9 +184,7 @@ def measure(root: Path, quick: bool, rounds: int, contiguous_commit: str = CONTI
     found["short"] = compare({"reservation": ({**short, "slots": work.reserved, "kv_memory": None}, None),
                               "paged pool": ({**short, "slots": work.short_slots, "kv_memory": kv_memory}, None)},
                              rounds, out, order)  # fmt: skip
-    longest = max(len(prompt) + new for prompt, new in short["requests"])
-    found["short"].update(kv_memory=kv_memory, longest_request=longest,
-                          pool_holds=kv_memory // (16 * per_position) // -(-longest // 16))  # fmt: skip
+    found["short"].update(_fit(short["requests"], kv_memory, per_position))
 
     print(f"\n(b) {work.shared_requests} requests sharing a {work.system_prompt:,}-token system prompt:")
     draw = random.Random(2)
@@ -194,12 +206,18 @@ def measure(root: Path, quick: bool, rounds: int, contiguous_commit: str = CONTI
     same: SideSpec = {**base, "checkpoint": str(today_dir), "max_seq_len": shape["max_position_embeddings"],
                       "slots": today.slots, "kv_memory": kv_today, "prefill_chunk": 64,
                       "requests": today.build()}  # fmt: skip
+    free, apart = f"{today.requests} slots", f"{today.slots} a batch"
+    theirs: SideSpec = {**same, "way": "transformers", "slots": today.requests, "page_size": work.page,
+                        "max_batch_tokens": work.batch_tokens}  # fmt: skip
     sides: Sides = {"paged pool": (same, None), "kv_memory=None": ({**same, "kv_memory": None}, None),
-                    "transformers": ({**same, "way": "transformers"}, None)}  # fmt: skip
+                    f"paged pool, {free}": ({**same, "slots": today.requests}, None),
+                    f"transformers, {today.requests} a batch": (theirs, None),
+                    f"transformers, {apart}": ({**same, "way": "transformers"}, None)}  # fmt: skip
     source = contiguous_source(root, contiguous_commit)
     if source is not None:
         sides[f"contiguous ({contiguous_commit})"] = ({**same, "prefix_caching": None}, source)
     found["today"] = compare(sides, rounds, out, order)
+    found["today"].update(_fit(same["requests"], kv_today, per_position))
     versus = f"contiguous ({contiguous_commit})" if source is not None else "kv_memory=None"
 
     found["load_end"] = load()
@@ -212,13 +230,16 @@ def measure(root: Path, quick: bool, rounds: int, contiguous_commit: str = CONTI
                paired(found["shared"], "no prefix caching", "prefix caching, cold cache", "ttft_s"), TARGETS["ttft"]),
         _ratio(f"(c) tokens/s, paged pool / {versus}, at least {TARGETS['contiguous']:g}x",
                paired(found["today"], "paged pool", versus, "tokens_per_s"), TARGETS["contiguous"]),
-        _ratio(f"(d) tokens/s, ours / transformers' continuous batching, at least {TARGETS['transformers']:g}x",
-               paired(found["today"], "paged pool", "transformers", "tokens_per_s"), TARGETS["transformers"]),
+        _ratio(f"(d) tokens/s, ours / transformers' continuous batching, {today.requests} a batch, at least "
+               f"{TARGETS['transformers']:g}x", paired(found["today"], f"paged pool, {free}",
+               f"transformers, {today.requests} a batch", "tokens_per_s"), TARGETS["transformers"]),
     ]  # fmt: skip
     whole = paired(found["today"], "paged pool", "kv_memory=None", "tokens_per_s")
     served = paired(found["shared"], "no prefix caching", "prefix caching, served before", "ttft_s")
     found["ratios"] = {"(b) median TTFT, without / with prefix caching (system prompt served before)": served,
-                       "(c) paged pool / kv_memory=None, tokens/s": whole}  # fmt: skip
+                       "(c) paged pool / kv_memory=None, tokens/s": whole,
+                       f"(d) ours / transformers, {apart} (its pages of 256), tokens/s":
+                           paired(found["today"], "paged pool", f"transformers, {apart}", "tokens_per_s")}  # fmt: skip
     return found
 
 
@@ -227,8 +248,10 @@ def report(found: dict[str, Any]) -> None:
     short = found["short"]
     print(f"\npaged KV cache, medians of {found['rounds']} round(s), ratios paired by round (one rank, one thread; "
           f"load average {found['load_start']:.1f} at the start, {found['load_end']:.1f} at the end):")  # fmt: skip
-    print(f"(a) KV memory {short['kv_memory'] / mib:,.0f} MiB: {short['pool_holds']:,} sequences of the longest "
-          f"request ({short['longest_request']} tokens) fit the pool")  # fmt: skip
+    for part, label in (("short", "(a)"), ("today", "(c/d)")):
+        fit = found[part]
+        print(f"{label} KV memory {fit['kv_memory'] / mib:,.0f} MiB: {fit['pool_holds']:,} sequences of the longest "
+              f"request ({fit['longest_request']} tokens) fit the pool")  # fmt: skip
     print(f"  {'side':<36}{'tokens/s':>9}{'TTFT ms':>9}{'at once':>8}{'steps':>7}{'step ms':>9}{'KV MiB':>8}"
           f"{'peak MiB':>9}{'hits':>7}")  # fmt: skip
     for part, label in (("short", "(a)"), ("shared", "(b)"), ("today", "(c/d)")):

@@ -10,17 +10,18 @@ Two ways, both at one rank:
   uses only what both builds have);
 * ``transformers``: ``transformers``' own continuous batching over its paged cache (its
   ``ContinuousBatchingManager``, what ``generate_batch`` drives), each request with its own
-  ``max_new_tokens``, the cache ``kv_memory`` bytes (its blocks of ``page_size`` positions).
+  ``max_new_tokens``, the cache ``kv_memory`` bytes (its blocks of ``page_size`` positions),
+  at most ``slots`` requests and ``max_batch_tokens`` tokens a forward.
 
 Before the clock starts each way serves ``warm`` (prompts of one new token each: the
 kernels warmed, and for ours the prefix cache holding what they fed).  Then every
 request arrives at once.  The figures: generated tokens per second, the median time
-to a request's first token from that arrival, the largest decode batch (the most
-sequences decoded at once; ours only), the steps (ours: scheduling steps; transformers':
-forwards of the model) and the median time of a decode step (transformers': of a
-forward, prefill chunks included), the bytes of the KV cache, the process's peak resident set
-(``VmHWM``), every request's tokens, and for ours the prompt tokens found cached and the
-preemptions.
+to a request's first token from that arrival, the largest batch (ours: the most
+sequences decoded at once; transformers': the most sequences in one forward), the
+steps (ours: scheduling steps; transformers': forwards of the model) and the median
+time of a decode step (transformers': of a forward, prefill chunks included), the
+bytes of the KV cache, the process's peak resident set (``VmHWM``), every request's
+tokens, and for ours the prompt tokens found cached and the preemptions.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class SideSpec(TypedDict):
     prefix_caching: bool | None
     prefill_chunk: int
     page_size: int
+    max_batch_tokens: int | None
+    """transformers' most tokens a forward (``None``: its default, 8,192)."""
     threads: int
     warm: list[list[int]]
     requests: list[tuple[list[int], int]]
@@ -113,6 +116,7 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
         page_size=spec["page_size"],
         num_blocks=spec["kv_memory"] // (spec["page_size"] * per_position),
         max_requests_per_batch=spec["slots"],
+        max_batch_tokens=spec["max_batch_tokens"],
     )
     generation = GenerationConfig(  # type: ignore[no-untyped-call]  # (its **kwargs are untyped)
         do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=1
@@ -120,14 +124,16 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
     first: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
     forwards: list[float] = []  # each forward's start, then its time
+    sequences: list[int] = []  # each forward's sequences
 
-    def started_forward(*_: object) -> None:
+    def started_forward(_: object, __: object, kwargs: dict[str, Any]) -> None:  # (its batch's ``cu_seq_lens_q``)
         forwards.append(time.perf_counter())
+        sequences.append(len(kwargs["cu_seq_lens_q"]) - 1)
 
     def ended_forward(*_: object) -> None:
         forwards[-1] = time.perf_counter() - forwards[-1]
 
-    model.register_forward_pre_hook(started_forward)
+    model.register_forward_pre_hook(started_forward, with_kwargs=True)
     model.register_forward_hook(ended_forward)
     with model.continuous_batching_context_manager(
         generation_config=generation, continuous_batching_config=settings, block=True, timeout=30
@@ -137,6 +143,7 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
         for _ in spec["warm"]:
             manager.get_result(timeout=600)
         forwards.clear()
+        sequences.clear()
         started = time.perf_counter()
         for index, (prompt, new) in enumerate(spec["requests"]):
             manager.add_request(prompt, request_id=str(index), max_new_tokens=new, record_timestamps=True)
@@ -156,7 +163,7 @@ def transformers_cb(spec: SideSpec) -> dict[str, Any]:
         "tokens_per_s": sum(len(tokens) for tokens in outputs.values()) / wall,
         "wall_s": wall,
         "ttft_s": statistics.median(first[key] - started for key in first),
-        "most_concurrent": -1,
+        "most_concurrent": max(sequences),
         "steps": len(forwards),
         "step_s": statistics.median(forwards),
         "kv_bytes": held,
