@@ -116,22 +116,27 @@ def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
     assert "[head] 6 requests" not in stdout and "recovered from" not in stdout + stderr
 
 
+RECOVERED = ("--slots", "2", "--max-new-tokens", "24")
+"""The recovered run's options: the six prompts two at a time, each to 24 tokens (at 4 ranks a decode step costs
+about 0.1 s of CPU here: half the default 48 keeps four requests waiting or running when the first ends)."""
+
+
 def test_a_worker_killed_mid_run_is_recovered_from_and_the_demo_exits_0_naming_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """4 ranks over shared memory, the default ``--on-lost-rank recover``, 2 slots (the six prompts run two at a
-    time): worker 3 killed (SIGKILL) as soon as the first request has ended, the others running or waiting.  The
-    recovery carries the running requests on; every request's tokens equal a run that lost nothing (one rank, served
-    in this process: ``demo.main``); the summary counts one recovery; the demo exits 0, its last line naming the rank
-    it recovered from."""
+    time, ``RECOVERED``): worker 3 killed (SIGKILL) as soon as the first request has ended, the others running or
+    waiting.  The recovery carries the running requests on; every request's tokens equal a run that lost nothing (one
+    rank, served in this process: ``demo.main``); the summary counts one recovery; the demo exits 0, its last line
+    naming the rank it recovered from."""
     leave_torchrun(monkeypatch)
     threads = torch.get_num_threads()  # a one-rank demo sets them
     try:
-        assert demo_main(["--world-size", "1", "--slots", "2", "--json", str(tmp_path / "unfailed.json")]) == 0
+        assert demo_main(["--world-size", "1", *RECOVERED, "--json", str(tmp_path / "unfailed.json")]) == 0
     finally:
         torch.set_num_threads(threads)
     command = [sys.executable, "-m", "metrale_model_engine.demo", "--world-size", "4", "--transport", "shm"]
-    command += ["--slots", "2", "--json", str(tmp_path / "recovered.json")]
+    command += [*RECOVERED, "--json", str(tmp_path / "recovered.json")]
     process = programs.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert process.stdout is not None
@@ -162,7 +167,7 @@ def test_a_worker_killed_mid_run_is_recovered_from_and_the_demo_exits_0_naming_i
     assert "[head] 1 recovery from lost workers (4 -> 3 ranks)" in "\n".join(lines)
     want = json.loads((tmp_path / "unfailed.json").read_text())["requests"]
     assert [r["tokens"] for r in summary["requests"]] == [r["tokens"] for r in want]
-    assert len(want) == len(PROMPTS) and all(len(r["tokens"]) == 48 for r in want)
+    assert len(want) == len(PROMPTS) and all(len(r["tokens"]) == 24 for r in want)
 
 
 def test_demo_runs_under_torchrun() -> None:
