@@ -1,0 +1,90 @@
+"""The room of a parallel run (``helpers.serial``): who may run beside a test apart, and beside a test alone."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from helpers.serial import Need, Room
+
+WAIT = 0.3
+"""Seconds a blocked entry is given to show that it waits."""
+
+
+def enters(room: Room, need: Need) -> threading.Event:
+    """Start entering ``room`` as ``need`` says, in a thread; the event is set once it has entered."""
+    entered = threading.Event()
+
+    def enter() -> None:
+        room.enter(need)
+        entered.set()
+
+    threading.Thread(target=enter, daemon=True).start()
+    return entered
+
+
+def test_beside_a_test_apart_in_process_tests_run_and_tests_that_start_processes_wait(tmp_path: Path) -> None:
+    serial, other = Room(tmp_path), Room(tmp_path)
+    try:
+        serial.enter(Need.APART)
+        assert enters(other, Need.QUIET).wait(5)
+        other.leave()
+        busy = enters(other, Need.BUSY)
+        assert not busy.wait(WAIT)
+        serial.leave()
+        assert busy.wait(5)
+    finally:
+        other.close()
+        serial.close()
+
+
+def test_beside_a_test_alone_nothing_runs(tmp_path: Path) -> None:
+    serial, other = Room(tmp_path), Room(tmp_path)
+    try:
+        serial.enter(Need.ALONE)
+        quiet = enters(other, Need.QUIET)
+        assert not quiet.wait(WAIT)
+        serial.enter(Need.APART)  # the next serial test, apart: the in-process test goes in
+        assert quiet.wait(5)
+    finally:
+        other.close()
+        serial.close()
+
+
+def test_a_test_waiting_apart_keeps_new_tests_out_until_it_has_run(tmp_path: Path) -> None:
+    running, serial, newcomer = Room(tmp_path), Room(tmp_path), Room(tmp_path)
+    try:
+        running.enter(Need.BUSY)
+        apart = enters(serial, Need.APART)
+        assert not apart.wait(WAIT)
+        late = enters(newcomer, Need.BUSY)  # behind the serial test at the turnstile, not beside the running one
+        assert not late.wait(WAIT)
+        running.leave()
+        assert apart.wait(5)
+        assert not late.wait(WAIT)
+        serial.leave()
+        assert late.wait(5)
+    finally:
+        for room in (running, serial, newcomer):
+            room.close()
+
+
+def test_an_alone_block_runs_apart_then_gives_back_what_the_test_held(tmp_path: Path) -> None:
+    test, other = Room(tmp_path), Room(tmp_path)
+    try:
+        test.enter(Need.BUSY)
+        with test.alone():
+            assert enters(other, Need.QUIET).wait(5)
+            other.leave()
+            busy = enters(other, Need.BUSY)
+            assert not busy.wait(WAIT)
+        assert busy.wait(5)  # the test holds its share again, beside the other
+        other.leave()
+        test.leave()
+        with test.alone():  # a test that held nothing: the block apart, then nothing held
+            alone = enters(other, Need.ALONE)
+            assert not alone.wait(WAIT)
+        assert alone.wait(5)
+    finally:
+        other.close()
+        test.close()
