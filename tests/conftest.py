@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -51,6 +52,12 @@ if TYPE_CHECKING:
 
     from helpers.greedy import Greedy
     from helpers.serving_sessions import Served
+
+# Each connection to a group's store makes torch look up its peer's name (``getnameinfo`` of ``::ffff:127.0.0.1``,
+# which ``/etc/hosts`` seldom lists); where the machine's resolver drops a query now and then, glibc waits its
+# default 5 s before asking again: about 1 store connection in 25 to 50 on this project's machine, a test 5 s
+# longer each time.  Every process of the run (set before any starts) asks once, for a second at most.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 start_ranks_from_a_server(
     ["metrale_model_engine.torch"] if importlib.util.find_spec("torch") is not None else ["metrale_model_engine.shm"]
