@@ -137,8 +137,9 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
 
 
 def _need(item: pytest.Item) -> Need:
-    """What ``item`` needs of the room of a parallel run: an in-process test none of the cores the tests that start
-    processes use; a serial test to run apart from those, or alone if it is an in-process test itself."""
+    """What ``item`` needs of the room of a parallel run: an in-process test (one core at most) runs beside any test
+    but one alone, a test that starts processes beside any but one apart or alone; a serial test runs apart from the
+    tests that start processes, or alone if it is an in-process test itself."""
     quiet = _tier(item.path) == "in_process"
     if _serial(item):
         return Need.ALONE if quiet else Need.APART
