@@ -37,15 +37,21 @@ def load(out: Path, world_size: int) -> dict[int, dict[str, object]]:
     return results
 
 
-def wait_for_result(out: str, rank: int, *, timeout: float) -> bool:
-    """Wait until rank ``rank`` has saved its result in ``out`` (it has begun to: the file exists); whether it did
-    within ``timeout`` seconds."""
+def wait_for_file(path: Path, *, timeout: float) -> bool:
+    """Wait until ``path`` exists (a file another process of the test makes); whether it did within ``timeout``
+    seconds."""
     deadline = time.monotonic() + timeout
-    while not (Path(out) / f"rank{rank}.pkl").exists():
+    while not path.exists():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.01)
     return True
+
+
+def wait_for_result(out: str, rank: int, *, timeout: float) -> bool:
+    """Wait until rank ``rank`` has saved its result in ``out`` (it has begun to: the file exists); whether it did
+    within ``timeout`` seconds."""
+    return wait_for_file(Path(out) / f"rank{rank}.pkl", timeout=timeout)
 
 
 def wait_until_dead(pid: int, *, timeout: float) -> None:

@@ -27,7 +27,7 @@ from metrale_model_engine import run_worker
 from metrale_model_engine.reference import LmSlots, ReferenceLm, Server
 from metrale_model_engine.torch import init_group_from_env, open_link
 
-from helpers.rank_results import note, save
+from helpers.rank_results import note, save, wait_for_file
 from helpers.recovery_sessions import NEW_TOKENS, PREFILL_CHUNK, QUIET, SLOTS, TIMEOUT, WORKLOAD, served
 
 HOST_GOES = 4
@@ -54,10 +54,8 @@ def main(out: str, new_tokens: int = NEW_TOKENS, goes: int = HOST_GOES, checkpoi
     while server.busy:
         if server.steps + 1 == goes and not (Path(out) / "host-gone").exists():
             note(out, "host-please", at=time.monotonic())
-            deadline = time.monotonic() + 60.0
-            while not (Path(out) / "host-gone").exists():
-                assert time.monotonic() < deadline, "the test never killed the other host"
-                time.sleep(0.01)
+            gone = wait_for_file(Path(out) / "host-gone", timeout=60.0)
+            assert gone, "the test never killed the other host"
         server.step()
     server.shutdown()
     save(out, 0, **served(server), came=came, transports=[first, type(link.transport).__name__])

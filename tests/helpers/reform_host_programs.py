@@ -21,7 +21,7 @@ from metrale_model_engine import RunStopped, run_worker
 from metrale_model_engine.reform import reform_link
 from metrale_model_engine.torch import init_group_from_env, open_link
 
-from helpers.rank_results import note, save
+from helpers.rank_results import note, save, wait_for_file
 from helpers.reform_sessions import QUIET, TIMEOUT, Sharded, Slots, expected, reform_fields
 
 STEPS = 6
@@ -47,10 +47,8 @@ def main(out: str) -> None:
     while step <= STEPS:
         if step == HOST_GOES and not (Path(out) / "host-gone").exists():
             note(out, "host-please", at=time.monotonic())
-            deadline = time.monotonic() + 60.0
-            while not (Path(out) / "host-gone").exists():
-                assert time.monotonic() < deadline, "the test never killed the other host"
-                time.sleep(0.01)
+            gone = wait_for_file(Path(out) / "host-gone", timeout=60.0)
+            assert gone, "the test never killed the other host"
         try:
             result = model.forward(step)
             assert result == expected(step), (step, result)

@@ -14,9 +14,9 @@ itself; and a turnstile that each takes on its way in, so that a test waiting fo
 room by itself keeps new tests out instead of waiting for a moment when none runs.
 A worker keeps what it holds from one serial test to the next it runs, so that a
 run's serial tests follow one another (``tests/conftest.py`` sends them all to one
-worker, first, while the other runs the in-process tests).  A test may also take the busy room
-by itself for a block of its own (``Room.alone``: the ``alone`` fixture), the part a
-time bound measures, and run the rest beside the others.  A lock dies with its
+worker, first, while the other runs the in-process tests).  A test may also take the
+busy room by itself for a block of its own (``Room.alone``: the ``alone`` fixture), the
+part a time bound measures, and run the rest beside the others.  A lock dies with its
 process: a worker that crashes holds nothing.
 """
 
