@@ -7,12 +7,13 @@ once every rank has ended.  Every rank of a failed setup raises, most with the s
 text, so a program that catches it in the launching process reports it once.
 
 Ctrl-C: a rank interrupted (``KeyboardInterrupt``) exits with ``INTERRUPTED``,
-without a traceback.  A rank starts with SIGINT ignored, until its function runs
+without a traceback.  A rank starts with SIGINT blocked, until its function runs
 (or, with ``interrupts_from_rank``, until the function calls
 ``accept_interrupts``: past its group's rendezvous, which an interrupted system
 call would make log a warning), so that an interrupt while it starts prints
-nothing.  (The launcher ignores it for the few milliseconds of each start, so that
-the rank inherits that: an interrupt in those moments is lost.)  A launcher
+nothing and interrupts it only then.  (The launcher blocks it for the few
+milliseconds of each start, so that the rank inherits that, and raises an interrupt
+of those moments once the rank has started: none is lost.)  A launcher
 interrupted while it waits (or failing there in any way) ends every rank before it
 raises: it passes the interrupt to the ranks still running, kills at once those
 still starting, waits up to ``INTERRUPT_GRACE`` seconds for the others to leave
@@ -28,7 +29,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
@@ -176,12 +177,11 @@ def launch(
     ]
     try:
         try:
+            if not forked:
+                resource_tracker.ensure_running()  # here: its first start unblocks SIGINT, which would undo the hold
             for process in processes:
-                interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)  # for the rank to inherit
-                try:
+                with _interrupts_held():
                     process.start()
-                finally:
-                    signal.signal(signal.SIGINT, interrupts)
         except BaseException:  # out of processes or descriptors: end the ranks that started
             for process in processes:
                 if process.pid is not None:
@@ -203,6 +203,28 @@ def launch(
     if failures:
         raise EpSetupError(failures[0])
     return codes
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT held back while a rank process starts, then taken as if it had come just after.
+
+    The calling thread blocks SIGINT, so that the rank inherits it blocked (across
+    ``exec`` too); meanwhile an interrupt that another thread of the launcher takes
+    (OpenBLAS's, say) is only noted, so that none raises between the start and the
+    moment the launcher records the process.  One noted or left pending is raised
+    again once the block ends, under the handler the launcher had.
+    """
+    noted: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one pending is noted here
+        signal.signal(signal.SIGINT, handler)
+    if noted:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _siblings_ends(
@@ -263,7 +285,7 @@ def _interrupt_all(processes: Sequence[BaseProcess]) -> None:
 def _end_all(processes: Sequence[BaseProcess]) -> None:
     for process in processes:
         if process.pid is not None and process.is_alive():
-            if _still_starting(process.pid):  # SIGINT still ignored: it holds nothing yet
+            if _still_starting(process.pid):  # SIGINT still held back: it holds nothing yet
                 process.kill()
                 continue
             with contextlib.suppress(ProcessLookupError):
@@ -278,18 +300,23 @@ def _end_all(processes: Sequence[BaseProcess]) -> None:
 
 
 def _still_starting(pid: int) -> bool:
-    """Whether rank process ``pid`` still ignores SIGINT (it has not reached its function); Linux only."""
+    """Whether rank process ``pid`` still blocks SIGINT (it has not reached its function); Linux only.
+
+    Not whether it ignores SIGINT: a rank interrupted once ignores the next ones while it leaves, and gets its grace.
+    """
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-    ignored = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
-    return bool(int(ignored, 16) & (1 << (signal.SIGINT - 1)))
+    blocked = next((line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), "0")
+    return bool(int(blocked, 16) & (1 << (signal.SIGINT - 1)))
 
 
 def accept_interrupts() -> None:
-    """In a rank whose launch said ``interrupts_from_rank``: from now on Ctrl-C interrupts it (see the module)."""
+    """In a rank whose launch said ``interrupts_from_rank``: from now on Ctrl-C interrupts it (see the module); one
+    that came while it started interrupts it here."""
     signal.signal(signal.SIGINT, _interrupt_once)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _interrupt_once(signum: int, frame: object) -> None:
@@ -317,7 +344,7 @@ def _run_rank(
         _default_signal_handlers()
     try:
         if not interrupts_from_rank:
-            accept_interrupts()  # ignored while the rank started
+            accept_interrupts()  # held back while the rank started
         rank_main(*args)
     except EpSetupError as error:
         report.send(str(error)[:_REPORT_CHARS])
