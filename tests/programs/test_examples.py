@@ -191,12 +191,12 @@ def test_ranks_exit_cleanly_ten_times(script: Path) -> None:
 
 
 def launched_both_ranks(launcher: int) -> bool:
-    """Whether ``launcher`` has started its 2 ranks: it holds SIGINT back while it starts each (the rank inherits
-    that), and ``SigBlk`` in its status says when that is over."""
+    """Whether ``launcher`` has started its 2 ranks, its children with multiprocessing's resource tracker: it holds
+    SIGINT back while it starts each (the rank inherits that), and ``SigBlk`` in its status says when that is over."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
     status = Path(f"/proc/{launcher}/status").read_text()
     held = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
-    return len(children) >= 2 and not held & (1 << (signal.SIGINT - 1))
+    return len(children) >= 3 and not held & (1 << (signal.SIGINT - 1))
 
 
 @pytest.mark.torch

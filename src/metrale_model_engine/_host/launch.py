@@ -13,7 +13,9 @@ without a traceback.  A rank starts with SIGINT blocked, until its function runs
 call would make log a warning), so that an interrupt while it starts prints
 nothing and interrupts it only then.  (The launcher blocks it for the few
 milliseconds of each start, so that the rank inherits that, and raises an interrupt
-of those moments once the rank has started: none is lost.)  A launcher
+of those moments once the rank has started: none is lost.  The block is each
+thread's own: a thread a rank starts before then keeps SIGINT blocked, and so does
+a program it runs.)  A launcher
 interrupted while it waits (or failing there in any way) ends every rank before it
 raises: it passes the interrupt to the ranks still running, kills at once those
 still starting, waits up to ``INTERRUPT_GRACE`` seconds for the others to leave
@@ -35,6 +37,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from types import FrameType
 from typing import Final, Literal, TypeAlias
 
 from .._core.checks import check_int, check_seconds
@@ -71,8 +74,9 @@ def start_ranks_from_a_server(preload: Sequence[str]) -> None:
     (``gc.freeze``): shared with the server, never collected in the rank, whose
     collections then copy none of its pages.  The test suite does this.  A rank
     still gets the launcher's environment as it is at the start, as a spawned one
-    does.  What differs from the default (``spawn``): a Ctrl-C that lands in the
-    moment before a rank reaches its function shows a traceback; the server, not the
+    does, and holds Ctrl-C back until it reaches its function, as a spawned one does
+    (it inherits the server's signal mask, which the server took from the launch that
+    started it).  What differs from the default (``spawn``): the server, not the
     launcher, is a rank's parent, so its siblings cannot tell how it ended.  Call it
     before the first launch of the process.
     """
@@ -177,16 +181,13 @@ def launch(
     ]
     try:
         try:
-            if not forked:
-                resource_tracker.ensure_running()  # here: its first start unblocks SIGINT, which would undo the hold
+            if not isinstance(context, ForkContext):  # a spawn or the start server's first start runs the tracker,
+                resource_tracker.ensure_running()  # whose own first start unblocks SIGINT: here, not inside the hold
             for process in processes:
                 with _interrupts_held():
                     process.start()
-        except BaseException:  # out of processes or descriptors: end the ranks that started
-            for process in processes:
-                if process.pid is not None:
-                    process.kill()
-                    process.join()
+        except BaseException:  # Ctrl-C, or out of processes or descriptors: end the ranks that started
+            _kill_started(processes)
             raise
         finally:
             for connection in [*parent_ends, *(send for _, send in reports)]:
@@ -213,18 +214,52 @@ def _interrupts_held() -> Iterator[None]:
     ``exec`` too); meanwhile an interrupt that another thread of the launcher takes
     (OpenBLAS's, say) is only noted, so that none raises between the start and the
     moment the launcher records the process.  One noted or left pending is raised
-    again once the block ends, under the handler the launcher had.
+    again once the block ends, under the handler the launcher had; where the start
+    raised instead, as ``KeyboardInterrupt`` from its error.  The mask and the handler
+    are put back on every path.
     """
     noted: list[int] = []
-    handler = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    holding = True
+    handler = signal.getsignal(signal.SIGINT)
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        if holding:
+            noted.append(signum)
+        elif callable(handler):  # left installed by an error in the restore below: the launcher's own handler
+            handler(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
     try:
-        yield
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # the mask as it is
+        try:
+            try:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                yield
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one pending is noted here
+        except BaseException as error:
+            if noted and not isinstance(error, KeyboardInterrupt):
+                raise KeyboardInterrupt from error
+            raise
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one pending is noted here
+        holding = False
         signal.signal(signal.SIGINT, handler)
     if noted:
         signal.raise_signal(signal.SIGINT)
+
+
+def _kill_started(processes: Sequence[BaseProcess]) -> None:
+    """Kill the rank processes that started, then wait for them; a second Ctrl-C meanwhile is ignored: it must not
+    leave a rank behind (one that started holds SIGINT back, so the terminal's Ctrl-C cannot end it)."""
+    interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        started = [process for process in processes if process.pid is not None]
+        for process in started:
+            process.kill()
+        for process in started:
+            process.join()
+    finally:
+        signal.signal(signal.SIGINT, interrupts)
 
 
 def _siblings_ends(
@@ -342,6 +377,7 @@ def _run_rank(
         for end in siblings_ends:
             end.close()
         _default_signal_handlers()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a spawned rank's, still blocked: not the hold's
     try:
         if not interrupts_from_rank:
             accept_interrupts()  # held back while the rank started
