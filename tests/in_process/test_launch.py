@@ -34,7 +34,7 @@ def test_an_interrupt_noted_while_a_rank_starts_is_raised_once_its_start_is_over
     handler = signal.getsignal(signal.SIGINT)
     reached = False
     with pytest.raises(KeyboardInterrupt), _interrupts_held():
-        os.kill(os.getpid(), signal.SIGINT)  # pending: this thread blocks it
+        signal.raise_signal(signal.SIGINT)  # to this thread, which blocks it: pending
         reached = True
     assert reached
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -42,12 +42,19 @@ def test_an_interrupt_noted_while_a_rank_starts_is_raised_once_its_start_is_over
 
 
 def test_an_interrupt_another_thread_takes_while_a_rank_starts_is_raised_once_its_start_is_over() -> None:
+    go = threading.Event()
+
+    def take() -> None:
+        go.wait()
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # its handler runs in the main thread
+
+    sender = threading.Thread(target=take)
+    sender.start()  # before the hold, so it does not block SIGINT: as OpenBLAS's threads, started at import
     reached = False
     with pytest.raises(KeyboardInterrupt), _interrupts_held():
-        sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
-        sender.start()  # the kernel hands it to the one thread that does not block it
+        go.set()
         sender.join()
-        reached = True  # its handler ran in this thread, at the latest here: it only noted it
+        reached = True  # the handler ran here, at the latest as the block ends: it only noted it
     assert reached
 
 
@@ -62,7 +69,7 @@ def test_without_an_interrupt_a_rank_start_raises_nothing_and_puts_everything_ba
 def test_a_start_that_fails_after_an_interrupt_raises_the_interrupt_from_its_error() -> None:
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt) as raised, _interrupts_held():
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         raise OSError(errno.EAGAIN, "no more processes")
     assert isinstance(raised.value.__cause__, OSError)
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -80,11 +87,11 @@ class _InterruptedStart(SpawnProcess):
         _InterruptedStart.made.append(self)
 
     def start(self) -> None:
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # to the launching thread: a process-wide one may reach it later
         super().start()
 
     def kill(self) -> None:
-        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C: ignored, every started rank still killed
+        signal.raise_signal(signal.SIGINT)  # the second Ctrl-C: ignored, every started rank still killed
         super().kill()
 
 
