@@ -210,25 +210,7 @@ def create_segment(layout: Layout, head_pid: int) -> Segment:
         OSError: ``/dev/shm`` lacks the space (``ENOSPC``, the message says how
             much is free and needed) or cannot be written.
     """
-    remove_stale_segments()
-    _check_free_space(layout.size)
-    name = f"{NAME_PREFIX}{head_pid}-{secrets.token_hex(8)}"
-    path = segment_path(name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            os.posix_fallocate(fd, 0, layout.size)
-        except OSError as error:
-            if error.errno == errno.ENOSPC:
-                raise _no_space(layout.size) from error
-            raise
-        file = mmap.mmap(fd, layout.size)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+    name, file = create_file(layout.size, head_pid)
     segment = Segment(name, file, layout)
     words = segment.u32
     words[WORLD_SIZE_AT // 4] = layout.world_size
@@ -238,6 +220,38 @@ def create_segment(layout: Layout, head_pid: int) -> Segment:
     words[2] = LAYOUT_VERSION
     segment.u64[0] = MAGIC  # last: a segment with its magic is initialised
     return segment
+
+
+def create_file(size: int, creator_pid: int) -> tuple[str, mmap.mmap]:
+    """Create a new file of ``size`` zero bytes under ``/dev/shm``, named for ``creator_pid``; its name and mapping.
+
+    The name is ``metrale-ep-<creator_pid>-<random>`` (so ``remove_stale_segments`` removes it once its creator
+    is gone), which runs first.  The pages are reserved at once (``posix_fallocate``).
+
+    Raises:
+        OSError: ``/dev/shm`` lacks the space (``ENOSPC``, the message says how much is free and needed) or
+            cannot be written; nothing is left there.
+    """
+    remove_stale_segments()
+    _check_free_space(size)
+    name = f"{NAME_PREFIX}{creator_pid}-{secrets.token_hex(8)}"
+    path = segment_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                raise _no_space(size) from error
+            raise
+        file = mmap.mmap(fd, size)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return name, file
 
 
 def attach_segment(name: str) -> Segment:
