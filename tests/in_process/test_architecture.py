@@ -56,7 +56,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "reference": frozenset({"fronts", "_tensors", "_core"}),
     "fronts": frozenset({"_launch", "_tensors", "_torch", "_trait", "_engine", "_shm", "_host", "_core"}),
     "_launch": frozenset({"_torch", "_engine", "_shm", "_host", "_core"}),
-    "_tensors": frozenset({"_torch", "_engine", "_core"}),
+    "_tensors": frozenset({"_torch", "_engine", "_shm", "_host", "_core"}),
     "_torch": frozenset({"_shm", "_core"}),
     "_trait": frozenset({"_engine", "_core"}),
     "_engine": frozenset({"_host", "_core"}),
