@@ -165,10 +165,11 @@ class Collectives:
         if self._solo:
             return
         try:  # the group in no local variable: a traceback kept by the caller must not keep it alive
-            if self._untried and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            on_cpu = isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.layout == torch.strided
+            if self._untried and on_cpu:
                 self._untried = False
                 self._host_sum = HostSum.form()
-            if self._host_sum is not None and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            if self._host_sum is not None and on_cpu:
                 deadline = None if self._seconds is None else time.monotonic() + self._seconds
                 self._host_sum.all_reduce(tensor, deadline)
                 return

@@ -55,7 +55,7 @@ class PeerLeft(RuntimeError):
 class HostSum:
     """Sums CPU tensors over the ranks of the default process group, all on this host, through a shared file.
 
-    Made by [`form`][metrale_model_engine._tensors.host_sum.HostSum.form], a collective over the default group;
+    Made by ``form``, a collective over the default group;
     every rank then calls ``all_reduce`` in the same order, as with ``torch.distributed``.  A wait spins for
     ``SPIN_TIME`` and then sleeps, checking its peers' processes (pidfds: a zombie is dead) every
     ``CHECK_INTERVAL``.  Not thread-safe; ``close`` lets go of the mapping.
@@ -97,14 +97,16 @@ class HostSum:
                 names[0], created = create_file(_buffers_at(world) + 2 * world * SLOT_BYTES, os.getpid())
             except OSError as error:
                 _LOGGER.debug("no shared-memory all-reduce: %s", error)
-        dist.broadcast_object_list(names, src=0)
-        file = created if rank == 0 else _map(names[0]) if names[0] else None
-        mine = (os.getpid(), file is not None)
-        everyone: list[tuple[int, bool]] = [mine] * world
-        dist.all_gather_object(everyone, mine)
-        dist.barrier()
-        if rank == 0 and names[0]:
-            unlink_segment(names[0])
+        try:
+            dist.broadcast_object_list(names, src=0)
+            file = created if rank == 0 else _map(names[0]) if names[0] else None
+            mine = (os.getpid(), file is not None)
+            everyone: list[tuple[int, bool]] = [mine] * world
+            dist.all_gather_object(everyone, mine)
+            dist.barrier()
+        finally:  # every rank mapped it (or failed): its name goes, and nothing is left in /dev/shm
+            if rank == 0 and names[0]:
+                unlink_segment(names[0])
         if file is None or not all(mapped for _, mapped in everyone):
             if file is not None:
                 file.close()
@@ -112,7 +114,7 @@ class HostSum:
         return cls(file, rank, [pid for pid, _ in everyone])
 
     def all_reduce(self, tensor: torch.Tensor, deadline: float | None) -> None:
-        """Sum the CPU ``tensor`` over the ranks, in place (any dtype ``torch.add`` takes).
+        """Sum the CPU ``tensor`` (strided) over the ranks, in place (any dtype ``torch.add`` takes).
 
         Args:
             tensor: this rank's part; its shape and dtype must be every rank's.
@@ -122,16 +124,17 @@ class HostSum:
             PeerLeft: a rank exited (or left) before it published its part: the message names it.
             TimeoutError: the deadline passed; the message names the ranks that did not arrive.
         """
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        flat = work.reshape(-1).view(torch.uint8)
-        try:
-            for start in range(0, flat.numel(), SLOT_BYTES):
-                self._reduce_piece(flat[start : start + SLOT_BYTES], work.dtype, deadline)
-        except BaseException:
-            self._lines[self._rank * _LINE + _LEFT_AT] = 1  # the peers fail at once, not at their deadline
-            raise
-        if work is not tensor:
-            tensor.copy_(work)
+        with torch.no_grad():  # on the tensor's data, as the backend's all-reduce
+            work = tensor if tensor.is_contiguous() else tensor.contiguous()
+            flat = work.reshape(-1).view(torch.uint8)
+            try:
+                for start in range(0, flat.numel(), SLOT_BYTES):
+                    self._reduce_piece(flat[start : start + SLOT_BYTES], work.dtype, deadline)
+            except BaseException:
+                self._lines[self._rank * _LINE + _LEFT_AT] = 1  # the peers fail at once, not at their deadline
+                raise
+            if work is not tensor:
+                tensor.copy_(work)
 
     def _reduce_piece(self, piece: torch.Tensor, dtype: torch.dtype, deadline: float | None) -> None:
         """One call: ``piece`` (bytes of ``dtype``) published, every rank's awaited, their sum written into it."""
