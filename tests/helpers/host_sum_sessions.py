@@ -8,13 +8,16 @@ can compute every rank's part and the sum it expects.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import MutableSequence
+from typing import NoReturn
 
 import torch
 
 from metrale_model_engine import EpLink, LinkedEp, SequenceState, run_worker
+from metrale_model_engine._tensors import host_sum
 from metrale_model_engine.torch import Collectives, open_link
 
 from helpers.rank_results import save
@@ -70,10 +73,15 @@ class Sums(LinkedEp[SequenceState]):
         self.forward(self.ep_link.recv_word())
 
 
-def sums(rank: int, world_size: int, out: str) -> None:
+def sums(rank: int, world_size: int, out: str, no_room: bool = False) -> None:
     """Run every case of :data:`CASES` once; save this rank's sums, its pid, and this host's segments named for it
-    once the all-reduces were formed (the ring's and the sum's files are both unlinked by then)."""
+    once the all-reduces were formed (the ring's and the sum's files are both unlinked by then).
+
+    ``no_room``: the sum's file cannot be created (as in a full ``/dev/shm``), so the backend sums.
+    """
     torch.set_num_threads(1)
+    if no_room:
+        host_sum.create_file = _no_room  # type: ignore[attr-defined]  # this rank process alone
     model = Sums(open_link("shm", num_slots=1))
     try:
         if rank == 0:
@@ -90,3 +98,7 @@ def sums(rank: int, world_size: int, out: str) -> None:
         save(out, rank, sums=model.sums, pid=os.getpid(), left=left, through=through, at=time.time())
     finally:
         model.ep_link.close()
+
+
+def _no_room(size: int, creator_pid: int) -> NoReturn:
+    raise OSError(errno.ENOSPC, f"/dev/shm has too little for {size} bytes")

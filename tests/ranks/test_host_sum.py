@@ -49,6 +49,18 @@ def test_every_rank_holds_the_sum_in_rank_order_of_every_case_and_nothing_is_lef
     assert not [name for name in os.listdir("/dev/shm") if any(f"metrale-ep-{pid}-" in name for pid in pids)]
 
 
+def test_without_room_in_dev_shm_the_backend_sums_as_before(tmp_path: Path) -> None:
+    codes = run_group(host_sum_sessions.sums, 3, str(tmp_path), True, timeout=RUN_LIMIT)
+    assert codes == [0, 0, 0]
+    results = load(tmp_path, 3)
+    assert all(results[rank]["through"] == "NoneType" for rank in range(3)), results[0]["through"]
+    for case in host_sum_sessions.CASES:
+        want = host_sum_sessions.expected(case, 3)
+        got = results[1]["sums"][case]  # type: ignore[index]
+        assert isinstance(got, torch.Tensor)
+        assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1.0), case  # gloo's order of the sum
+
+
 def run_fault(fault: str, world_size: int, tmp_path: Path) -> tuple[list[int], dict[int, dict[str, object]], float]:
     codes = run_group(forward_sessions.forward_fault, world_size, "shm", fault, 1, str(tmp_path), timeout=RUN_LIMIT)
     return codes, load(tmp_path, world_size), float(read_note(tmp_path, "struck")["at"])  # type: ignore[arg-type]
