@@ -55,10 +55,10 @@ class PeerLeft(RuntimeError):
 class HostSum:
     """Sums CPU tensors over the ranks of the default process group, all on this host, through a shared file.
 
-    Made by ``form``, a collective over the default group;
-    every rank then calls ``all_reduce`` in the same order, as with ``torch.distributed``.  A wait spins for
-    ``SPIN_TIME`` and then sleeps, checking its peers' processes (pidfds: a zombie is dead) every
-    ``CHECK_INTERVAL``.  Not thread-safe; ``close`` lets go of the mapping.
+    Made by ``form``, a collective over the default group; every rank then calls ``all_reduce`` in the same
+    order, as with ``torch.distributed``.  A wait spins for ``SPIN_TIME`` and then sleeps, checking its peers'
+    processes (pidfds: a zombie is dead) every ``CHECK_INTERVAL``.  Not thread-safe; ``close`` lets go of the
+    mapping.
     """
 
     __slots__ = ("_buffers", "_file", "_generation", "_generations", "_lines", "_pids", "_rank", "_watch", "_world")
