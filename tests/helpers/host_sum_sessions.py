@@ -9,6 +9,7 @@ can compute every rank's part and the sum it expects.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 from collections.abc import MutableSequence
@@ -16,13 +17,15 @@ from typing import NoReturn
 
 import torch
 
-from metrale_model_engine import EpLink, LinkedEp, SequenceState, run_worker
+from metrale_model_engine import EpLink, LinkedEp, RunStopped, SequenceState, run_worker
 from metrale_model_engine._tensors import host_sum
 from metrale_model_engine.torch import Collectives, open_link
 
 from helpers.rank_results import save
 
 FORWARD = 7
+_QUIET = logging.getLogger("host_sum_sessions.quiet")
+_QUIET.disabled = True
 CASES: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {
     "float32": ((4, 512), torch.float32, False),
     "bfloat16": ((4, 512), torch.bfloat16, False),
@@ -102,3 +105,29 @@ def sums(rank: int, world_size: int, out: str, no_room: bool = False) -> None:
 
 def _no_room(size: int, creator_pid: int) -> NoReturn:
     raise OSError(errno.ENOSPC, f"/dev/shm has too little for {size} bytes")
+
+
+class _Mismatched(Sums):
+    """A forward whose tensor has one more item on each rank than on the one before: a bug in a model."""
+
+    def forward(self, index: int) -> None:
+        self.collectives.all_reduce(torch.ones(2 + self.ep_link.rank))
+
+
+def mismatched(rank: int, world_size: int, out: str) -> None:
+    """One FORWARD of :class:`_Mismatched`: save what every rank raised (``kind`` and ``message``)."""
+    torch.set_num_threads(1)
+    model = _Mismatched(open_link("shm", num_slots=1))
+    try:
+        if rank == 0:
+            model.ep_link.send_command(0, FORWARD, 0)
+            with model.ep_link.collective():
+                model.forward(0)
+        else:
+            slots: list[SequenceState | None] = [None]
+            run_worker(model, slots, logger=_QUIET)
+        save(out, rank, kind="none", message="")
+    except RunStopped as error:
+        save(out, rank, kind=type(error).__name__, message=str(error))
+    finally:
+        model.ep_link.close()

@@ -89,3 +89,16 @@ def test_a_peer_that_never_arrives_fails_the_others_at_the_timeout_naming_it(tmp
         took = float(results[rank]["at"]) - struck  # type: ignore[arg-type]
         timeout = forward_sessions.COLLECTIVE_TIMEOUT
         assert timeout - 0.5 <= took < timeout + 5.0, (rank, took)
+
+
+def test_tensors_that_differ_between_ranks_fail_every_ranks_all_reduce_naming_each_ranks_size(tmp_path: Path) -> None:
+    codes = run_group(host_sum_sessions.mismatched, 2, str(tmp_path), timeout=RUN_LIMIT)
+    assert codes == [0, 0]
+    results = load(tmp_path, 2)
+    sizes = (
+        "the ranks disagree on the all-reduce's tensor (rank 0: 8 bytes in items of 4, rank 1: 12 bytes in items of 4)"
+    )
+    for rank in (0, 1):
+        assert results[rank]["kind"] == "RunStopped", results[rank]
+        assert "an all-reduce failed" in str(results[rank]["message"]), results[rank]
+        assert sizes in str(results[rank]["message"]), results[rank]

@@ -5,7 +5,9 @@ once every rank has mapped it, so nothing is left there even if a rank crashes l
 
 ========================  ==================================================================
 rank lines                one 64-byte line per rank: its generation u64 (the last call whose
-                          bytes it published), then its left byte (1: it left these all-reduces)
+                          bytes it published), its left byte (1: it left these all-reduces), then
+                          for each buffer the bytes u64 and the item size u64 of the tensor whose
+                          piece it holds
 buffers (page-aligned)    2 buffers, each of ``world_size`` slots of ``SLOT_BYTES``
 ========================  ==================================================================
 
@@ -26,6 +28,7 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
+from .._core.checks import ranks_disagree
 from .._host.liveness import ProcessWatch
 from .._shm import futex
 from .._shm.segment import NAME_PREFIX, create_file, segment_path, unlink_segment
@@ -45,6 +48,8 @@ CHECK_INTERVAL: Final[float] = 0.01
 _LINE: Final[int] = 64
 _LEFT_AT: Final[int] = 8
 """The left byte's offset in a rank's line."""
+_SIZE_WORD: Final[int] = 2
+"""The u64 word of a rank's line with the bytes of its tensor in buffer 0; then its item size; then buffer 1's."""
 _LOGGER = logging.getLogger(__name__)
 
 
@@ -123,25 +128,32 @@ class HostSum:
         Raises:
             PeerLeft: a rank exited (or left) before it published its part: the message names it.
             TimeoutError: the deadline passed; the message names the ranks that did not arrive.
+            ValueError: the ranks' tensors differ in bytes or item size (every rank raises it, naming each's).
         """
         with torch.no_grad():  # on the tensor's data, as the backend's all-reduce
             work = tensor if tensor.is_contiguous() else tensor.contiguous()
             flat = work.reshape(-1).view(torch.uint8)
             try:
+                size = (flat.numel(), work.element_size())
                 for start in range(0, flat.numel(), SLOT_BYTES):
-                    self._reduce_piece(flat[start : start + SLOT_BYTES], work.dtype, deadline)
+                    self._reduce_piece(flat[start : start + SLOT_BYTES], work.dtype, size, deadline)
             except BaseException:
                 self._lines[self._rank * _LINE + _LEFT_AT] = 1  # the peers fail at once, not at their deadline
                 raise
             if work is not tensor:
                 tensor.copy_(work)
 
-    def _reduce_piece(self, piece: torch.Tensor, dtype: torch.dtype, deadline: float | None) -> None:
-        """One call: ``piece`` (bytes of ``dtype``) published, every rank's awaited, their sum written into it."""
+    def _reduce_piece(
+        self, piece: torch.Tensor, dtype: torch.dtype, size: tuple[int, int], deadline: float | None
+    ) -> None:
+        """One call: ``piece`` (bytes of ``dtype``, of a tensor of ``size``: bytes, item size) published, every
+        rank's awaited and checked against it, their sum written into it."""
         self._generation += 1
         generation, count = self._generation, piece.numel()
         slots = self._buffers[generation % 2, :, :count]
         slots[self._rank].copy_(piece)
+        at = self._rank * _LINE // 8 + _SIZE_WORD + 2 * (generation % 2)  # by buffer, as the bytes
+        self._generations[at], self._generations[at + 1] = size
         if not futex.TOTAL_STORE_ORDER:
             futex.full_fence()  # the bytes are visible before the generation that publishes them
         self._generations[self._rank * _LINE // 8] = generation
@@ -150,11 +162,24 @@ class HostSum:
         self._wait(generation, deadline)
         if not futex.TOTAL_STORE_ORDER:
             futex.full_fence()  # the generations are read before the bytes they publish
+        self._check_sizes(generation % 2)
         parts = slots.view(dtype)
         out = piece.view(dtype)
         torch.add(parts[0], parts[1], out=out)
         for peer in range(2, self._world):
             out.add_(parts[peer])
+
+    def _check_sizes(self, buffer: int) -> None:
+        """Raise ``ValueError`` where the ranks' tensors of this call (in ``buffer``) differ in bytes or item size:
+        gloo refuses such an all-reduce, and a sum of them would be wrong."""
+        words, first = self._generations, _SIZE_WORD + 2 * buffer
+        sizes = [(words[peer * _LINE // 8 + first], words[peer * _LINE // 8 + first + 1]) for peer in
+                 range(self._world)]  # fmt: skip
+        differ = ranks_disagree(
+            {"the all-reduce's tensor": sizes}, lambda size: f"{size[0]} bytes in items of {size[1]}"
+        )
+        if differ is not None:
+            raise ValueError(differ)
 
     def _late(self, generation: int) -> list[int]:
         """The ranks that have not published ``generation`` yet."""
