@@ -249,15 +249,23 @@ def _interrupts_held() -> Iterator[None]:
 
 
 def _kill_started(processes: Sequence[BaseProcess]) -> None:
-    """Kill the rank processes that started, then wait for them; a second Ctrl-C meanwhile is ignored: it must not
-    leave a rank behind (one that started holds SIGINT back, so the terminal's Ctrl-C cannot end it)."""
-    interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    """Kill the rank processes that started, then wait for them, a second Ctrl-C ignored (one that started holds
+    SIGINT back, so the terminal's Ctrl-C could not end a rank left behind)."""
+    with _interrupts_ignored():
         started = [process for process in processes if process.pid is not None]
         for process in started:
             process.kill()
         for process in started:
             process.join()
+
+
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    """SIGINT ignored meanwhile, then the launcher's handler back: a second Ctrl-C while the launcher ends its
+    ranks must not leave one behind."""
+    interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
     finally:
         signal.signal(signal.SIGINT, interrupts)
 
@@ -310,11 +318,8 @@ def _interrupt_all(processes: Sequence[BaseProcess]) -> None:
 
     A second Ctrl-C meanwhile is ignored: it must not leave a rank behind.
     """
-    interrupts = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    with _interrupts_ignored():
         _end_all(processes)
-    finally:
-        signal.signal(signal.SIGINT, interrupts)
 
 
 def _end_all(processes: Sequence[BaseProcess]) -> None:
