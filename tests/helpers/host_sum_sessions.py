@@ -9,7 +9,6 @@ can compute every rank's part and the sum it expects.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import time
 from collections.abc import MutableSequence
@@ -21,11 +20,10 @@ from metrale_model_engine import EpLink, LinkedEp, RunStopped, SequenceState, ru
 from metrale_model_engine._tensors import host_sum
 from metrale_model_engine.torch import Collectives, open_link
 
+from helpers.forward_sessions import QUIET
 from helpers.rank_results import save
 
 FORWARD = 7
-_QUIET = logging.getLogger("host_sum_sessions.quiet")
-_QUIET.disabled = True
 CASES: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {
     "float32": ((4, 512), torch.float32, False),
     "bfloat16": ((4, 512), torch.bfloat16, False),
@@ -125,7 +123,7 @@ def mismatched(rank: int, world_size: int, out: str) -> None:
                 model.forward(0)
         else:
             slots: list[SequenceState | None] = [None]
-            run_worker(model, slots, logger=_QUIET)
+            run_worker(model, slots, logger=QUIET)
         save(out, rank, kind="none", message="")
     except RunStopped as error:
         save(out, rank, kind=type(error).__name__, message=str(error))

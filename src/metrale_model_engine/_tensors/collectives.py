@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import time
 from typing import Final
 
 import torch
@@ -14,6 +13,7 @@ from .._core.transport import PretendGroup
 from .._engine.link import EpLink
 from .._engine.way_back.reports import EXIT_GRACE
 from .._shm.transport import ShmTransport
+from .._shm.waiting import deadline_after
 from .._torch.hosts import waits_of
 from .host_sum import HostSum
 
@@ -170,8 +170,7 @@ class Collectives:
                 self._untried = False
                 self._host_sum = HostSum.form()
             if self._host_sum is not None and on_cpu:
-                deadline = None if self._seconds is None else time.monotonic() + self._seconds
-                self._host_sum.all_reduce(tensor, deadline)
+                self._host_sum.all_reduce(tensor, deadline_after(self._seconds))
                 return
             with self._blocking():
                 (self._group if self._group is not None else _world()).allreduce([tensor], self._options).wait()
