@@ -35,6 +35,9 @@ from helpers.serial import Alone
 pytestmark = pytest.mark.torch
 STREAMS = 64
 NEW = 10
+LONG = 120
+"""Tokens of a stream that a kill must land inside: the whole context but the prompt.  At 40, the 4 ranks (a decode
+step of about 4 ms) had generated every token before a loaded client read the first, and the kill found them idle."""
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +233,7 @@ def test_a_worker_killed_mid_stream_costs_no_stream_and_no_token(checkpoint: Pat
     try:
         with server.client() as client:
             unfailed = [
-                client.completions.create(model="tiny-chat", prompt=[i + 1], max_tokens=40, temperature=0).choices[0]
+                client.completions.create(model="tiny-chat", prompt=[i + 1], max_tokens=LONG, temperature=0).choices[0]
                 for i in range(3)
             ]
         killed: list[float] = []
@@ -240,7 +243,7 @@ def test_a_worker_killed_mid_stream_costs_no_stream_and_no_token(checkpoint: Pat
 
                 async def one(index: int) -> tuple[str, str | None]:
                     answer = await client.completions.create(
-                        model="tiny-chat", prompt=[index + 1], max_tokens=40, temperature=0, stream=True
+                        model="tiny-chat", prompt=[index + 1], max_tokens=LONG, temperature=0, stream=True
                     )
                     text, reason = "", None
                     async for chunk in answer:
