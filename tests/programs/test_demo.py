@@ -117,8 +117,8 @@ def test_a_worker_killed_mid_run_ends_the_demo_with_one_line() -> None:
 
 
 RECOVERED = ("--slots", "2", "--max-new-tokens", "24")
-"""The recovered run's options: the six prompts two at a time, each to 24 tokens (at 4 ranks a decode step costs
-about 0.1 s of CPU here: half the default 48 keeps four requests waiting or running when the first ends)."""
+"""The recovered run's options: the six prompts two at a time, each to 24 tokens (half the default 48: a short run
+that still has four requests waiting or running when the first ends)."""
 
 
 def test_a_worker_killed_mid_run_is_recovered_from_and_the_demo_exits_0_naming_it(
