@@ -22,6 +22,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
+from openai.types.completion_choice import CompletionChoice as Choice
 
 from metrale_model_engine import EpLink
 from metrale_model_engine.reference import ReferenceLm, Request, Server
@@ -35,9 +36,11 @@ from helpers.serial import Alone
 pytestmark = pytest.mark.torch
 STREAMS = 64
 NEW = 10
-LONG = 120
-"""Tokens of a stream that a kill must land inside: the whole context but the prompt.  At 40, the 4 ranks (a decode
-step of about 4 ms) had generated every token before a loaded client read the first, and the kill found them idle."""
+LONG = {"shm": 120, "torch": 40}
+"""By transport, the tokens of a stream that a kill must land inside: the ranks must still be generating when a
+loaded client reads its first text.  Over shared memory, 4 ranks take about 4 ms a decode step: at 40 tokens they had
+generated every one before a loaded client read the first, and the kill found them idle; 120 is the whole context but
+the prompt.  Over gloo a step takes several times as long, and 40 are plenty."""
 
 
 @pytest.fixture(scope="module")
@@ -231,11 +234,19 @@ def test_a_worker_killed_mid_stream_costs_no_stream_and_no_token(checkpoint: Pat
     recovery, and the server then drains and exits 0, its launcher's last line naming the rank recovered from."""
     server = RemoteServer("--model", str(checkpoint), "--world-size", "4", "--slots", "4", "--transport", kind)
     try:
-        with server.client() as client:
-            unfailed = [
-                client.completions.create(model="tiny-chat", prompt=[i + 1], max_tokens=LONG, temperature=0).choices[0]
-                for i in range(3)
-            ]
+        tokens = LONG[kind]
+
+        async def asked_before() -> list[Choice]:  # together, as the streams are asked
+            async with server.async_client() as client:
+                answers = await asyncio.gather(
+                    *(
+                        client.completions.create(model="tiny-chat", prompt=[i + 1], max_tokens=tokens, temperature=0)
+                        for i in range(3)
+                    )
+                )
+            return [answer.choices[0] for answer in answers]
+
+        unfailed = asyncio.run(asked_before())
         killed: list[float] = []
 
         async def streams() -> list[tuple[str, str | None]]:
@@ -243,7 +254,7 @@ def test_a_worker_killed_mid_stream_costs_no_stream_and_no_token(checkpoint: Pat
 
                 async def one(index: int) -> tuple[str, str | None]:
                     answer = await client.completions.create(
-                        model="tiny-chat", prompt=[index + 1], max_tokens=LONG, temperature=0, stream=True
+                        model="tiny-chat", prompt=[index + 1], max_tokens=tokens, temperature=0, stream=True
                     )
                     text, reason = "", None
                     async for chunk in answer:
