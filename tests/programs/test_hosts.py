@@ -29,7 +29,6 @@ from helpers.demo_env import leave_torchrun
 from helpers.host_programs import COMMAND_TIMEOUT, HEAD_LOST_AFTER
 from helpers.hosts import SimulatedHosts, exit_codes, unavailable
 from helpers.rank_results import load
-from helpers.serial import Alone
 from helpers.shm_programs import SLOTS, drive_random
 
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
@@ -184,19 +183,20 @@ def assert_the_head_lost_on_the_cut_host(
 
 @pytest.mark.parametrize("where", ["command", "sync", "forward"])
 def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
-    tmp_path: Path, where: str, alone: Alone
+    tmp_path: Path, where: str
 ) -> None:
+    """Timed from the cut, beside the other tests: the ranks only wait for head_lost_after meanwhile, and 2 busy loops
+    beside it moved the loss from 3.7 s to at most 4.0 s, well inside the bound's 3 s of slack."""
     with SimulatedHosts(2) as simulated:
         argv = ["-m", "helpers.host_programs", "cable_cut", str(tmp_path), where]
         head_host, other = (simulated.ranks(host, 2, argv) for host in range(2))
         wait_for(tmp_path / "ready", head_host)
-        with alone():  # the loss timed to head_lost_after and 3 s (the ranks wait for the cut meanwhile)
-            simulated.cut(1)
-            cut_at = time.monotonic()
-            (tmp_path / "cut").touch()
-            code, stdout, stderr = finish(other, RUN_BOUND)
-            lost_after = time.monotonic() - cut_at
-            head = finish(head_host, RUN_BOUND)
+        simulated.cut(1)
+        cut_at = time.monotonic()
+        (tmp_path / "cut").touch()
+        code, stdout, stderr = finish(other, RUN_BOUND)
+        lost_after = time.monotonic() - cut_at
+        head = finish(head_host, RUN_BOUND)
         assert code == 0, stderr
         assert_the_head_lost_on_the_cut_host(exit_codes(stdout), stderr, load(tmp_path, 4))
         assert HEAD_LOST_AFTER - LOST_EARLY <= lost_after < HEAD_LOST_AFTER + LOST_SLACK  # from the last beat
