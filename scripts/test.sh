@@ -9,7 +9,7 @@
 #   ./scripts/test.sh --fresh            # rebuild the environment first (what CI does)
 #   ./scripts/test.sh -- -k shm -x       # arguments after -- go to pytest
 #   PYTHON=python3.12 ./scripts/test.sh  # with another interpreter
-#   METRALE_TEST_WORKERS=0 ./scripts/test.sh   # pytest in one process (default: 2 workers, pytest-xdist)
+#   METRALE_TEST_WORKERS=0 ./scripts/test.sh   # pytest in one process (default: 3 workers, pytest-xdist)
 #   VENV=/tmp/env ./scripts/test.sh      # the environment elsewhere (a directory that is not
 #                                        # a virtual environment is refused, never removed)
 #
@@ -113,9 +113,10 @@ cd "$root"
 echo "== ruff (lint, format)"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-# pytest's workers (pytest-xdist): tests that share a module's fixture stay on one worker, and the tests
-# marked serial run last, alone (tests/conftest.py); 0: every test in this one process, in the tiers' order.
-workers=${METRALE_TEST_WORKERS:-2}
+# pytest's workers (pytest-xdist): tests that share a module's fixture stay on one worker, the tests marked
+# serial run first, apart, beside the light and the in-process ones, and at most two tests that load the machine
+# run at once (tests/conftest.py, tests/helpers/serial.py); 0: every test in this one process, in the tiers' order.
+workers=${METRALE_TEST_WORKERS:-3}
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 # Bytecode cached under the environment, even where the machine forbids writing it beside the sources

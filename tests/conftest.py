@@ -9,12 +9,13 @@ the slow tier).  The folder gives each test its tier's marker, ``ranks`` or
 ``programs``; a ``programs`` test is a ``ranks`` test too, so ``--quick``
 (``-m "not ranks"``) runs ``in_process/`` alone.  The run ends with each tier's time.
 
-In a parallel run (pytest-xdist's ``-n``, as ``scripts/test.sh`` runs it): the tests of a
-module that uses a module-scoped fixture stay on one worker (the fixture made once), the
-tests marked ``serial`` go first, together, on one worker, each apart from the tests that
-start processes (or alone, if it is an in-process test itself: ``helpers.serial``) while the
-other worker runs the in-process tests; then the tests that start processes, the slowest
-tier first.
+In a parallel run (pytest-xdist's ``-n``, as ``scripts/test.sh`` runs it, with 3 workers): the
+tests of a module that uses a module-scoped fixture stay on one worker (the fixture made once),
+the tests marked ``serial`` go first, together, on one worker, each apart from the tests that
+start processes (or alone, if it is an in-process test itself: ``helpers.serial``), while the
+tests marked ``light`` and the in-process tests run beside them, each kind together on a worker
+of its own; then the tests that start processes, the slowest tier first.  At most two tests that
+load the machine run at once, however many workers there are: a light test takes no load.
 
 ``run_group`` and ``run_ring`` spawn a fresh interpreter per rank by default, and each
 imports torch (about a second on this project's 2-core machine).  In this process the
@@ -66,6 +67,9 @@ start_ranks_from_a_server(
 
 SERIAL = "serial"
 """The marker of a test that runs apart or alone in a parallel run, and the xdist group of every such test."""
+LIGHT = "light"
+"""The marker of a test that starts processes but mostly waits, and the xdist group of every such test: it runs
+beside the serial tests, and takes none of the run's loads (``helpers.serial``)."""
 ROOM = pytest.StashKey[Room]()
 """A worker's way into the room of a parallel run (``helpers.serial``)."""
 
@@ -129,6 +133,10 @@ def _serial(item: pytest.Item) -> bool:
     return item.get_closest_marker(SERIAL) is not None
 
 
+def _light(item: pytest.Item) -> bool:
+    return item.get_closest_marker(LIGHT) is not None and not _serial(item)
+
+
 def _shares_a_module_fixture(item: pytest.Item) -> bool:
     """Whether ``item`` uses a fixture made once per module (or package): made once if its module runs on one worker."""
     info = getattr(item, "_fixtureinfo", None)
@@ -138,25 +146,34 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
 
 def _need(item: pytest.Item) -> Need:
     """What ``item`` needs of the room of a parallel run: an in-process test (one core at most) runs beside any test
-    but one alone, a test that starts processes beside any but one apart or alone; a serial test runs apart from the
-    tests that start processes, or alone if it is an in-process test itself."""
+    but one alone, a test that starts processes beside any but one apart or alone, a light one beside any but one
+    alone; a serial test runs apart from the tests that start processes, or alone if it is an in-process test
+    itself."""
     quiet = _tier(item.path) == "in_process"
     if _serial(item):
         return Need.ALONE if quiet else Need.APART
+    if _light(item):
+        return Need.LIGHT
     return Need.QUIET if quiet else Need.BUSY
 
 
 def _parallel_order(item: pytest.Item) -> int:
-    """A parallel run's order: the serial tests first (together, on one worker) with the in-process tests (on the
-    other, beside them), then the tests that start processes, the slowest tier first so that short tests fill the
-    end.
+    """A parallel run's order: the serial tests first (together, on one worker; those alone last among them), beside
+    them the light tests (together, on a second worker) and the in-process tests (together, on a third); then the
+    tests that start processes, the slowest tier first so that short tests fill the end.
 
-    First, because a worker that takes the serial tests while the other still holds tests that start processes
-    (pytest-xdist sends a worker up to 3 tests ahead) would keep it waiting for them all.
+    The serial tests first, because a worker that takes them while the others still hold tests that start processes
+    (pytest-xdist sends a worker up to 3 tests ahead) would keep it waiting for them all; those alone last, because
+    a light test already running (seconds) would keep them waiting.  The light tests wait more than they compute:
+    beside the serial tests, which wait too, they fill the cores, where later each would hold a worker that a test
+    loading the machine could use.  The in-process tests on one worker: beside a test apart only one may run (one
+    load slot is left), and two workers taking turns at it would each wait for the other.
     """
     if _serial(item):
-        return 0
-    return {"in_process": 1, "programs": 2, "ranks": 3}[_tier(item.path)]
+        return 1 if _tier(item.path) == "in_process" else 0
+    if _light(item):
+        return 2
+    return {"in_process": 3, "programs": 4, "ranks": 5}[_tier(item.path)]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by these markers, and before xdist reads its groups
@@ -169,6 +186,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.programs)
         if _serial(item):
             item.add_marker(pytest.mark.xdist_group(SERIAL))
+        elif _light(item):
+            item.add_marker(pytest.mark.xdist_group(LIGHT))
+        elif tier == "in_process":
+            item.add_marker(pytest.mark.xdist_group(tier))
         elif _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if hasattr(config, "workerinput"):  # a worker of a parallel run (pytest-xdist)

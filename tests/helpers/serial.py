@@ -1,23 +1,29 @@
-"""The room of a parallel run (pytest-xdist): a test marked ``serial`` runs apart from the others, or alone.
+"""The room of a parallel run (pytest-xdist): a test marked ``serial`` runs apart from the others, or alone, and a
+test marked ``light`` rides beside the others.
 
 A test that starts processes (the ``ranks`` and ``programs`` tiers) loads both cores
 of this project's machine; an in-process test (``in_process/``: one thread, torch's
-included) loads one at most.  So a serial test of the first two tiers runs **apart**:
-no other test that starts processes runs meanwhile, but in-process tests may, on the
-other worker; a serial in-process test, whose bounds are the tightest (a wake-up
-within 10 ms), runs **alone**.
+included) loads one at most.  However many workers a run has, at most :data:`LOADS`
+tests that load the machine run at once (a ``-n 2`` run's worst case: two that start
+processes), as a test takes one of the run's load slots.  A ``light`` test starts
+processes but mostly waits (a timeout, a bound of seconds): it takes no slot, so a
+run's third worker runs it beside two loads.  A serial test of the first two tiers
+runs **apart**: no other test that starts processes runs meanwhile, but one in-process
+test may, and light tests may; a serial in-process test, whose bounds are the
+tightest (a wake-up within 10 ms), runs **alone**.
 
-Every worker of a run opens the same three files and takes ``flock`` locks on them:
-the quiet room, which every test shares and a test alone holds by itself; the busy
-room, which the tests that start processes share and a test apart or alone holds by
-itself; and a turnstile that each takes on its way in, so that a test waiting for a
-room by itself keeps new tests out instead of waiting for a moment when none runs.
-A worker keeps what it holds from one serial test to the next it runs, so that a
-run's serial tests follow one another (``tests/conftest.py`` sends them all to one
-worker, first, while the other runs the in-process tests).  A test may also take the
-busy room by itself for a block of its own (``Room.alone``: the ``alone`` fixture), the
-part a time bound measures, and run the rest beside the others.  A lock dies with its
-process: a worker that crashes holds nothing.
+Every worker of a run opens the same files and takes ``flock`` locks on them: the
+quiet room, which every test shares and a test alone holds by itself; the busy room,
+which the tests that start processes share and a test apart or alone holds by
+itself; the load slots, each held by one test; and a turnstile that each takes on its
+way in, so that a test waiting for a room by itself keeps new tests out instead of
+waiting for a moment when none runs.  A worker keeps what it holds from one serial
+test to the next it runs, so that a run's serial tests follow one another
+(``tests/conftest.py`` sends them all to one worker, first, while the others run the
+light and the in-process tests).  A test may also take the busy room by itself for a
+block of its own (``Room.alone``: the ``alone`` fixture), the part a time bound
+measures, and run the rest beside the others.  A lock dies with its process: a worker
+that crashes holds nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import enum
 import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -33,18 +40,28 @@ from pathlib import Path
 Alone = Callable[[], AbstractContextManager[None]]
 """The ``alone`` fixture's type (``tests/conftest.py``): ``with alone():`` runs its block apart in a parallel run."""
 
+LOADS = 2
+"""Tests that load the machine at once, at most: the cores of this project's machine, and a 2-worker run's worst
+case."""
+SLOT_POLL_S = 0.005
+"""Seconds between two looks for a free load slot, while every one is held."""
+
 
 class Need(enum.Enum):
-    """What a test needs of the room, as the ``flock`` operations it takes on (the quiet room, the busy room)."""
+    """What a test needs of the room: the ``flock`` operations it takes on the quiet and the busy room, and whether
+    it takes a load slot."""
 
-    QUIET = (fcntl.LOCK_SH, None)
-    """An in-process test: beside any test but one alone."""
-    BUSY = (fcntl.LOCK_SH, fcntl.LOCK_SH)
-    """A test that starts processes: beside any test but one apart or alone."""
-    APART = (fcntl.LOCK_SH, fcntl.LOCK_EX)
-    """No other test that starts processes meanwhile; in-process tests may run."""
-    ALONE = (fcntl.LOCK_EX, fcntl.LOCK_EX)
-    """No other test meanwhile."""
+    QUIET = (fcntl.LOCK_SH, None, True)
+    """An in-process test: beside any test but one alone, a load."""
+    LIGHT = (fcntl.LOCK_SH, None, False)
+    """A test that starts processes but mostly waits: beside any test but one alone, no load."""
+    BUSY = (fcntl.LOCK_SH, fcntl.LOCK_SH, True)
+    """A test that starts processes: beside any test but one apart or alone, a load."""
+    APART = (fcntl.LOCK_SH, fcntl.LOCK_EX, True)
+    """No other test that starts processes meanwhile, but for light ones; an in-process test may run, in the other
+    load slot."""
+    ALONE = (fcntl.LOCK_EX, fcntl.LOCK_EX, False)
+    """No other test meanwhile (no slot to take: nobody else is in)."""
 
 
 class Room:
@@ -53,10 +70,12 @@ class Room:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        self._turnstile, self._quiet, self._busy = (
-            os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600) for name in ("turnstile", "quiet", "busy")
+        self._turnstile, self._quiet, self._busy, *self._slots = (
+            os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600)
+            for name in ("turnstile", "quiet", "busy", *(f"load-{slot}" for slot in range(LOADS)))
         )
         self._held: Need | None = None
+        self._slot: int | None = None
 
     def enter(self, need: Need) -> None:
         """Wait until this worker's next test may run as ``need`` says; nothing to wait for where this worker holds
@@ -66,12 +85,27 @@ class Room:
         self.leave()  # nothing held while waiting at the turnstile: its holder may be waiting for this worker's locks
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         try:
-            for lock, wanted in zip((self._quiet, self._busy), need.value, strict=True):
-                if wanted is not None:
-                    fcntl.flock(lock, wanted)
+            quiet, busy, loads = need.value
+            fcntl.flock(self._quiet, quiet)
+            if busy is not None:
+                fcntl.flock(self._busy, busy)
+            if loads:
+                self._slot = self._take_a_slot()
         finally:
             fcntl.flock(self._turnstile, fcntl.LOCK_UN)
         self._held = need
+
+    def _take_a_slot(self) -> int:
+        """A free load slot, taken: looked for again every ``SLOT_POLL_S`` while the others hold every one (the
+        turnstile keeps newcomers out meanwhile)."""
+        while True:
+            for slot, lock in enumerate(self._slots):
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                return slot
+            time.sleep(SLOT_POLL_S)
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
@@ -93,11 +127,14 @@ class Room:
     def leave(self) -> None:
         """Let the others in (nothing when this worker holds nothing)."""
         if self._held is not None:
+            if self._slot is not None:
+                fcntl.flock(self._slots[self._slot], fcntl.LOCK_UN)
+                self._slot = None
             fcntl.flock(self._busy, fcntl.LOCK_UN)
             fcntl.flock(self._quiet, fcntl.LOCK_UN)
             self._held = None
 
     def close(self) -> None:
         self.leave()
-        for lock in (self._turnstile, self._quiet, self._busy):
+        for lock in (self._turnstile, self._quiet, self._busy, *self._slots):
             os.close(lock)

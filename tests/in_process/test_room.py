@@ -1,4 +1,5 @@
-"""The room of a parallel run (``helpers.serial``): who may run beside a test apart, and beside a test alone."""
+"""The room of a parallel run (``helpers.serial``): who may run beside a test apart, beside a test alone, and beside
+two loads."""
 
 from __future__ import annotations
 
@@ -36,6 +37,42 @@ def test_beside_a_test_apart_in_process_tests_run_and_tests_that_start_processes
     finally:
         other.close()
         serial.close()
+
+
+def test_beside_a_test_apart_one_in_process_test_runs_and_light_tests_too(tmp_path: Path) -> None:
+    serial, first, second, light = (Room(tmp_path) for _ in range(4))
+    try:
+        serial.enter(Need.APART)
+        assert enters(first, Need.QUIET).wait(5)
+        assert enters(light, Need.LIGHT).wait(5)
+        quiet = enters(second, Need.QUIET)  # the other load slot is the serial test's
+        assert not quiet.wait(WAIT)
+        first.leave()
+        assert quiet.wait(5)
+    finally:
+        for room in (serial, first, second, light):
+            room.close()
+
+
+def test_two_loads_at_most_and_light_tests_beside_them(tmp_path: Path) -> None:
+    first, second, third, light = (Room(tmp_path) for _ in range(4))
+    try:
+        first.enter(Need.BUSY)
+        second.enter(Need.QUIET)
+        busy = enters(third, Need.BUSY)
+        assert not busy.wait(WAIT)
+        second.leave()
+        assert busy.wait(5)
+        assert enters(light, Need.LIGHT).wait(5)
+        light.leave()
+        apart = enters(light, Need.APART)  # the busy room by itself: once both tests that start processes have left
+        first.leave()
+        assert not apart.wait(WAIT)
+        third.leave()
+        assert apart.wait(5)
+    finally:
+        for room in (first, second, third, light):
+            room.close()
 
 
 def test_beside_a_test_alone_nothing_runs(tmp_path: Path) -> None:

@@ -181,6 +181,7 @@ def assert_the_head_lost_on_the_cut_host(
         assert codes[3] == 0 and results[3]["error_type"] in ("EpReceiveError", "RunStopped"), (codes, results.get(3))
 
 
+@pytest.mark.light  # 3 s of head_lost_after, 1.1-1.4 s of CPU (the hosts' start)
 @pytest.mark.parametrize("where", ["command", "sync", "forward"])
 def test_the_other_hosts_cable_cut_the_run_ends_on_both_hosts_at_head_lost_after_naming_the_lost_ranks(
     tmp_path: Path, where: str

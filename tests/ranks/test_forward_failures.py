@@ -96,6 +96,7 @@ def test_a_worker_that_reads_past_the_end_of_a_command_fails_at_once(kind: str, 
     assert_bounded(results, struck, 5.0)  # at once: not the 30 s command timeout
 
 
+@pytest.mark.light  # 2 s of a collective's timeout, 0.2 s of CPU
 @pytest.mark.parametrize("kind", ["shm", "torch"])
 def test_a_worker_stopped_inside_its_forward_stops_the_run_after_the_collective_timeout(
     kind: str, tmp_path: Path
@@ -121,6 +122,7 @@ def test_a_worker_killed_inside_its_forward_stops_the_head_with_its_rank(kind: s
     assert_bounded({0: head}, struck)
 
 
+@pytest.mark.light  # 2 s of a collective's timeout, 0.2-0.3 s of CPU
 @pytest.mark.parametrize("kind", ["shm", "torch"])
 def test_a_worker_hung_in_its_forward_is_the_one_the_head_names_after_the_collective_timeout(
     kind: str, tmp_path: Path
@@ -167,6 +169,7 @@ def test_the_pattern_slightly_wrong_stops_every_rank_at_once_named(kind: str, fa
     assert_bounded(results, struck)  # milliseconds: not the collective timeout, not for ever
 
 
+@pytest.mark.light  # 3 s of head_lost_after, 0.1 s of CPU
 def test_a_worker_stopped_past_head_lost_after_in_its_forward_is_lost_and_the_run_stops_then(tmp_path: Path) -> None:
     codes, results, struck = run("torch", "lost", 2, tmp_path)  # heartbeats: the group's own transport
     assert codes == [1, -9]  # the head ended the stopped worker, as an operator would

@@ -80,6 +80,7 @@ def test_a_peer_killed_in_its_forward_fails_every_other_ranks_all_reduce_within_
         assert float(results[rank]["at"]) - struck < 1.0, (rank, results[rank])  # type: ignore[arg-type]
 
 
+@pytest.mark.light  # 2 s of the collective's timeout, 0.3 s of CPU
 def test_a_peer_that_never_arrives_fails_the_others_at_the_timeout_naming_it(tmp_path: Path) -> None:
     codes, results, struck = run_fault("hang", 3, tmp_path)
     assert codes[0] == 1 and codes[2] == 1

@@ -108,6 +108,7 @@ def test_worker_killed_the_heads_next_send_fails(tmp_path: Path) -> None:
     assert float(results[0]["seconds"]) < 10.0  # type: ignore[arg-type]
 
 
+@pytest.mark.light  # 2 s idle, 0.2 s of CPU
 def test_idle_worker_outlives_the_command_timeout(tmp_path: Path) -> None:
     codes, results = run(sessions.idle_worker, 2, tmp_path, 2.0)
     assert codes == [0, 0]
@@ -130,6 +131,7 @@ def test_tensor_and_numpy_tokens(tmp_path: Path) -> None:
     assert results[1]["summary"] == WorkerSummary(commands_run=4, commands_failed=0)
 
 
+@pytest.mark.light  # a 3 s stall, 0.2 s of CPU
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_follow_up_timeout_ends_the_worker_and_the_heads_next_send_fails(world_size: int, tmp_path: Path) -> None:
     stall = 3.0
