@@ -77,7 +77,7 @@ ROOM = pytest.StashKey[Room]()
 @pytest.fixture
 def alone(request: pytest.FixtureRequest) -> Alone:
     """``with alone():``, in a parallel run: the block runs once every other test that starts processes has ended,
-    and no other starts meanwhile (in-process tests may run: one core at most); the rest of the test runs beside
+    and no other starts meanwhile (one in-process test and light tests may run); the rest of the test runs beside
     the others.  For a time bound measured after a start that need not be apart (a program's, a server's); a test
     whose whole run is timed is marked ``serial`` instead."""
     room = request.config.stash.get(ROOM, None)
@@ -167,7 +167,7 @@ def _parallel_order(item: pytest.Item) -> int:
     a light test already running (seconds) would keep them waiting.  The light tests wait more than they compute:
     beside the serial tests, which wait too, they fill the cores, where later each would hold a worker that a test
     loading the machine could use.  The in-process tests on one worker: beside a test apart only one may run (one
-    load slot is left), and two workers taking turns at it would each wait for the other.
+    load slot is left), and two workers taking turns at it would each stand idle half the time.
     """
     if _serial(item):
         return 1 if _tier(item.path) == "in_process" else 0
@@ -203,7 +203,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     The imports (torch's, transformers') are most of this process's objects; frozen
     (``gc.freeze``), they are no longer walked by each full collection of the run.  Torch
     on one thread computes as each rank does; a second thread on this 2-core machine, shared
-    with the other worker and the ranks, mostly spins in OpenMP's wait.
+    with the other workers and the ranks, mostly spins in OpenMP's wait.
     """
     gc.freeze()
     torch = sys.modules.get("torch")

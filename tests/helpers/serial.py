@@ -17,8 +17,11 @@ quiet room, which every test shares and a test alone holds by itself; the busy r
 which the tests that start processes share and a test apart or alone holds by
 itself; the load slots, each held by one test; and a turnstile that each takes on its
 way in, so that a test waiting for a room by itself keeps new tests out instead of
-waiting for a moment when none runs.  A worker keeps what it holds from one serial
-test to the next it runs, so that a run's serial tests follow one another
+waiting for a moment when none runs.  Any other test takes its rooms at the turnstile
+only if they are free, and otherwise waits outside, holding nothing, so that it keeps
+out none of the tests behind it (a light test, while a test apart runs).  A
+worker keeps what it holds from one serial test to the next it runs (the busy room
+from a test apart to a test alone), so that a run's serial tests follow one another
 (``tests/conftest.py`` sends them all to one worker, first, while the others run the
 light and the in-process tests).  A test may also take the busy room by itself for a
 block of its own (``Room.alone``: the ``alone`` fixture), the part a time bound
@@ -79,25 +82,53 @@ class Room:
 
     def enter(self, need: Need) -> None:
         """Wait until this worker's next test may run as ``need`` says; nothing to wait for where this worker holds
-        that already (a serial test after a serial test)."""
+        that already (a serial test after a serial test).
+
+        A test apart or alone waits at the turnstile, keeping newcomers out; any other takes its rooms there only
+        if they are free, and otherwise waits outside, holding nothing, so that the tests behind it that need
+        neither (a light test beside a test apart) go in meanwhile.  A load slot is waited for at the turnstile.
+        A test apart that becomes a test alone keeps the busy room throughout.
+        """
         if self._held == need:
             return
+        if self._held == Need.APART and need == Need.ALONE:
+            self._alone_from_apart()
+            return
         self.leave()  # nothing held while waiting at the turnstile: its holder may be waiting for this worker's locks
-        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-        try:
-            quiet, busy, loads = need.value
-            fcntl.flock(self._quiet, quiet)
-            if busy is not None:
-                fcntl.flock(self._busy, busy)
-            if loads:
-                self._slot = self._take_a_slot()
-        finally:
-            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-        self._held = need
+        quiet, busy, loads = need.value
+        exclusive = fcntl.LOCK_EX in (quiet, busy)
+        while True:
+            fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+            try:
+                blocked = self._take(quiet, busy, loads, wait=exclusive)
+            finally:
+                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+            if blocked is None:
+                self._held = need
+                return
+            fcntl.flock(blocked, fcntl.LOCK_SH)  # until the test apart or alone that holds that room leaves
+            fcntl.flock(blocked, fcntl.LOCK_UN)
+
+    def _take(self, quiet: int, busy: int | None, loads: bool, *, wait: bool) -> int | None:
+        """At the turnstile: the quiet room and the busy room as ``need`` says, waiting for each where ``wait``,
+        else each only if it is free; then a load slot, waited for (the first freed goes to the test at the
+        turnstile, not to the one that freed it).  ``None`` once all are held; else, nothing held, the room that
+        was not free."""
+        nowait = 0 if wait else fcntl.LOCK_NB
+        for lock, operation in ((self._quiet, quiet), (self._busy, busy)):
+            if operation is None:
+                continue
+            try:
+                fcntl.flock(lock, operation | nowait)
+            except BlockingIOError:
+                self._release()
+                return lock
+        if loads:
+            self._slot = self._take_a_slot()
+        return None
 
     def _take_a_slot(self) -> int:
-        """A free load slot, taken: looked for again every ``SLOT_POLL_S`` while the others hold every one (the
-        turnstile keeps newcomers out meanwhile)."""
+        """A free load slot, taken: looked for again every ``SLOT_POLL_S`` while the others hold every one."""
         while True:
             for slot, lock in enumerate(self._slots):
                 try:
@@ -106,6 +137,14 @@ class Room:
                     continue
                 return slot
             time.sleep(SLOT_POLL_S)
+
+    def _alone_from_apart(self) -> None:
+        """From a test apart to a test alone, the busy room kept, so that no test that starts processes slips in
+        between: once the tests in the quiet room (in-process and light ones) have ended.  Not at the turnstile,
+        where a test that waits to run apart may stand, waiting for this worker's busy room."""
+        self._release_slot()
+        fcntl.flock(self._quiet, fcntl.LOCK_EX)
+        self._held = Need.ALONE
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
@@ -127,12 +166,18 @@ class Room:
     def leave(self) -> None:
         """Let the others in (nothing when this worker holds nothing)."""
         if self._held is not None:
-            if self._slot is not None:
-                fcntl.flock(self._slots[self._slot], fcntl.LOCK_UN)
-                self._slot = None
-            fcntl.flock(self._busy, fcntl.LOCK_UN)
-            fcntl.flock(self._quiet, fcntl.LOCK_UN)
+            self._release()
             self._held = None
+
+    def _release(self) -> None:
+        self._release_slot()
+        fcntl.flock(self._busy, fcntl.LOCK_UN)
+        fcntl.flock(self._quiet, fcntl.LOCK_UN)
+
+    def _release_slot(self) -> None:
+        if self._slot is not None:
+            fcntl.flock(self._slots[self._slot], fcntl.LOCK_UN)
+            self._slot = None
 
     def close(self) -> None:
         self.leave()

@@ -24,7 +24,7 @@ def enters(room: Room, need: Need) -> threading.Event:
     return entered
 
 
-def test_beside_a_test_apart_in_process_tests_run_and_tests_that_start_processes_wait(tmp_path: Path) -> None:
+def test_beside_a_test_apart_an_in_process_test_runs_and_tests_that_start_processes_wait(tmp_path: Path) -> None:
     serial, other = Room(tmp_path), Room(tmp_path)
     try:
         serial.enter(Need.APART)
@@ -125,3 +125,38 @@ def test_an_alone_block_runs_apart_then_gives_back_what_the_test_held(tmp_path: 
     finally:
         other.close()
         test.close()
+
+
+def test_a_test_waiting_for_the_busy_room_keeps_no_light_or_in_process_test_out(tmp_path: Path) -> None:
+    serial, waiting, light, quiet = (Room(tmp_path) for _ in range(4))
+    try:
+        serial.enter(Need.APART)
+        busy = enters(waiting, Need.BUSY)
+        assert not busy.wait(WAIT)
+        assert enters(light, Need.LIGHT).wait(5)  # past the waiting test: it stands outside, holding nothing
+        assert enters(quiet, Need.QUIET).wait(5)
+        serial.leave()
+        assert busy.wait(5)
+    finally:
+        for room in (serial, waiting, light, quiet):
+            room.close()
+
+
+def test_from_apart_to_alone_no_test_that_starts_processes_slips_in(tmp_path: Path) -> None:
+    serial, waiting, light = (Room(tmp_path) for _ in range(3))
+    try:
+        serial.enter(Need.APART)
+        light.enter(Need.LIGHT)
+        busy = enters(waiting, Need.BUSY)
+        alone = enters(serial, Need.ALONE)
+        assert not alone.wait(WAIT)  # the light test still runs
+        light.leave()
+        assert alone.wait(5)
+        assert not busy.wait(WAIT)  # the busy room was kept throughout
+        newcomer = enters(light, Need.LIGHT)
+        assert not newcomer.wait(WAIT)  # nothing beside a test alone
+        serial.leave()
+        assert busy.wait(5) and newcomer.wait(5)
+    finally:
+        for room in (serial, waiting, light):
+            room.close()
