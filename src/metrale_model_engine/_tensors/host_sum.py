@@ -152,11 +152,11 @@ class HostSum:
         generation, count = self._generation, piece.numel()
         slots = self._buffers[generation % 2, :, :count]
         slots[self._rank].copy_(piece)
-        at = self._rank * _LINE // 8 + _SIZE_WORD + 2 * (generation % 2)  # by buffer, as the bytes
+        at = _word(self._rank, _SIZE_WORD + 2 * (generation % 2))  # by buffer, as the bytes
         self._generations[at], self._generations[at + 1] = size
         if not futex.TOTAL_STORE_ORDER:
             futex.full_fence()  # the bytes are visible before the generation that publishes them
-        self._generations[self._rank * _LINE // 8] = generation
+        self._generations[_word(self._rank)] = generation
         # One wait a call is enough with two buffers: a rank writes buffer g % 2 again at call g + 2, after its
         # wait of call g + 1 saw every rank publish g + 1, which each did only after summing call g's slots.
         self._wait(generation, deadline)
@@ -173,8 +173,7 @@ class HostSum:
         """Raise ``ValueError`` where the ranks' tensors of this call (in ``buffer``) differ in bytes or item size:
         gloo refuses such an all-reduce, and a sum of them would be wrong."""
         words, first = self._generations, _SIZE_WORD + 2 * buffer
-        sizes = [(words[peer * _LINE // 8 + first], words[peer * _LINE // 8 + first + 1]) for peer in
-                 range(self._world)]  # fmt: skip
+        sizes = [(words[_word(peer, first)], words[_word(peer, first + 1)]) for peer in range(self._world)]
         differ = ranks_disagree(
             {"the all-reduce's tensor": sizes}, lambda size: f"{size[0]} bytes in items of {size[1]}"
         )
@@ -184,7 +183,7 @@ class HostSum:
     def _late(self, generation: int) -> list[int]:
         """The ranks that have not published ``generation`` yet."""
         generations = self._generations
-        return [peer for peer in range(self._world) if generations[peer * _LINE // 8] < generation]
+        return [peer for peer in range(self._world) if generations[_word(peer)] < generation]
 
     def _wait(self, generation: int, deadline: float | None) -> None:
         """Return once every rank published ``generation``: spin, then sleep longer and longer, checking peers."""
@@ -222,6 +221,11 @@ class HostSum:
         del self._buffers
         with contextlib.suppress(BufferError):  # a view outlives this (a caller's traceback): the mapping goes with it
             self._file.close()
+
+
+def _word(rank: int, word: int = 0) -> int:
+    """The index, in u64 words, of word ``word`` of ``rank``'s line (0: its generation)."""
+    return rank * _LINE // 8 + word
 
 
 def _buffers_at(world: int) -> int:
