@@ -3,13 +3,11 @@
 Run as ``python tests/helpers/exit_without_teardown.py`` with torchrun's env:// variables set.
 """
 
-import torch.distributed as dist
-
 from metrale_model_engine import EpLink, ProtocolVersion, run_worker
-from metrale_model_engine.torch import TorchTransport
+from metrale_model_engine.torch import TorchTransport, init_group_from_env
 from metrale_model_engine.toy import ToyModel, ToyState
 
-dist.init_process_group("gloo")
+init_group_from_env(backend="gloo")  # its ranks meet as soon as rank 0 listens
 model = ToyModel(EpLink(TorchTransport(), num_slots=2, protocol=ProtocolVersion.V2, command_timeout=20))
 slots: list[ToyState | None] = [None, None]
 if model.ep_link.rank == 0:

@@ -6,6 +6,8 @@ import runpy
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,8 @@ from metrale_model_engine import (  # noqa: E402
     as_u32_buffer,
 )
 from metrale_model_engine import torch as ep_torch  # noqa: E402
-from metrale_model_engine._launch.groups import LOWEST_CHOSEN_PORT  # noqa: E402
+from metrale_model_engine._launch import groups  # noqa: E402
+from metrale_model_engine._launch.groups import LOWEST_CHOSEN_PORT, await_listener  # noqa: E402
 from metrale_model_engine.testing import RecordingEp, ReplayTransport  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
 
@@ -192,3 +195,75 @@ def test_free_port_picks_below_the_kernels_ephemeral_range_a_port_that_binds() -
         assert LOWEST_CHOSEN_PORT <= port < ephemeral
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", port))
+
+
+def test_a_rank_connects_once_rank_0_listens_and_not_before() -> None:
+    """Well inside torch's 0.3-0.7 s backoff after a refused connect, which a group's start would wait otherwise."""
+    port = ep_torch.free_port()
+    listening: list[float] = []
+
+    def listen_late(listener: socket.socket) -> None:
+        time.sleep(0.2)
+        listener.listen()
+        listening.append(time.monotonic())
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", port))  # bound, not listening: a connect is refused
+        late = threading.Thread(target=listen_late, args=(listener,))
+        late.start()
+        assert await_listener("127.0.0.1", port, limit=10.0)
+        answered = time.monotonic()
+        late.join()
+    assert listening[0] <= answered < listening[0] + 0.25
+
+
+def test_a_rank_waits_for_rank_0_no_longer_than_its_limit() -> None:
+    port = ep_torch.free_port()
+    started = time.monotonic()
+    assert not await_listener("127.0.0.1", port, limit=0.1)
+    assert 0.1 <= time.monotonic() - started < 5.0
+
+
+def awaits_recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Where the ranks set up from now on wait for a listener (none joins a group): a list that fills as they do."""
+    calls: list[tuple[str, int]] = []
+
+    def record(host: str, port: int) -> bool:
+        calls.append((host, port))
+        return True
+
+    monkeypatch.setattr(groups, "await_listener", record)
+    monkeypatch.setattr(groups, "_init_group", lambda *arguments: None)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("env", "awaited"),
+    [
+        ({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, [("127.0.0.1", 29511)]),
+        ({"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, []),  # rank 0 starts the store
+        ({"RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29511", "TORCHELASTIC_USE_AGENT_STORE": "True"}, []),
+        ({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "x"}, []),  # torch's own error says what is wrong
+        ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, []),
+    ],
+    ids=["worker", "rank-0", "torchrun-agent", "bad-port", "no-rank"],
+)
+def test_a_group_from_the_environment_waits_for_rank_0s_store_where_rank_0_starts_it(
+    env: dict[str, str], awaited: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = awaits_recorded(monkeypatch)
+    ep_torch.init_group_from_env()
+    assert calls == awaited
+
+
+@pytest.mark.parametrize(("rank", "awaited"), [(0, []), (1, [("127.0.0.1", 29512)])])
+def test_a_local_group_waits_for_rank_0s_store_on_every_other_rank(
+    rank: int, awaited: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = awaits_recorded(monkeypatch)
+    init_local_group(rank, 2, port=29512)
+    assert calls == awaited
