@@ -6,6 +6,7 @@ test in the parent process can assert on every rank.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -27,6 +28,9 @@ from helpers.rank_results import save, wait_for_result, wait_until_dead
 from helpers.shm_programs import serve_until_error, stall_inside_a_command
 
 SLOTS = 4
+FROZEN_AT_IMPORT = gc.get_freeze_count()
+"""How many objects were frozen out of the garbage collector as this module was imported: in a rank forked from
+the start server (the tests' ranks), the server's, since a rank imports its target's module first."""
 
 
 def summary_fields(slots: list[ToyState | None]) -> dict[str, object]:
@@ -504,3 +508,7 @@ def stopped_at_a_sync_point(rank: int, world_size: int, kind: str, out: str) -> 
     save(out, 0, outcome=outcome, seconds=time.monotonic() - started)
     os.kill(pids[1], signal.SIGKILL)
     os._exit(0)  # a rank is gone: the group cannot be torn down
+
+
+def frozen_at_import(rank: int, world_size: int, out: str) -> None:
+    save(out, rank, frozen=FROZEN_AT_IMPORT)

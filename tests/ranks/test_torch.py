@@ -272,3 +272,10 @@ def test_a_sync_point_on_a_stopped_worker_raises_within_its_timeout_and_half_a_s
     assert "worker rank" in str(result["outcome"]) and "1" in str(result["outcome"]), result
     # the issue's bound: command_timeout + 0.5 s (over torch it was 5.2 s with 3 s: the silence looked for twice)
     assert sessions.SYNC_TIMEOUT - 0.1 <= float(result["seconds"]) < sessions.SYNC_TIMEOUT + 0.5, result  # type: ignore[arg-type]
+
+
+def test_a_rank_from_the_start_server_imports_its_target_with_the_servers_objects_frozen(tmp_path: Path) -> None:
+    """Else the import's collections walk torch's objects and copy their pages (0.1 s of CPU a rank)."""
+    assert run_group(sessions.frozen_at_import, 2, str(tmp_path)) == [0, 0]
+    frozen = [result["frozen"] for result in load(tmp_path, 2).values()]
+    assert all(isinstance(count, int) and count > 0 for count in frozen), frozen

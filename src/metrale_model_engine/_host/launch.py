@@ -61,6 +61,8 @@ class _RankStart:
 
 
 _START: Final = _RankStart()
+_FROZEN_HEAP: Final = f"{__package__}.frozen_heap"
+"""The start server's last import: it freezes what the server imported out of its garbage collector."""
 
 RankContext: TypeAlias = "SpawnContext | ForkServerContext | ForkContext"
 """The start methods of rank processes (``rank_context``)."""
@@ -71,8 +73,9 @@ def start_ranks_from_a_server(preload: Sequence[str]) -> None:
 
     Each rank then starts in milliseconds instead of importing torch anew (about a
     second), with what the server imported frozen out of its garbage collector
-    (``gc.freeze``): shared with the server, never collected in the rank, whose
-    collections then copy none of its pages.  The test suite does this.  A rank
+    (``gc.freeze``, before its first fork): shared with the server, never collected
+    in the rank, whose collections then copy none of its pages, not even while it
+    imports its target's module.  The test suite does this.  A rank
     still gets the launcher's environment as it is at the start, as a spawned one
     does, and holds Ctrl-C back until it reaches its function, as a spawned one does
     (it inherits the server's signal mask, which the server took from the launch that
@@ -105,7 +108,7 @@ def rank_context() -> RankContext:
     if _START.method == "spawn":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(_START.preload))
+    context.set_forkserver_preload([*_START.preload, _FROZEN_HEAP])
     return context
 
 
