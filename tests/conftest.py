@@ -68,8 +68,10 @@ start_ranks_from_a_server(
 SERIAL = "serial"
 """The marker of a test that runs apart or alone in a parallel run, and the xdist group of every such test."""
 LIGHT = "light"
-"""The marker of a test that starts processes but mostly waits, and the xdist group of every such test: it runs
-beside the serial tests, and takes none of the run's loads (``helpers.serial``)."""
+"""The marker of a test that starts processes but mostly waits, and the xdist group of every such test of the ranks
+tier: it runs beside the serial tests, and takes none of the run's loads (``helpers.serial``)."""
+LIGHT_LATE = "light-late"
+"""The xdist group of the light tests of the programs tier: they run beside the tests that load the machine."""
 ROOM = pytest.StashKey[Room]()
 """A worker's way into the room of a parallel run (``helpers.serial``)."""
 
@@ -160,19 +162,23 @@ def _need(item: pytest.Item) -> Need:
 def _parallel_order(item: pytest.Item) -> int:
     """A parallel run's order: the serial tests first (together, on one worker; those alone last among them), beside
     them the light tests (together, on a second worker) and the in-process tests (together, on a third); then the
-    tests that start processes, the slowest tier first so that short tests fill the end.
+    tests that start processes, the slowest tier first so that short tests fill the end, the light tests of the
+    programs tier (together) among that tier's tests.
 
     The serial tests first, because a worker that takes them while the others still hold tests that start processes
     (pytest-xdist sends a worker up to 3 tests ahead) would keep it waiting for them all; those alone last, because
     a light test already running (seconds) would keep them waiting.  The light tests wait more than they compute:
     beside the serial tests, which wait too, they fill the cores, where later each would hold a worker that a test
     loading the machine could use.  The in-process tests on one worker: beside a test apart only one may run (one
-    load slot is left), and two workers taking turns at it would each stand idle half the time.
+    load slot is left), and two workers taking turns at it would each stand idle half the time.  The light tests of
+    the programs tier (a cut cable's, 4-6 s each) later: beside the serial tests they would outlast the tests apart
+    and keep the tests alone waiting; among the tests that load the machine, two of which hold the two load slots,
+    they take the third worker, which would otherwise wait for a slot.
     """
     if _serial(item):
         return 1 if _tier(item.path) == "in_process" else 0
     if _light(item):
-        return 2
+        return 2 if _tier(item.path) != "programs" else 4
     return {"in_process": 3, "programs": 4, "ranks": 5}[_tier(item.path)]
 
 
@@ -187,7 +193,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _serial(item):
             item.add_marker(pytest.mark.xdist_group(SERIAL))
         elif _light(item):
-            item.add_marker(pytest.mark.xdist_group(LIGHT))
+            item.add_marker(pytest.mark.xdist_group(LIGHT if tier != "programs" else LIGHT_LATE))
         elif tier == "in_process":
             item.add_marker(pytest.mark.xdist_group(tier))
         elif _shares_a_module_fixture(item):
