@@ -211,25 +211,35 @@ def test_a_rank_connects_once_rank_0_listens_and_not_before() -> None:
         listener.bind(("127.0.0.1", port))  # bound, not listening: a connect is refused
         late = threading.Thread(target=listen_late, args=(listener,))
         late.start()
-        assert await_listener("127.0.0.1", port, limit=10.0)
+        assert await_listener(port, limit=10.0)
         answered = time.monotonic()
         late.join()
     assert listening[0] <= answered < listening[0] + 0.25
 
 
+def test_a_rank_that_cannot_read_the_kernels_sockets_waits_for_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_proc(*arguments: object, **options: object) -> None:
+        raise FileNotFoundError("/proc/self/net/tcp")
+
+    monkeypatch.setattr(groups, "open", no_proc, raising=False)
+    started = time.monotonic()
+    assert await_listener(ep_torch.free_port(), limit=10.0)
+    assert time.monotonic() - started < 1.0
+
+
 def test_a_rank_waits_for_rank_0_no_longer_than_its_limit() -> None:
     port = ep_torch.free_port()
     started = time.monotonic()
-    assert not await_listener("127.0.0.1", port, limit=0.1)
+    assert not await_listener(port, limit=0.1)
     assert 0.1 <= time.monotonic() - started < 5.0
 
 
-def awaits_recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Where the ranks set up from now on wait for a listener (none joins a group): a list that fills as they do."""
-    calls: list[tuple[str, int]] = []
+def awaits_recorded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ports the ranks set up from now on wait for a listener on (none joins a group): a list that fills."""
+    calls: list[int] = []
 
-    def record(host: str, port: int) -> bool:
-        calls.append((host, port))
+    def record(port: int) -> bool:
+        calls.append(port)
         return True
 
     monkeypatch.setattr(groups, "await_listener", record)
@@ -240,16 +250,30 @@ def awaits_recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 @pytest.mark.parametrize(
     ("env", "awaited"),
     [
-        ({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, [("127.0.0.1", 29511)]),
+        ({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, [29511]),
+        ({"RANK": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29511"}, [29511]),
+        ({"RANK": "1", "MASTER_ADDR": "::1", "MASTER_PORT": "29511"}, [29511]),
         ({"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, []),  # rank 0 starts the store
-        ({"RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29511", "TORCHELASTIC_USE_AGENT_STORE": "True"}, []),
+        ({"RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29511"}, []),  # another host's socket: unseen
+        ({"RANK": "1", "MASTER_ADDR": "head-node", "MASTER_PORT": "29511"}, []),  # a name: no resolver asked
+        ({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "TORCHELASTIC_USE_AGENT_STORE": "True"}, []),
         ({"RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "x"}, []),  # torch's own error says what is wrong
         ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, []),
     ],
-    ids=["worker", "rank-0", "torchrun-agent", "bad-port", "no-rank"],
+    ids=[
+        "worker",
+        "localhost",
+        "ipv6-loopback",
+        "rank-0",
+        "other-host",
+        "a-name",
+        "torchrun-agent",
+        "bad-port",
+        "no-rank",
+    ],
 )
 def test_a_group_from_the_environment_waits_for_rank_0s_store_where_rank_0_starts_it(
-    env: dict[str, str], awaited: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch
+    env: dict[str, str], awaited: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in ("RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(name, raising=False)
@@ -260,9 +284,9 @@ def test_a_group_from_the_environment_waits_for_rank_0s_store_where_rank_0_start
     assert calls == awaited
 
 
-@pytest.mark.parametrize(("rank", "awaited"), [(0, []), (1, [("127.0.0.1", 29512)])])
+@pytest.mark.parametrize(("rank", "awaited"), [(0, []), (1, [29512])])
 def test_a_local_group_waits_for_rank_0s_store_on_every_other_rank(
-    rank: int, awaited: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch
+    rank: int, awaited: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = awaits_recorded(monkeypatch)
     init_local_group(rank, 2, port=29512)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import ipaddress
 import os
 import random
 import socket
@@ -96,7 +97,7 @@ def init_local_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is out of range for world_size={world_size} (0 ..= {world_size - 1})")
     if rank != 0:
-        await_listener("127.0.0.1", port)
+        await_listener(port)
     _init_group(backend, rank, world_size, timeout, f"tcp://127.0.0.1:{port}", rank, world_size)
 
 
@@ -105,8 +106,9 @@ def init_group_from_env(*, backend: str | None = None, timeout: datetime.timedel
 
     The same backend and device choice as [`init_local_group`][metrale_model_engine.torch.init_local_group], per node:
     ``LOCAL_RANK`` picks the CUDA device, ``LOCAL_WORLD_SIZE`` (else
-    ``WORLD_SIZE``) the default backend.  Outside torchrun's agent, a rank other than
-    0 first waits until ``MASTER_ADDR:MASTER_PORT`` listens (``await_listener``).
+    ``WORLD_SIZE``) the default backend.  Outside torchrun's agent, with ``MASTER_ADDR``
+    a loopback address or ``localhost``, a rank other than 0 first waits until rank 0's
+    store listens on ``MASTER_PORT`` (``await_listener``).
 
     Raises:
         RuntimeError: ``backend="nccl"`` on a machine without CUDA devices.
@@ -115,30 +117,65 @@ def init_group_from_env(*, backend: str | None = None, timeout: datetime.timedel
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun's agent listens before any rank starts
         with contextlib.suppress(KeyError, ValueError):
-            if int(os.environ["RANK"]) != 0:
-                await_listener(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            if int(os.environ["RANK"]) != 0 and _on_loopback(os.environ["MASTER_ADDR"]):
+                await_listener(int(os.environ["MASTER_PORT"]))
     _init_group(backend, local_rank, local_ranks, timeout, None, -1, -1)
 
 
-def await_listener(host: str, port: int, limit: float = RENDEZVOUS_WAIT) -> bool:
-    """Wait until ``host:port`` accepts a TCP connection, for ``limit`` seconds at most; whether it did.
+def await_listener(port: int, limit: float = RENDEZVOUS_WAIT) -> bool:
+    """Wait until a socket of this network namespace listens on TCP ``port``, ``limit`` seconds at most; whether one
+    did.
 
-    What a rank other than 0 does before it connects to the store rank 0 starts: a
-    store client that comes first is refused and tries again only after torch's
-    backoff, a random 0.3-0.7 s, so the whole group would start that much later
-    (one group start in three on a busy 2-core machine).  Asked every 2 ms, the port
-    answers as soon as rank 0 listens.  Past ``limit``, torch's own connect goes on,
-    with its retries, its timeout and its error.
+    What a rank other than 0 on rank 0's host does before it connects to the store rank 0
+    starts: a store client that comes first is refused and tries again only after
+    torch's backoff, a random 0.3-0.7 s, so the whole group would start that much later
+    (35 of 209 group starts in a test run on a busy 2-core machine; 6 in 100 on an idle
+    one).  The kernel's table of sockets is read every 2 ms, never a connection made to
+    ask: rank 0's store looks up the name of each peer that connects, and one more
+    connection a client is one more query that a resolver may drop (a second's wait for
+    every rank).  Without that table (``/proc``), or past ``limit``, torch's own connect
+    goes on, with its retries, its timeout and its error.
     """
     deadline = time.monotonic() + limit
-    while True:
+    while not _listening(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+_LISTEN: Final = "0A"
+"""A listening socket's state in ``/proc/net/tcp``."""
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket of this network namespace listens on TCP ``port`` (IPv4 or IPv6); ``True`` where the kernel's
+    tables cannot be read, so that nobody waits for what cannot be seen."""
+    local = f":{port:04X}"
+    readable = False
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
-            socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.01)).close()
-            return True
+            with open(table) as rows:
+                next(rows, None)  # the header
+                readable = True
+                for row in rows:
+                    fields = row.split(None, 4)
+                    if fields[1].endswith(local) and fields[3] == _LISTEN:
+                        return True
         except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
+            continue
+    return not readable
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether ``address`` (``MASTER_ADDR``) names this machine's loopback, without asking a resolver: only there
+    does this rank see rank 0's listening socket (another host's, or a name, is left to torch's connect)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def _init_group(
