@@ -129,7 +129,7 @@ def await_listener(port: int, limit: float = RENDEZVOUS_WAIT) -> bool:
     What a rank other than 0 on rank 0's host does before it connects to the store rank 0
     starts: a store client that comes first is refused and tries again only after
     torch's backoff, a random 0.3-0.7 s, so the whole group would start that much later
-    (35 of 209 group starts in a test run on a busy 2-core machine; 6 in 100 on an idle
+    (35 of 209 group starts in a test run on a busy 2-core machine; 2-6 in 100 on an idle
     one).  The kernel's table of sockets is read every 2 ms, never a connection made to
     ask: rank 0's store looks up the name of each peer that connects, and one more
     connection a client is one more query that a resolver may drop (a second's wait for
