@@ -197,15 +197,15 @@ def test_free_port_picks_below_the_kernels_ephemeral_range_a_port_that_binds() -
             listener.bind(("127.0.0.1", port))
 
 
-def test_a_rank_connects_once_rank_0_listens_and_not_before() -> None:
+def test_a_rank_goes_on_once_rank_0_listens_and_not_before() -> None:
     """Well inside torch's 0.3-0.7 s backoff after a refused connect, which a group's start would wait otherwise."""
     port = ep_torch.free_port()
     listening: list[float] = []
 
     def listen_late(listener: socket.socket) -> None:
         time.sleep(0.2)
+        listening.append(time.monotonic())  # before the listen: the wait may end before this thread runs again
         listener.listen()
-        listening.append(time.monotonic())
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind(("127.0.0.1", port))  # bound, not listening: a connect is refused
