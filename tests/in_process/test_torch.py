@@ -28,6 +28,7 @@ from metrale_model_engine import (  # noqa: E402
 from metrale_model_engine import torch as ep_torch  # noqa: E402
 from metrale_model_engine._launch import groups  # noqa: E402
 from metrale_model_engine._launch.groups import LOWEST_CHOSEN_PORT, await_listener  # noqa: E402
+from metrale_model_engine._torch import severing  # noqa: E402
 from metrale_model_engine.testing import RecordingEp, ReplayTransport  # noqa: E402
 from metrale_model_engine.torch import TorchTransport, init_local_group, run_group, tensor_tokens  # noqa: E402
 
@@ -221,7 +222,7 @@ def test_a_rank_that_cannot_read_the_kernels_sockets_waits_for_nobody(monkeypatc
     def no_proc(*arguments: object, **options: object) -> None:
         raise FileNotFoundError("/proc/self/net/tcp")
 
-    monkeypatch.setattr(groups, "open", no_proc, raising=False)
+    monkeypatch.setattr(severing, "open", no_proc, raising=False)
     started = time.monotonic()
     assert await_listener(ep_torch.free_port(), limit=10.0)
     assert time.monotonic() - started < 1.0

@@ -20,6 +20,7 @@ from typing_extensions import TypeVarTuple, Unpack, deprecated
 
 from .._host.launch import accept_interrupts, check_launch, launch, rank_context
 from .._shm.segment import remove_stale_segments
+from .._torch.severing import tcp_table
 from .._torch.transport import OPEN_TRANSPORTS
 
 DEFAULT_IDLE_TIMEOUT: Final[datetime.timedelta] = datetime.timedelta(days=7)
@@ -151,20 +152,9 @@ _LISTEN: Final = "0A"
 def _listening(port: int) -> bool:
     """Whether a socket of this network namespace listens on TCP ``port`` (IPv4 or IPv6); ``True`` where the kernel's
     tables cannot be read, so that nobody waits for what cannot be seen."""
+    rows = tcp_table()
     local = f":{port:04X}"
-    readable = False
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as rows:
-                next(rows, None)  # the header
-                readable = True
-                for row in rows:
-                    fields = row.split(None, 4)
-                    if fields[1].endswith(local) and fields[3] == _LISTEN:
-                        return True
-        except OSError:
-            continue
-    return not readable
+    return rows is None or any(fields[1].endswith(local) and fields[3] == _LISTEN for _, fields in rows)
 
 
 def _on_loopback(address: str) -> bool:

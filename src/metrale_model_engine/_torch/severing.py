@@ -97,20 +97,27 @@ Endpoint = tuple[int, bytes, int]
 """An end of a TCP connection: its address family, its address (network order) and its port."""
 
 
-def _tcp_connections() -> dict[str, tuple[Endpoint, Endpoint]]:
-    """The connected TCP sockets of this process's network namespace, by ``socket:[inode]``: both ends."""
-    found: dict[str, tuple[Endpoint, Endpoint]] = {}
+def tcp_table() -> list[tuple[int, list[str]]] | None:
+    """The rows of this process's network namespace's TCP tables (``/proc/self/net/tcp`` and ``tcp6``), each as its
+    address family and its fields; ``None`` where neither table can be read."""
+    rows: list[tuple[int, list[str]]] | None = None
     for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"/proc/self/net/{name}") as table:
-                rows = table.read().splitlines()[1:]
+                lines = table.read().splitlines()[1:]
         except OSError:
             continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == _ESTABLISHED:
-                found[f"socket:[{fields[9]}]"] = (_endpoint(fields[1], family), _endpoint(fields[2], family))
-    return found
+        rows = (rows or []) + [(family, line.split()) for line in lines]
+    return rows
+
+
+def _tcp_connections() -> dict[str, tuple[Endpoint, Endpoint]]:
+    """The connected TCP sockets of this process's network namespace, by ``socket:[inode]``: both ends."""
+    return {
+        f"socket:[{fields[9]}]": (_endpoint(fields[1], family), _endpoint(fields[2], family))
+        for family, fields in tcp_table() or ()
+        if fields[3] == _ESTABLISHED
+    }
 
 
 def _endpoint(text: str, family: int) -> Endpoint:
